@@ -1,0 +1,286 @@
+"""The schedule IR: passes, braided blocks, per-rank action lists.
+
+Every layer of stp reads the same `Schedule` object: the validator, the
+simulator, the pictures, the exporters and the runtime. Nothing schedules by
+control flow elsewhere (STYLE.md, "the schedule is data").
+
+Text form follows `torch.distributed.pipelining` action strings so a schedule
+can be exchanged with PyTorch:
+
+    0F3                      forward of stage 0, microbatch 3
+    2I1                      input-gradient backward (our B) of stage 2, mb 1
+    2W1                      weight-gradient backward (W)
+    1B0                      full backward (our BW: B then W)
+    (0F7;7I3)OVERLAP_F_B     a braided block (STP, seed 000 section 3)
+
+Stages are global (virtual) stage indices; which rank holds a stage is the
+schedule's placement (`stage_to_rank`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+__all__ = [
+    "Kind",
+    "Pass",
+    "Block",
+    "Action",
+    "Schedule",
+    "passes_of",
+    "parse_action",
+    "format_action",
+    "looped_placement",
+    "v_placement",
+]
+
+
+class Kind(str, Enum):
+    """Kind of a compute pass. The value is PyTorch's one-letter code."""
+
+    F = "F"  # forward
+    B = "I"  # input-gradient backward (Zero Bubble's B); PyTorch calls it I
+    W = "W"  # weight-gradient backward
+    BW = "B"  # full backward: B immediately followed by W; PyTorch's B
+
+    @property
+    def label(self) -> str:
+        """Our own name for the kind (F, B, W, BW), used in messages and pictures."""
+        return self.name
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Pass:
+    """One pass of one microbatch through one stage (a model chunk)."""
+
+    stage: int
+    kind: Kind
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.mb}"
+
+    @property
+    def is_forward(self) -> bool:
+        return self.kind is Kind.F
+
+    @property
+    def frees_input_grad(self) -> bool:
+        """True for passes that produce the input gradient (B or BW)."""
+        return self.kind in (Kind.B, Kind.BW)
+
+    @property
+    def has_weight_grad(self) -> bool:
+        return self.kind in (Kind.W, Kind.BW)
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """A braided execution block: passes of different microbatches (or chunks)
+    whose units are interleaved on one compute stream so that one pass computes
+    while another's TP all-reduce is in flight (STP, seed 000, Fig. 3).
+
+    Allowed pairings (REFERENCE section 3): F with B, F with BW, F with one or
+    more deferred W, F with F. The first pass is always the forward.
+    """
+
+    passes: tuple[Pass, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.passes) < 2:
+            raise ValueError(f"a braided block needs at least two passes, got {len(self.passes)}")
+        first, rest = self.passes[0], self.passes[1:]
+        if first.kind is not Kind.F:
+            raise ValueError(f"a braided block starts with a forward pass, got {first}")
+        kinds = {p.kind for p in rest}
+        ok = (
+            (len(rest) == 1 and rest[0].kind in (Kind.F, Kind.B, Kind.BW))
+            or kinds == {Kind.W}
+        )
+        if not ok:
+            raise ValueError(
+                f"unsupported braided block {self}: accepted are F with F, F with B, "
+                "F with BW, or F with one or more W"
+            )
+
+    def __str__(self) -> str:
+        return "(" + ";".join(str(p) for p in self.passes) + ")OVERLAP_F_B"
+
+
+Action = Pass | Block
+
+
+def passes_of(action: Action) -> tuple[Pass, ...]:
+    """The passes an action runs, in order."""
+    return action.passes if isinstance(action, Block) else (action,)
+
+
+_PASS_RE = re.compile(r"^\s*(\d+)\s*(F|I|W|B)\s*(\d+)\s*$")
+_BLOCK_RE = re.compile(r"^\s*\((.*)\)\s*OVERLAP_F_B\s*$")
+
+
+def parse_action(text: str) -> Action:
+    """Parse `0F3`, `2I1`, `1B0` or `(0F7;7I3)OVERLAP_F_B`. Raises ValueError."""
+    m = _BLOCK_RE.match(text)
+    if m:
+        parts = [s for s in m.group(1).split(";") if s.strip()]
+        passes = []
+        for part in parts:
+            p = parse_action(part)
+            if isinstance(p, Block):
+                raise ValueError(f"nested block in {text!r}")
+            passes.append(p)
+        return Block(tuple(passes))
+    m = _PASS_RE.match(text)
+    if not m:
+        raise ValueError(
+            f"unknown action {text!r}: expected STAGE KIND MICROBATCH with KIND one of "
+            "F, I, W, B (e.g. '0F3', '2I1') or '(a;b)OVERLAP_F_B'"
+        )
+    return Pass(int(m.group(1)), Kind(m.group(2)), int(m.group(3)))
+
+
+def format_action(action: Action) -> str:
+    return str(action)
+
+
+def looped_placement(num_ranks: int, chunks: int) -> tuple[int, ...]:
+    """Megatron's interleaved placement: rank r holds stages r, r+p, r+2p, ..."""
+    return tuple(s % num_ranks for s in range(num_ranks * chunks))
+
+
+def v_placement(num_ranks: int) -> tuple[int, ...]:
+    """V placement (ZB-V, V-Half, V-Min, STP): rank r holds stages r and 2p-1-r,
+    so the V tip (stages p-1 -> p) stays on rank p-1 and the loss on rank 0."""
+    p = num_ranks
+    return tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule: placement plus one ordered action list per rank.
+
+    `stage_to_rank[s]` is the rank holding global stage s. The number of chunks
+    per rank `v` is `num_stages // num_ranks`; a rank's chunk index of a stage
+    is the stage's position among that rank's stages in increasing order
+    (V placement: chunk 0 is stage r, chunk 1 is stage 2p-1-r).
+    """
+
+    name: str
+    num_ranks: int
+    num_microbatches: int
+    stage_to_rank: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...]
+    meta: dict[str, object] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {self.num_ranks}")
+        if self.num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
+        if len(self.actions) != self.num_ranks:
+            raise ValueError(
+                f"schedule has {len(self.actions)} action lists for {self.num_ranks} ranks"
+            )
+        if not self.stage_to_rank:
+            raise ValueError("placement is empty")
+        for s, r in enumerate(self.stage_to_rank):
+            if not 0 <= r < self.num_ranks:
+                raise ValueError(f"stage {s} placed on rank {r}, outside 0..{self.num_ranks - 1}")
+        counts = [0] * self.num_ranks
+        for r in self.stage_to_rank:
+            counts[r] += 1
+        if len(set(counts)) != 1:
+            raise ValueError(f"placement gives ranks unequal stage counts {counts}")
+
+    # -- derived facts -------------------------------------------------------
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_to_rank)
+
+    @property
+    def chunks(self) -> int:
+        """v: model chunks (stages) per rank."""
+        return self.num_stages // self.num_ranks
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
+
+    def chunk_of(self, stage: int) -> int:
+        return self.stages_of(self.stage_to_rank[stage]).index(stage)
+
+    def passes(self, rank: int) -> Iterator[Pass]:
+        for a in self.actions[rank]:
+            yield from passes_of(a)
+
+    @property
+    def split_backward(self) -> bool:
+        """True when the schedule uses B/W instead of full backwards."""
+        return any(p.kind is Kind.W for r in range(self.num_ranks) for p in self.passes(r))
+
+    # -- text form -------------------------------------------------------------
+
+    def rows(self) -> list[list[str]]:
+        """One list of action strings per rank (PyTorch's compute-only CSV rows)."""
+        return [[str(a) for a in acts] for acts in self.actions]
+
+    def format(self) -> str:
+        """Readable multi-line form: `rank r: 0F0 0F1 ...`."""
+        return "\n".join(f"rank {r}: " + " ".join(row) for r, row in enumerate(self.rows()))
+
+    @classmethod
+    def from_rows(
+        cls,
+        rows: Sequence[Sequence[str]],
+        *,
+        name: str = "custom",
+        stage_to_rank: Sequence[int] | None = None,
+        num_microbatches: int | None = None,
+    ) -> Schedule:
+        """Build a schedule from per-rank action strings.
+
+        The placement is inferred from the rows when not given (each stage must
+        appear on one rank only); the microbatch count is inferred as one more
+        than the largest microbatch index when not given.
+        """
+        actions: list[tuple[Action, ...]] = []
+        owner: dict[int, int] = {}
+        max_mb = -1
+        for r, row in enumerate(rows):
+            acts = []
+            for c, cell in enumerate(row):
+                if not cell.strip():
+                    continue
+                try:
+                    a = parse_action(cell)
+                except ValueError as e:
+                    raise ValueError(f"row {r} (rank {r}), cell {c}: {e}") from None
+                for p in passes_of(a):
+                    if owner.setdefault(p.stage, r) != r:
+                        raise ValueError(
+                            f"row {r} (rank {r}), cell {c}: stage {p.stage} of {cell!r} is "
+                            f"already on rank {owner[p.stage]}; a stage lives on one rank"
+                        )
+                    max_mb = max(max_mb, p.mb)
+                acts.append(a)
+            actions.append(tuple(acts))
+        if stage_to_rank is None:
+            if not owner:
+                raise ValueError("no actions in the schedule")
+            n = max(owner) + 1
+            missing = [s for s in range(n) if s not in owner]
+            if missing:
+                raise ValueError(f"stages {missing} appear on no rank")
+            stage_to_rank = [owner[s] for s in range(n)]
+        m = num_microbatches if num_microbatches is not None else max_mb + 1
+        return cls(
+            name=name,
+            num_ranks=len(rows),
+            num_microbatches=m,
+            stage_to_rank=tuple(stage_to_rank),
+            actions=tuple(actions),
+        )

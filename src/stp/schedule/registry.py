@@ -1,0 +1,104 @@
+"""One registry of schedule generators, looked up by name.
+
+A generator is a pure function `(num_ranks, num_microbatches, **options) ->
+Schedule`. Each entry also states the smallest microbatch count it accepts,
+so bad input is refused with a message naming the minimum, before any work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import import_module
+
+from stp.schedule.ir import Schedule
+
+__all__ = ["GeneratorSpec", "SCHEDULES", "get", "generate", "names"]
+
+
+@dataclass(frozen=True)
+class GeneratorSpec:
+    name: str
+    summary: str
+    module: str
+    func: str
+    min_microbatches: Callable[[int], int]
+    min_ranks: int = 1
+
+    def load(self) -> Callable[..., Schedule]:
+        return getattr(import_module(self.module), self.func)
+
+
+_G = "stp.schedule.gen_"
+
+SCHEDULES: dict[str, GeneratorSpec] = {
+    s.name: s
+    for s in [
+        GeneratorSpec(
+            "gpipe", "GPipe: all forwards, then all full backwards",
+            _G + "classic", "gpipe", lambda p: 1,
+        ),
+        GeneratorSpec(
+            "1f1b", "1F1B: warm-up forwards, then one forward one full backward",
+            _G + "classic", "one_f_one_b", lambda p: 1,
+        ),
+        GeneratorSpec(
+            "1f1b-interleaved", "Interleaved 1F1B (Megatron), v chunks per rank, looped placement",
+            _G + "classic", "interleaved_1f1b", lambda p: p,
+        ),
+        GeneratorSpec(
+            "zb-h1", "Zero Bubble H1: split backward, 1F1B memory, bubble (p-1)(F+B-W)",
+            _G + "zb", "zb_h1", lambda p: 1,
+        ),
+        GeneratorSpec(
+            "zb-h2", "Zero Bubble H2: split backward, 2p-1 memory, bubble (p-1)(F+B-2W)",
+            _G + "zb", "zb_h2", lambda p: 1,
+        ),
+        GeneratorSpec(
+            "zb-v", "Zero Bubble V: V placement, zero bubble when F=B=W, 1F1B memory",
+            _G + "v", "zb_v", lambda p: 2 * p,
+        ),
+        GeneratorSpec(
+            "v-half", "V-Half (controllable memory): half of 1F1B's activation memory",
+            _G + "v", "v_half", lambda p: 1,
+        ),
+        GeneratorSpec(
+            "v-min", "V-Min (controllable memory): a third of 1F1B's activation memory",
+            _G + "v", "v_min", lambda p: 1,
+        ),
+        GeneratorSpec(
+            "stp", "STP (seed): V placement with braided F/B blocks hiding TP all-reduce",
+            _G + "stp", "stp", lambda p: 3 * p - 1,
+        ),
+    ]
+}
+
+
+def names() -> list[str]:
+    return list(SCHEDULES)
+
+
+def get(name: str) -> GeneratorSpec:
+    try:
+        return SCHEDULES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)}"
+        ) from None
+
+
+def generate(name: str, num_ranks: int, num_microbatches: int, **options: object) -> Schedule:
+    """Generate schedule `name` for `num_ranks` ranks and `num_microbatches`
+    microbatches. Raises ValueError naming the bad value and what is accepted."""
+    spec = get(name)
+    if not isinstance(num_ranks, int) or num_ranks < spec.min_ranks:
+        raise ValueError(
+            f"{name}: pipeline size {num_ranks!r} not accepted; it needs pp >= {spec.min_ranks}"
+        )
+    need = spec.min_microbatches(num_ranks)
+    if not isinstance(num_microbatches, int) or num_microbatches < need:
+        raise ValueError(
+            f"{name}: {num_microbatches!r} microbatches not accepted at pp={num_ranks}; "
+            f"it needs at least {need}"
+        )
+    return spec.load()(num_ranks, num_microbatches, **options)

@@ -1,0 +1,78 @@
+"""Cost inputs of the simulator, parsed from `--cost f=..,b=..` strings.
+
+All times are for one microbatch through one rank's whole share of the model
+(all of its chunks); a schedule with v chunks per rank runs each chunk pass in
+1/v of them. So `f=2` with v=2 means T_F = 1 per chunk, as in the STP table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from stp.schedule.memory import MemCosts
+
+__all__ = ["Costs", "MemCosts", "parse_costs", "parse_mem"]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Times of one microbatch through one rank's share (any time unit)."""
+
+    f: float = 1.0
+    """Forward compute."""
+    b: float = 1.0
+    """Input-gradient backward compute (Zero Bubble's B)."""
+    w: float = 1.0
+    """Weight-gradient backward compute (Zero Bubble's W)."""
+    ar: float = 0.0
+    """TP all-reduce time of one F (or one B) pass, all units together."""
+    comm: float = 0.0
+    """Point-to-point latency of one activation/gradient send between ranks."""
+
+    def __post_init__(self) -> None:
+        for fl in fields(self):
+            val = getattr(self, fl.name)
+            if not isinstance(val, int | float) or val != val or val < 0 or val == float("inf"):
+                raise ValueError(f"cost {fl.name}={val!r} must be a finite number >= 0")
+        if self.f + self.b + self.w <= 0:
+            raise ValueError("costs f, b, w are all zero; at least one must be > 0")
+
+
+def _parse_kv(text: str, allowed: tuple[str, ...], what: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, val = item.partition("=")
+        key = key.strip()
+        if not sep:
+            raise ValueError(f"{what} item {item!r} is not KEY=VALUE (keys: {', '.join(allowed)})")
+        if key not in allowed:
+            raise ValueError(f"unknown {what} key {key!r}; accepted: {', '.join(allowed)}")
+        try:
+            num = float(val)
+        except ValueError:
+            raise ValueError(f"{what} {key}={val.strip()!r} is not a number") from None
+        out[key] = num
+    return out
+
+
+def parse_costs(text: str | None, base: Costs | None = None) -> Costs:
+    """`"f=1,b=1,w=1,ar=0.2,comm=0"` -> Costs; missing keys keep `base`'s values."""
+    base = base or Costs()
+    if not text:
+        return base
+    kv = _parse_kv(text, tuple(f.name for f in fields(Costs)), "cost")
+    vals = {f.name: getattr(base, f.name) for f in fields(Costs)}
+    vals.update(kv)
+    return Costs(**vals)
+
+
+def parse_mem(text: str | None, base: MemCosts | None = None) -> MemCosts:
+    """`"b=1,w=0.3"` -> MemCosts (M_B, M_W per microbatch per rank share)."""
+    base = base or MemCosts()
+    if not text:
+        return base
+    kv = _parse_kv(text, ("b", "w"), "memory")
+    return MemCosts(m_b=kv.get("b", base.m_b), m_w=kv.get("w", base.m_w))

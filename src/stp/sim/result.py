@@ -1,0 +1,136 @@
+"""What the simulator returns: timed spans on lanes, memory curves, summaries.
+
+The pictures (`stp.viz`) and traces read these; the runtime's measured traces
+use the same `Span` shape so measured and simulated runs line up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from stp.schedule.ir import Schedule
+from stp.sim.costs import Costs, MemCosts
+
+__all__ = ["Span", "RankStats", "SimResult", "LANES"]
+
+LANES = ("compute", "tp", "send", "d2h", "h2d")
+"""Lanes of a rank: compute stream, TP-communication stream, point-to-point
+sends, and (offload) device-to-host / host-to-device copies."""
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One timed piece of work on one lane of one rank."""
+
+    rank: int
+    lane: str
+    """One of LANES."""
+    start: float
+    end: float
+    name: str
+    """Action string of the pass it belongs to, e.g. '7F3'."""
+    kind: str
+    """F, B, W (compute lane); AR (tp lane); SEND (send lane); D2H/H2D (copies)."""
+    stage: int
+    mb: int
+    chunk: int
+    unit: int | None = None
+    """Unit index within the pass (0..units-1, forward order); None for whole-pass spans."""
+    action_index: int = -1
+    """Position of the action in the rank's list; spans of one braided block share it."""
+    braided: bool = False
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class RankStats:
+    rank: int
+    start: float
+    """Start of the rank's first forward."""
+    end: float
+    """End of the rank's last pass (including its outstanding all-reduces)."""
+    compute: float
+    """Busy time of the compute lane."""
+    exposed_tp: float
+    """Compute-lane time spent waiting on TP all-reduces."""
+    peak_activation: float
+    """Peak resident activations, units of M_B."""
+
+    @property
+    def span(self) -> float:
+        return self.end - self.start
+
+    @property
+    def idle(self) -> float:
+        """Pipeline bubble of this rank: span not spent computing or waiting on TP."""
+        return self.span - self.compute - self.exposed_tp
+
+
+@dataclass
+class SimResult:
+    schedule: Schedule
+    costs: Costs
+    mem: MemCosts
+    layers: int
+    makespan: float
+    ranks: list[RankStats]
+    spans: list[Span] = field(repr=False)
+    memory: list[list[tuple[float, float]]] = field(repr=False)
+    """Per rank: (time, resident activations) at every change, in time order."""
+
+    @property
+    def critical_rank(self) -> RankStats:
+        """The rank with the longest span (the Zero Bubble paper's `cost`)."""
+        return max(self.ranks, key=lambda r: (r.span, -r.rank))
+
+    @property
+    def bubble_rate(self) -> float:
+        """(span - compute) / span on the longest-span rank (Zero Bubble, sec. 5)."""
+        c = self.critical_rank
+        return (c.span - c.compute) / c.span if c.span > 0 else 0.0
+
+    @property
+    def pp_bubble(self) -> float:
+        c = self.critical_rank
+        return c.idle
+
+    @property
+    def tp_bubble(self) -> float:
+        return self.critical_rank.exposed_tp
+
+    @property
+    def peak_activation(self) -> list[float]:
+        return [r.peak_activation for r in self.ranks]
+
+    def to_json(self) -> dict[str, object]:
+        """The `stp simulate --json` object."""
+        return {
+            "schedule": self.schedule.name,
+            "pp": self.schedule.num_ranks,
+            "microbatches": self.schedule.num_microbatches,
+            "chunks": self.schedule.chunks,
+            "layers": self.layers,
+            "costs": asdict(self.costs),
+            "mem": {"b": self.mem.m_b, "w": self.mem.m_w},
+            "makespan": self.makespan,
+            "bubble_rate": self.bubble_rate,
+            "pp_bubble": self.pp_bubble,
+            "tp_bubble": self.tp_bubble,
+            "peak_activation": self.peak_activation,
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "span": r.span,
+                    "start": r.start,
+                    "end": r.end,
+                    "compute": r.compute,
+                    "exposed_tp": r.exposed_tp,
+                    "idle": r.idle,
+                    "peak_activation": r.peak_activation,
+                }
+                for r in self.ranks
+            ],
+        }
