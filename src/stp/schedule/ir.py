@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 __all__ = [
     "Kind",
@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 
-class Kind(str, Enum):
+class Kind(StrEnum):
     """Kind of a compute pass. The value is PyTorch's one-letter code."""
 
     F = "F"  # forward

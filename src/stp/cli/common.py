@@ -1,0 +1,62 @@
+"""Options shared by the schedule/simulator subcommands (simulate, compare, draw, ...)."""
+
+from __future__ import annotations
+
+import argparse
+
+from stp.schedule import Schedule, generate
+from stp.sim.costs import Costs, MemCosts, parse_costs, parse_mem
+
+__all__ = ["add_schedule_args", "add_cost_args", "schedule_from_args", "costs_from_args"]
+
+
+def positive_int(text: str) -> int:
+    try:
+        val = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if val < 1:
+        raise argparse.ArgumentTypeError(f"{val} must be >= 1")
+    return val
+
+
+def add_schedule_args(p: argparse.ArgumentParser, *, schedule_required: bool = True) -> None:
+    p.add_argument(
+        "--schedule", required=schedule_required, help="schedule name (see `stp schedules`)"
+    )
+    p.add_argument("--pp", type=positive_int, required=True, help="pipeline ranks p")
+    p.add_argument("--microbatches", "-m", type=positive_int, required=True, help="microbatches m")
+    p.add_argument(
+        "--chunks", type=positive_int, default=None,
+        help="chunks per rank for 1f1b-interleaved (default 2)",
+    )
+
+
+def add_cost_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cost", default=None, metavar="f=..,b=..,w=..,ar=..,comm=..",
+        help="times of one microbatch through one rank's share (default f=b=w=1, ar=comm=0)",
+    )
+    p.add_argument(
+        "--mem", default=None, metavar="b=..,w=..",
+        help="activation memory per microbatch per rank share: M_B and the part M_W kept "
+        "until W (default b=1,w=0)",
+    )
+    p.add_argument(
+        "--layers", type=positive_int, default=1,
+        help="transformer layers per model chunk; each gives two units (attention, MLP)",
+    )
+
+
+def schedule_from_args(args: argparse.Namespace, name: str | None = None) -> Schedule:
+    name = name or args.schedule
+    opts: dict[str, object] = {}
+    if getattr(args, "chunks", None) is not None:
+        if name != "1f1b-interleaved":
+            raise ValueError(f"--chunks applies to 1f1b-interleaved only, not {name}")
+        opts["chunks"] = args.chunks
+    return generate(name, args.pp, args.microbatches, **opts)
+
+
+def costs_from_args(args: argparse.Namespace) -> tuple[Costs, MemCosts]:
+    return parse_costs(args.cost), parse_mem(args.mem)

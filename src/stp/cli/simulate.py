@@ -1,0 +1,154 @@
+"""`stp simulate` and `stp compare`: simulated makespan, bubbles and memory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from stp.cli.common import (
+    add_cost_args,
+    costs_from_args,
+    positive_int,
+    schedule_from_args,
+)
+from stp.schedule import Schedule, validate
+from stp.schedule.registry import SCHEDULES, get
+from stp.sim import SimResult, simulate
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("simulate", help="simulate one schedule and print its timing and memory")
+    p.add_argument("--schedule", help="schedule name (see `stp schedules`)")
+    p.add_argument("--pp", type=positive_int, help="pipeline ranks p")
+    p.add_argument("--microbatches", "-m", type=positive_int, help="microbatches m")
+    p.add_argument("--chunks", type=positive_int, default=None,
+                   help="chunks per rank for 1f1b-interleaved (default 2)")
+    p.add_argument("--from-csv", metavar="FILE",
+                   help="simulate a PyTorch compute-only CSV schedule instead of a named one")
+    p.add_argument("--from-json", metavar="FILE", help="simulate a schedule saved as stp JSON")
+    add_cost_args(p)
+    p.add_argument("--memory-limit", type=float, default=None,
+                   help="refuse the schedule if a rank's peak activation exceeds this "
+                   "(units of M_B)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run_simulate)
+
+    c = sub.add_parser("compare", help="simulate several schedules side by side")
+    c.add_argument("--pp", type=positive_int, required=True, help="pipeline ranks p")
+    c.add_argument("--microbatches", "-m", type=positive_int, required=True, help="microbatches m")
+    c.add_argument("--schedules", default=None,
+                   help="comma-separated names (default: every schedule that accepts p and m)")
+    add_cost_args(c)
+    c.add_argument("--json", action="store_true", help="print one JSON object")
+    c.add_argument("--plot", metavar="FILE.png|FILE.svg", default=None,
+                   help="also draw makespan and peak memory per schedule")
+    c.set_defaults(func=run_compare, chunks=None)
+
+
+def _load(args: argparse.Namespace) -> Schedule:
+    if args.from_csv or args.from_json:
+        from stp.schedule import io
+
+        if args.from_csv:
+            return io.load_csv(args.from_csv, num_microbatches=args.microbatches)
+        return io.load_json(args.from_json)
+    missing = [o for o, v in (("--schedule", args.schedule), ("--pp", args.pp),
+                              ("--microbatches", args.microbatches)) if v is None]
+    if missing:
+        raise ValueError(f"simulate needs {', '.join(missing)} (or --from-csv FILE)")
+    return schedule_from_args(args)
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    line = "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))
+    out = [line, "-" * len(line)]
+    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(out)
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    sch = _load(args)
+    costs, mem = costs_from_args(args)
+    validate(sch, memory_limit=args.memory_limit, mem=mem)
+    res = simulate(sch, costs, mem, layers=args.layers, record_spans=False)
+    if args.json:
+        print(json.dumps(res.to_json()))
+        return 0
+    print(f"schedule {sch.name}: p={sch.num_ranks} m={sch.num_microbatches} "
+          f"v={sch.chunks} layers/chunk={args.layers}  costs {_costs_text(res)}")
+    print(f"makespan {_fmt(res.makespan)}  bubble_rate {res.bubble_rate:.2%}  "
+          f"pp_bubble {_fmt(res.pp_bubble)}  tp_bubble {_fmt(res.tp_bubble)}  "
+          f"(critical rank {res.critical_rank.rank})")
+    rows = [[str(r.rank), _fmt(r.span), _fmt(r.compute), _fmt(r.exposed_tp), _fmt(r.idle),
+             _fmt(r.peak_activation)] for r in res.ranks]
+    print(_table(rows, ["rank", "span", "compute", "exposed_tp", "idle", "peak_act"]))
+    return 0
+
+
+def _costs_text(res: SimResult) -> str:
+    c = res.costs
+    return (f"f={c.f:g} b={c.b:g} w={c.w:g} ar={c.ar:g} comm={c.comm:g}; "
+            f"mem b={res.mem.m_b:g} w={res.mem.m_w:g}")
+
+
+def compare_results(args: argparse.Namespace) -> tuple[list[SimResult], list[str]]:
+    """Simulate the requested schedules; returns results and skipped-name notes."""
+    if args.schedules:
+        names = [n.strip() for n in args.schedules.split(",") if n.strip()]
+        for n in names:
+            get(n)  # unknown name -> ValueError listing choices
+        strict = True
+    else:
+        names, strict = list(SCHEDULES), False
+    costs, mem = costs_from_args(args)
+    results, skipped = [], []
+    for name in names:
+        need = get(name).min_microbatches(args.pp)
+        if args.microbatches < need:
+            if strict:
+                raise ValueError(f"{name}: {args.microbatches} microbatches not accepted at "
+                                 f"pp={args.pp}; it needs at least {need}")
+            skipped.append(f"{name} (needs m >= {need})")
+            continue
+        sch = schedule_from_args(args, name)
+        validate(sch)
+        results.append(simulate(sch, costs, mem, layers=args.layers, record_spans=bool(args.plot)))
+    if not results:
+        raise ValueError("no schedule accepts these settings: " + ", ".join(skipped))
+    results.sort(key=lambda r: (r.makespan, r.schedule.name))
+    return results, skipped
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    results, skipped = compare_results(args)
+    slowest = max(r.makespan for r in results)
+    if args.json:
+        print(json.dumps({
+            "pp": args.pp,
+            "microbatches": args.microbatches,
+            "rows": [dict(r.to_json(), speedup=slowest / r.makespan) for r in results],
+            "skipped": skipped,
+        }))
+    else:
+        print(f"p={args.pp} m={args.microbatches} layers/chunk={args.layers}  "
+              f"costs {_costs_text(results[0])}")
+        rows = [[r.schedule.name, _fmt(r.makespan), f"{slowest / r.makespan:.3f}x",
+                 f"{r.bubble_rate:.1%}", _fmt(r.pp_bubble), _fmt(r.tp_bubble),
+                 _fmt(max(r.peak_activation))] for r in results]
+        print(_table(rows, ["schedule", "makespan", "speedup", "bubble", "pp_bubble",
+                            "tp_bubble", "peak_act"]))
+        if skipped:
+            print("skipped: " + ", ".join(skipped), file=sys.stderr)
+    if args.plot:
+        from stp.viz import plot_compare
+
+        plot_compare(results, args.plot)
+        if not args.json:
+            print(f"wrote {args.plot}")
+    return 0
