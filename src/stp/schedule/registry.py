@@ -44,7 +44,7 @@ SCHEDULES: dict[str, GeneratorSpec] = {
         ),
         GeneratorSpec(
             "1f1b-interleaved", "Interleaved 1F1B (Megatron), v chunks per rank, looped placement",
-            _G + "classic", "interleaved_1f1b", lambda p: p,
+            _G + "classic", "interleaved_1f1b", lambda p: 1,
         ),
         GeneratorSpec(
             "zb-h1", "Zero Bubble H1: split backward, 1F1B memory, bubble (p-1)(F+B-W)",
@@ -68,7 +68,7 @@ SCHEDULES: dict[str, GeneratorSpec] = {
         ),
         GeneratorSpec(
             "stp", "STP (seed): V placement with braided F/B blocks hiding TP all-reduce",
-            _G + "stp", "stp", lambda p: 3 * p - 1,
+            _G + "stp", "stp", lambda p: 1,
         ),
     ]
 }
