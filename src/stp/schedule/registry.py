@@ -56,7 +56,7 @@ SCHEDULES: dict[str, GeneratorSpec] = {
         ),
         GeneratorSpec(
             "zb-v", "Zero Bubble V: V placement, zero bubble when F=B=W, 1F1B memory",
-            _G + "v", "zb_v", lambda p: 2 * p,
+            _G + "v", "zb_v", lambda p: 1,
         ),
         GeneratorSpec(
             "v-half", "V-Half (controllable memory): half of 1F1B's activation memory",
