@@ -35,6 +35,18 @@ def test_1f1b_interleaved(p, mult):
 
 @pytest.mark.parametrize("p", [2, 4, 8])
 @pytest.mark.parametrize("mult", [4, 6])
+@pytest.mark.parametrize("t_ar", [0.2, 0.4])
+def test_zb_v(p, mult, t_ar):
+    m = mult * p
+    res = sim("zb-v", p, m, t_ar)
+    # every B and F runs alone: both all-reduces of every pass are exposed
+    assert res.tp_bubble == pytest.approx(4 * m * t_ar)
+    assert res.pp_bubble == pytest.approx((p - 1) * (T_F + 2 * t_ar + T_B - 2 * T_W))
+    assert max(res.peak_activation) * 2 == pytest.approx(2 * p)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("mult", [4, 6])
 def test_stp(p, mult):
     m, t_ar = mult * p, 0.2
     res = sim("stp", p, m, t_ar)
