@@ -1,0 +1,288 @@
+"""Exchange schedules as files: PyTorch's compute-only CSV and our own JSON.
+
+CSV (the format of `torch.distributed.pipelining`'s `_dump_csv` / `_load_csv`,
+`format="compute_only"`): one row per rank, one action per cell, global stage
+indices, empty cells ignored (PyTorch writes its bubbles as empty cells):
+
+    0F0,0F1,0F2,7F0,7I0,7W0,(0F3;7I1)OVERLAP_F_B,...
+
+The placement is inferred from the rows (a stage lives on the one rank whose
+row names it) and the microbatch count from the largest index unless given.
+Everything a reader could get wrong is refused with one ValueError naming the
+row and the cell (0-indexed, as PyTorch counts them): an unknown action, a
+microbatch out of range, a backward before its forward (or a W before its
+B), a pass run twice, a stage on two ranks, stages that run different
+microbatches. What passes these checks then goes through `validate` for the
+cross-rank faults (a dependency cycle, a braided block with dependent passes).
+
+JSON is our IR written out: name, placement, microbatch count and the same
+action strings per rank, one rank per line so a person can edit a schedule by
+hand and run it. `load_json(dump_json(s)) == s` exactly, `meta` included as
+long as it holds JSON values (lists come back as tuples, as generators store them).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from stp.schedule.ir import Action, Kind, Schedule, parse_action, passes_of
+from stp.schedule.validate import ScheduleError, validate
+
+__all__ = ["load_csv", "dump_csv", "load_json", "dump_json", "JSON_FORMAT"]
+
+JSON_FORMAT = "stp-schedule"
+"""Value of the `format` key of our JSON files."""
+_JSON_VERSION = 1
+
+# Actions PyTorch's lowered ("compute_comms") CSV holds but a compute-only one must not.
+_COMM_RE = re.compile(r"^\s*\d+(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)\d*\s*$")
+
+
+def _read_source(source: str | os.PathLike[str], suffix: str) -> tuple[str, str | None]:
+    """(text, file stem or None). A Path, or a str naming an existing file, is
+    read; any other str is the content itself, except that a single word
+    ending in `suffix` is taken for a path that does not exist."""
+    if isinstance(source, os.PathLike):
+        path = Path(source)
+    elif "\n" in source or "," in source or "{" in source:
+        return source, None
+    elif os.path.isfile(source) or source.strip().lower().endswith(suffix):
+        path = Path(source)
+    else:
+        return source, None
+    try:
+        return path.read_text(encoding="utf-8"), path.stem
+    except FileNotFoundError:
+        raise ValueError(f"no such file: {str(path)!r}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {str(path)!r}: {e}") from None
+
+
+def _where(row: int, cell: int) -> str:
+    return f"row {row} (rank {row}), cell {cell}"
+
+
+_LABEL = {"F": "forward (F)", "B": "backward (I or B)", "W": "weight gradient (W or B)"}
+_KIND_LABEL = {
+    Kind.F: "forward", Kind.B: "input-gradient backward", Kind.W: "weight-gradient backward",
+    Kind.BW: "full backward",
+}
+_PROVIDES = {Kind.F: ("F",), Kind.B: ("B",), Kind.W: ("W",), Kind.BW: ("B", "W")}
+
+
+def _check_rows(cells: Sequence[Sequence[tuple[int, Action]]], num_microbatches: int) -> None:
+    """Per-row checks that can name the cell: microbatch range, a pass run
+    twice, a backward before its forward, a W before its B, and every stage
+    running every microbatch (consistent counts).
+
+    A stage lives on one rank (checked before), so the order of one stage's
+    passes is the order of that rank's row.
+    """
+    m = num_microbatches
+    ran: dict[tuple[int, str, int], int] = {}  # (stage, F/B/W, mb) -> cell
+    stage_row: dict[int, int] = {}
+    for r, row in enumerate(cells):
+        for c, action in row:
+            for p in passes_of(action):
+                stage_row[p.stage] = r
+                if not 0 <= p.mb < m:
+                    raise ValueError(
+                        f"{_where(r, c)}: microbatch {p.mb} of {p} is outside 0..{m - 1} "
+                        f"(the schedule has {m} microbatches)"
+                    )
+                need = {Kind.B: "F", Kind.BW: "F", Kind.W: "B"}.get(p.kind)
+                if need and (p.stage, need, p.mb) not in ran:
+                    raise ValueError(
+                        f"{_where(r, c)}: {_KIND_LABEL[p.kind]} {p} comes before its "
+                        + ("forward" if need == "F" else "input-gradient backward")
+                        + f" {p.stage}{'F' if need == 'F' else 'I'}{p.mb}"
+                    )
+                for k in _PROVIDES[p.kind]:
+                    if (p.stage, k, p.mb) in ran:
+                        raise ValueError(
+                            f"{_where(r, c)}: {p} repeats the {_LABEL[k]} of stage {p.stage}, "
+                            f"microbatch {p.mb}, already run at cell {ran[(p.stage, k, p.mb)]}"
+                        )
+                    ran[(p.stage, k, p.mb)] = c
+    for s in sorted(stage_row):
+        r = stage_row[s]
+        for k in ("F", "B", "W"):
+            missing = [i for i in range(m) if (s, k, i) not in ran]
+            if missing:
+                shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+                raise ValueError(
+                    f"row {r} (rank {r}): inconsistent microbatch counts: stage {s} runs "
+                    f"{m - len(missing)} {_LABEL[k]} passes, expected {m} (microbatches "
+                    f"0..{m - 1}); missing microbatch {shown}"
+                )
+
+
+def load_csv(
+    source: str | os.PathLike[str],
+    *,
+    num_microbatches: int | None = None,
+    name: str | None = None,
+    check: bool = True,
+) -> Schedule:
+    """Read PyTorch's compute-only CSV (a path, or the text itself) into a Schedule.
+
+    `num_microbatches`, when given, must match the file; otherwise it is one
+    more than the largest microbatch index. With `check` (default) the result
+    is also run through `validate`. Raises ValueError naming row and cell.
+    """
+    text, stem = _read_source(source, ".csv")
+    rows = [[cell.strip() for cell in row] for row in csv.reader(io.StringIO(text))]
+    while rows and not any(rows[-1]):
+        rows.pop()  # trailing blank lines are not ranks
+    if not rows:
+        raise ValueError("the CSV holds no rows; expected one row of actions per rank")
+    for r, row in enumerate(rows):
+        for c, cell in enumerate(row):
+            if _COMM_RE.match(cell):
+                raise ValueError(
+                    f"{_where(r, c)}: {cell!r} is a communication/FSDP action; only a "
+                    "compute-only CSV is accepted (actions F, I, W, B and (a;b)OVERLAP_F_B)"
+                )
+        if not any(row):
+            raise ValueError(f"row {r} (rank {r}) holds no actions; every rank needs a stage")
+    # parses cells, infers the placement, refuses a stage on two ranks
+    sch = Schedule.from_rows(rows, name=name or stem or "csv", num_microbatches=num_microbatches)
+    cell_of = [[c for c, cell in enumerate(row) if cell] for row in rows]
+    located = [
+        list(zip(cols, acts, strict=True))
+        for cols, acts in zip(cell_of, sch.actions, strict=True)
+    ]
+    _check_rows(located, sch.num_microbatches)
+    sch = replace(sch, meta={"source": "csv"})
+    if check:
+        try:
+            validate(sch)
+        except ScheduleError as e:
+            if e.rank is None or e.position is None:
+                raise
+            prefix = f"rank {e.rank}, position {e.position} ({e.action}): "
+            msg = str(e).removeprefix(prefix)
+            raise ValueError(
+                f"{_where(e.rank, cell_of[e.rank][e.position])} ({e.action}): {msg}"
+            ) from None
+    return sch
+
+
+def dump_csv(schedule: Schedule) -> str:
+    """PyTorch's compute-only CSV of `schedule`: one row per rank, global stages.
+
+    F, I (our B), W, B (our full backward BW) and `(a;b)OVERLAP_F_B` for a
+    braided block, exactly as `torch.distributed.pipelining._Action` prints them.
+    """
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    for row in schedule.rows():
+        writer.writerow(row)
+    return buf.getvalue()
+
+
+def _tuples(value: object) -> object:
+    """JSON lists back to tuples, as generators store them in `meta`."""
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _tuples(v) for k, v in value.items()}
+    return value
+
+
+def _json_meta(meta: dict[str, object]) -> dict[str, object]:
+    """The JSON-representable part of `meta` (keys as strings, values JSON types)."""
+    out: dict[str, object] = {}
+    for k, v in meta.items():
+        try:
+            json.dumps(v)
+        except (TypeError, ValueError):
+            continue  # e.g. an object a generator attached for itself; not part of the IR
+        out[str(k)] = v
+    return out
+
+
+def dump_json(schedule: Schedule) -> str:
+    """Our IR as JSON, one rank's action list per line (hand-editable)."""
+    head = {
+        "format": JSON_FORMAT,
+        "version": _JSON_VERSION,
+        "name": schedule.name,
+        "num_ranks": schedule.num_ranks,
+        "num_microbatches": schedule.num_microbatches,
+        "stage_to_rank": list(schedule.stage_to_rank),
+        "meta": _json_meta(schedule.meta),
+    }
+    lines = ["{"]
+    lines += [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
+    lines.append('  "actions": [')
+    rows = schedule.rows()
+    for r, row in enumerate(rows):
+        lines.append("    " + json.dumps(row) + ("," if r < len(rows) - 1 else ""))
+    lines += ["  ]", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def _need(obj: dict[str, object], key: str, kind: type, what: str) -> object:
+    if key not in obj:
+        raise ValueError(f"JSON schedule lacks {key!r} ({what})")
+    val = obj[key]
+    if not isinstance(val, kind) or (kind is int and isinstance(val, bool)):
+        raise ValueError(f"JSON schedule: {key}={val!r} must be {what}")
+    return val
+
+
+def load_json(source: str | os.PathLike[str], *, check: bool = True) -> Schedule:
+    """Read a schedule written by `dump_json` (a path, or the text itself).
+
+    With `check` (default) the schedule is validated; errors name the rank and
+    the index in its action list.
+    """
+    text, _ = _read_source(source, ".json")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON: {e}") from None
+    if not isinstance(obj, dict) or obj.get("format") != JSON_FORMAT:
+        raise ValueError(f'not an stp schedule: expected an object with "format": "{JSON_FORMAT}"')
+    if obj.get("version") != _JSON_VERSION:
+        raise ValueError(f"unsupported version {obj.get('version')!r}; this stp reads version 1")
+    name = _need(obj, "name", str, "a string")
+    p = _need(obj, "num_ranks", int, "an integer >= 1")
+    m = _need(obj, "num_microbatches", int, "an integer >= 1")
+    placement = _need(obj, "stage_to_rank", list, "a list of ranks, one per stage")
+    rows = _need(obj, "actions", list, "a list of per-rank action lists")
+    meta = obj.get("meta", {})
+    if not isinstance(meta, dict):
+        raise ValueError(f"JSON schedule: meta={meta!r} must be an object")
+    if not all(isinstance(s, int) and not isinstance(s, bool) for s in placement):  # type: ignore[union-attr]
+        raise ValueError(f"JSON schedule: stage_to_rank={placement!r} must list integers")
+    actions: list[tuple[Action, ...]] = []
+    for r, row in enumerate(rows):  # type: ignore[arg-type]
+        if not isinstance(row, list) or not all(isinstance(a, str) for a in row):
+            raise ValueError(f"JSON schedule: actions[{r}] must be a list of action strings")
+        acts = []
+        for i, a in enumerate(row):
+            try:
+                acts.append(parse_action(a))
+            except ValueError as e:
+                raise ValueError(f"actions[{r}][{i}] (rank {r}): {e}") from None
+        actions.append(tuple(acts))
+    sch = Schedule(
+        name=name,  # type: ignore[arg-type]
+        num_ranks=p,  # type: ignore[arg-type]
+        num_microbatches=m,  # type: ignore[arg-type]
+        stage_to_rank=tuple(placement),  # type: ignore[arg-type]
+        actions=tuple(actions),
+        meta={k: _tuples(v) for k, v in meta.items()},
+    )
+    if check:
+        validate(sch)  # ScheduleError names rank and position (= index in actions[rank])
+    return sch

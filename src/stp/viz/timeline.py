@@ -1,0 +1,296 @@
+"""Lay out a simulated timeline (`SimResult`) as a Scene.
+
+One band per rank, top to bottom: the compute lane (F / B / W blocks, the
+rank's chunks in shades of one hue, microbatch numbers where they fit), the
+TP lane (all-reduces), the send lane and the offload copy lanes when the run
+has them, and the rank's resident activation memory over time with its peak
+marked. A braided block (STP, seed 000 Fig. 3) is drawn unit by unit, so its
+interleaving is visible, inside one dark frame labelled `F-mb|other-mb`.
+Idle time is left empty; a gap inside a lone pass is its wait on a TP
+all-reduce.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+from stp.schedule.ir import Kind, passes_of
+from stp.sim.result import SimResult, Span
+from stp.viz import colors as C
+from stp.viz.scene import Line, Poly, Rect, Scene, Text, fmt_num, nice_ticks, text_width
+
+__all__ = ["timeline_scene"]
+
+_LEFT, _RIGHT, _TOP = 92.0, 24.0, 106.0
+_LANE_H = {"compute": 26.0, "tp": 9.0, "send": 6.0, "d2h": 6.0, "h2d": 6.0}
+_LANE_NAME = {"compute": "", "tp": "TP", "send": "send", "d2h": "D2H", "h2d": "H2D"}
+_MEM_H, _GAP, _RANK_GAP = 30.0, 3.0, 16.0
+_EPS = 1e-9
+
+
+def _pass_kind(kind: Kind) -> str:
+    return {Kind.F: "F", Kind.B: "B", Kind.W: "W", Kind.BW: "BW"}[kind]
+
+
+def _segments(spans: Sequence[Span]) -> list[tuple[float, float]]:
+    """Merge touching unit spans of one lone pass into contiguous segments."""
+    segs: list[tuple[float, float]] = []
+    for s in sorted(spans, key=lambda s: s.start):
+        if segs and s.start <= segs[-1][1] + _EPS:
+            segs[-1] = (segs[-1][0], max(segs[-1][1], s.end))
+        else:
+            segs.append((s.start, s.end))
+    return segs
+
+
+class _Layout:
+    def __init__(self, res: SimResult, plot_width: float | None) -> None:
+        self.res = res
+        sch = res.schedule
+        self.v = sch.chunks
+        self.by_lane: dict[tuple[int, str], list[Span]] = defaultdict(list)
+        for s in res.spans:
+            self.by_lane[(s.rank, s.lane)].append(s)
+        self.lanes = ["compute"] + [
+            ln for ln in ("tp", "send", "d2h", "h2d")
+            if any(self.by_lane.get((r, ln)) for r in range(sch.num_ranks))
+        ]
+        self.t_end = max([res.makespan, *(s.end for s in res.spans)]) or 1.0
+        c = res.costs
+        shortest = min((x for x in (c.f, c.b, c.w) if x > 0), default=1.0) / self.v
+        # about 18 px for the shortest pass, so a two-digit microbatch fits
+        want = self.t_end / shortest * 18.0
+        self.plot_w = plot_width or min(max(want, 800.0), 2800.0)
+        self.px = self.plot_w / self.t_end
+        self.font = 10.0 if shortest * self.px >= 16 else 9.0
+        self.band_h = sum(_LANE_H[ln] + _GAP for ln in self.lanes) + _MEM_H
+        self.width = _LEFT + self.plot_w + _RIGHT
+        self.plot_bottom = _TOP + sch.num_ranks * (self.band_h + _RANK_GAP) - _RANK_GAP
+        self.height = self.plot_bottom + 52.0
+        self.peak_all = max(res.peak_activation, default=0.0) or 1.0
+
+    def x(self, t: float) -> float:
+        return _LEFT + t * self.px
+
+    def lane_y(self, rank: int, lane: str) -> float:
+        y = _TOP + rank * (self.band_h + _RANK_GAP)
+        for ln in self.lanes:
+            if ln == lane:
+                return y
+            y += _LANE_H[ln] + _GAP
+        return y  # the memory strip
+
+    def mem_y(self, rank: int) -> float:
+        return self.lane_y(rank, "memory")
+
+
+def timeline_scene(
+    res: SimResult, *, title: str | None = None, plot_width: float | None = None
+) -> Scene:
+    """The picture of `res` (needs spans: simulate with record_spans=True)."""
+    if not res.spans:
+        raise ValueError("the simulation result has no spans; simulate with record_spans=True")
+    L = _Layout(res, plot_width)
+    sc = Scene(L.width, L.height)
+    _header(sc, L, title)
+    ticks = nice_ticks(L.t_end, target=max(4, int(L.plot_w // 90)))
+    for r in range(res.schedule.num_ranks):
+        for ln in L.lanes:
+            sc.add(Rect(_LEFT, L.lane_y(r, ln), L.plot_w, _LANE_H[ln], fill=C.LANE_BG))
+    for t in ticks:
+        sc.add(Line(L.x(t), _TOP - 4, L.x(t), L.plot_bottom, color=C.GRID, width=1.0))
+    for r in range(res.schedule.num_ranks):
+        _rank_labels(sc, L, r)
+        _compute_lane(sc, L, r)
+        _plain_lanes(sc, L, r)
+        _memory(sc, L, r)
+    _axis(sc, L, ticks)
+    return sc
+
+
+def _header(sc: Scene, L: _Layout, title: str | None) -> None:
+    res, sch = L.res, L.res.schedule
+    c = res.costs
+    sc.add(Text(12, 24, title or f"{sch.name}: p={sch.num_ranks}, m={sch.num_microbatches}, "
+                f"v={sch.chunks}", size=16, bold=True, color=C.INK))
+    crit = res.critical_rank
+    peak_rank = max(res.ranks, key=lambda r: r.peak_activation)
+    lines = [
+        f"costs per microbatch and rank share: f={c.f:g} b={c.b:g} w={c.w:g} ar={c.ar:g} "
+        f"comm={c.comm:g}; {res.layers} layer(s) per chunk; memory M_B={res.mem.m_b:g} "
+        f"M_W={res.mem.m_w:g}",
+        f"makespan {fmt_num(res.makespan)}, bubble rate {res.bubble_rate:.1%} (rank "
+        f"{crit.rank}), PP bubble {fmt_num(res.pp_bubble)}, TP bubble {fmt_num(res.tp_bubble)}, "
+        f"peak activation {fmt_num(peak_rank.peak_activation)} M_B (rank {peak_rank.rank})",
+    ]
+    for i, line in enumerate(lines):
+        sc.add(Text(12, 42 + 15 * i, line, size=11, color=C.MUTED))
+        sc.width = max(sc.width, 12 + text_width(line, 11) + 12)
+    _legend(sc, L, 12.0, 80.0)
+
+
+def _legend(sc: Scene, L: _Layout, x: float, y: float) -> None:
+    sch = L.res.schedule
+    kinds = {p.kind for r in range(sch.num_ranks) for p in sch.passes(r)}
+    braided = any(s.braided for s in L.res.spans)
+    sw, sh, fs = 14.0, 11.0, 11.0
+
+    def label(text: str) -> None:
+        nonlocal x
+        sc.add(Text(x, y + sh - 1, text, size=fs, color=C.INK))
+        x += text_width(text, fs) + 16
+
+    for kind, key, name in ((Kind.F, "F", "F forward"), (Kind.B, "B", "B input grad"),
+                            (Kind.W, "W", "W weight grad"), (Kind.BW, "B", "B+W full backward")):
+        if kind not in kinds:
+            continue
+        for ch in range(L.v):
+            fill = C.pass_color(key, ch, L.v)
+            sc.add(Rect(x, y, sw, sh, fill=fill))
+            if kind is Kind.BW:
+                sc.add(Rect(x, y + sh * 0.65, sw, sh * 0.35, fill=C.pass_color("W", ch, L.v)))
+            x += sw + 1
+        x += 4
+        label(name)
+    if braided:
+        sc.add(Rect(x, y, sw / 2, sh, fill=C.pass_color("F", 0, 1)))
+        sc.add(Rect(x + sw / 2, y, sw / 2, sh, fill=C.pass_color("B", 0, 1)))
+        sc.add(Rect(x, y, sw, sh, stroke=C.FRAME_COLOR, stroke_width=1.4))
+        x += sw + 4
+        label("braided block (F mb | other mb)")
+    extra = [("tp", C.AR_COLOR, "TP all-reduce"), ("send", C.SEND_COLOR, "send"),
+             ("d2h", C.COPY_COLORS["D2H"], "offload D2H"),
+             ("h2d", C.COPY_COLORS["H2D"], "reload H2D")]
+    for lane, color, name in extra:
+        if lane in L.lanes:
+            sc.add(Rect(x, y + 3, sw, sh - 6, fill=color))
+            x += sw + 4
+            label(name)
+    if "tp" in L.lanes:
+        sc.add(Rect(x, y, sw, sh, fill=C.tp_wait(C.KIND_BASE["F"])))
+        x += sw + 4
+        label("pale: pass waits on its all-reduce")
+    sc.add(Rect(x, y, sw, sh, fill=C.MEM_FILL, stroke=C.MEM_LINE, stroke_width=1.0))
+    x += sw + 4
+    label("activation memory (peak marked)")
+    if L.v == 2:
+        label("dark = chunk 0, light = chunk 1")
+    elif L.v > 2:
+        label("darker = earlier chunk")
+    sc.width = max(sc.width, x + 12)
+
+
+def _rank_labels(sc: Scene, L: _Layout, r: int) -> None:
+    y = L.lane_y(r, "compute")
+    sc.add(Text(_LEFT - 8, y + _LANE_H["compute"] / 2 + 4, f"rank {r}", size=12, bold=True,
+                color=C.INK, anchor="end"))
+    for ln in L.lanes[1:]:
+        sc.add(Text(_LEFT - 8, L.lane_y(r, ln) + _LANE_H[ln] - 0.5, _LANE_NAME[ln], size=8,
+                    color=C.MUTED, anchor="end"))
+    sc.add(Text(_LEFT - 8, L.mem_y(r) + _MEM_H / 2 + 3, "memory", size=8, color=C.MUTED,
+                anchor="end"))
+
+
+def _label(sc: Scene, L: _Layout, x0: float, x1: float, y: float, h: float, text: str,
+           fill: str | None) -> None:
+    size = next((f for f in (L.font, L.font * 0.8) if text_width(text, f) <= x1 - x0 - 2), None)
+    if size is None:
+        return  # too narrow: the SVG tooltip and the trace still name it
+    color = C.text_on(fill) if fill else C.INK
+    sc.add(Text((x0 + x1) / 2, y + h / 2 + size * 0.36, text, size=size, color=color,
+                anchor="middle", halo="#ffffff" if fill is None else None))
+
+
+def _compute_lane(sc: Scene, L: _Layout, r: int) -> None:
+    sch, v = L.res.schedule, L.v
+    y, h = L.lane_y(r, "compute"), _LANE_H["compute"]
+    by_action: dict[int, list[Span]] = defaultdict(list)
+    for s in L.by_lane.get((r, "compute"), []):
+        by_action[s.action_index].append(s)
+    for idx, spans in sorted(by_action.items()):
+        action = sch.actions[r][idx]
+        ps = passes_of(action)
+        if len(ps) > 1:
+            for s in spans:
+                sc.add(Rect(L.x(s.start), y, (s.end - s.start) * L.px, h,
+                            fill=C.pass_color(s.kind, s.chunk, v),
+                            title=f"{action}: {s.name} unit {s.unit}"))
+            t0, t1 = min(s.start for s in spans), max(s.end for s in spans)
+            sc.add(Rect(L.x(t0), y + 0.7, (t1 - t0) * L.px, h - 1.4, stroke=C.FRAME_COLOR,
+                        stroke_width=1.4, title=f"{action} {fmt_num(t0)}-{fmt_num(t1)}"))
+            text = f"{ps[0].mb}|" + ",".join(str(p.mb) for p in ps[1:])
+            _label(sc, L, L.x(t0), L.x(t1), y, h, text, None)
+            continue
+        p = ps[0]
+        key = {"BW": "B"}.get(_pass_kind(p.kind), _pass_kind(p.kind))
+        fill = C.pass_color(key, sch.chunk_of(p.stage), v)
+        segs = _segments(spans)
+        t_lo, t_hi = segs[0][0], segs[-1][1]
+        if len(segs) > 1:  # the pass waits on its own all-reduces in between: pale
+            sc.add(Rect(L.x(t_lo), y, (t_hi - t_lo) * L.px, h, fill=C.tp_wait(fill),
+                        title=f"{p} waiting on its TP all-reduce"))
+        for t0, t1 in segs:
+            tip = f"{p}: {_pass_kind(p.kind)} stage {p.stage} mb {p.mb} {fmt_num(t0)}-{fmt_num(t1)}"
+            sc.add(Rect(L.x(t0), y, (t1 - t0) * L.px, h, fill=fill, title=tip))
+            if p.kind is Kind.BW:
+                sc.add(Rect(L.x(t0), y + h * 0.7, (t1 - t0) * L.px, h * 0.3,
+                            fill=C.pass_color("W", sch.chunk_of(p.stage), v)))
+        # centred on the whole pass; where it is split, the centre is a pale wait
+        under = fill if len(segs) == 1 else C.tp_wait(fill)
+        _label(sc, L, L.x(t_lo), L.x(t_hi), y, h * (0.7 if p.kind is Kind.BW else 1.0),
+               str(p.mb), under)
+        # a white hairline where a pass starts, so back-to-back passes of one colour separate
+        sc.add(Line(L.x(t_lo), y, L.x(t_lo), y + h, color="#ffffff", width=0.8))
+
+
+def _plain_lanes(sc: Scene, L: _Layout, r: int) -> None:
+    color = {"tp": C.AR_COLOR, "send": C.SEND_COLOR, "d2h": C.COPY_COLORS["D2H"],
+             "h2d": C.COPY_COLORS["H2D"]}
+    for ln in L.lanes[1:]:
+        y = L.lane_y(r, ln)
+        for s in L.by_lane.get((r, ln), []):
+            sc.add(Rect(L.x(s.start), y, max((s.end - s.start) * L.px, 0.6), _LANE_H[ln],
+                        fill=color[ln], title=f"{s.kind} of {s.name} {fmt_num(s.start)}-"
+                        f"{fmt_num(s.end)}"))
+
+
+def _memory(sc: Scene, L: _Layout, r: int) -> None:
+    y0 = L.mem_y(r)
+    base = y0 + _MEM_H
+    scale = (_MEM_H - 4) / L.peak_all
+    pts: list[tuple[float, float]] = [(L.x(0), base)]
+    cur = 0.0
+    for t, val in L.res.memory[r]:
+        if len(pts) > 1 and abs(L.x(t) - pts[-1][0]) < 0.05:
+            pts[-1] = (pts[-1][0], base - val * scale)  # same instant: keep the last value
+            cur = val
+            continue
+        pts.append((L.x(t), base - cur * scale))
+        pts.append((L.x(t), base - val * scale))
+        cur = val
+    pts.append((L.x(L.t_end), base - cur * scale))
+    sc.add(Poly(tuple(pts) + ((L.x(L.t_end), base),), color=None, fill=C.MEM_FILL))
+    sc.add(Poly(tuple(pts), color=C.MEM_LINE, width=1.0))
+    sc.add(Line(L.x(0), base, L.x(L.t_end), base, color="#bbbbbb", width=0.8))
+    peak = L.res.ranks[r].peak_activation
+    hit = next((t for t, val in L.res.memory[r] if val >= peak - 1e-9), None)
+    if hit is None or peak <= 0:
+        return
+    px, py = L.x(hit), base - peak * scale
+    sc.add(Poly(((px - 4, py - 6), (px + 4, py - 6), (px, py)), color=None, fill=C.PEAK_COLOR))
+    text = f"peak {fmt_num(peak)} M_B"
+    right = px + 6 + text_width(text, 9) < _LEFT + L.plot_w
+    # inside the strip, under the curve's top, so the curve never crosses the text
+    sc.add(Text(px + 6 if right else px - 6, base - 4, text, size=9, color=C.PEAK_COLOR,
+                anchor="start" if right else "end", bold=True))
+
+
+def _axis(sc: Scene, L: _Layout, ticks: list[float]) -> None:
+    y = L.plot_bottom + 6
+    sc.add(Line(_LEFT, y, _LEFT + L.plot_w, y, color=C.INK, width=1.0))
+    for t in ticks:
+        sc.add(Line(L.x(t), y, L.x(t), y + 5, color=C.INK, width=1.0))
+        sc.add(Text(L.x(t), y + 17, fmt_num(t), size=10, color=C.INK, anchor="middle"))
+    sc.add(Text(_LEFT + L.plot_w / 2, y + 36, "time (units of the --cost inputs)", size=11,
+                color=C.MUTED, anchor="middle"))

@@ -1,0 +1,141 @@
+"""Chrome / Perfetto trace JSON of a timeline (ui.perfetto.dev, chrome://tracing).
+
+One process per rank (`pid` = rank), one thread per lane (compute, tp, send,
+d2h, h2d), every action a complete event ("ph": "X") named like the action
+(`7F3`, `(7F1;7I0)OVERLAP_F_B`) with its units nested inside as events named
+like their pass, and each rank's resident activation memory as a counter.
+The runtime writes measured runs in the same shape (same names, same args),
+so a simulated and a measured trace open side by side.
+
+Times: the simulator's time unit becomes `time_scale` microseconds (default
+1000, i.e. one unit shows as one millisecond).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from stp.schedule.ir import parse_action, passes_of
+from stp.sim.result import LANES, SimResult, Span
+
+__all__ = ["trace_events", "trace_json", "write_trace"]
+
+_UNIT_PART = ("attention", "mlp")
+
+
+def _us(t: float, scale: float) -> float:
+    return round(t * scale, 3)
+
+
+def _span_args(s: Span) -> dict[str, object]:
+    args: dict[str, object] = {"stage": s.stage, "mb": s.mb, "kind": s.kind, "chunk": s.chunk,
+                               "action_index": s.action_index, "braided": s.braided}
+    if s.unit is not None:
+        args["unit"] = s.unit
+        args["layer"] = s.unit // 2
+        args["part"] = _UNIT_PART[s.unit % 2]
+    return args
+
+
+def _action_args(name: str, index: int) -> dict[str, object]:
+    """Args of an action event: its passes, and stage / mb / kind (F, B, W, BW) of a lone pass."""
+    try:
+        action = parse_action(name)
+    except ValueError:
+        return {"action_index": index}
+    ps = passes_of(action)
+    args: dict[str, object] = {"action_index": index, "passes": [str(p) for p in ps],
+                               "braided": len(ps) > 1}
+    if len(ps) == 1:
+        args.update(stage=ps[0].stage, mb=ps[0].mb, kind=ps[0].kind.label)
+    else:
+        args["kind"] = "OVERLAP_F_B"
+    return args
+
+
+def trace_events(
+    spans: Iterable[Span],
+    *,
+    memory: Sequence[Sequence[tuple[float, float]]] | None = None,
+    action_names: dict[tuple[int, int], str] | None = None,
+    time_scale: float = 1000.0,
+) -> list[dict[str, object]]:
+    """Trace events of `spans` (simulated or measured; both are `Span`s).
+
+    `action_names[(rank, action_index)]` names the enclosing action events of
+    the compute lane (default: the pass name of its first unit).
+    """
+    spans = list(spans)
+    events: list[dict[str, object]] = []
+    ranks = sorted({s.rank for s in spans} | set(range(len(memory or []))))
+    for r in ranks:
+        events.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0,
+                       "args": {"name": f"rank {r}"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0,
+                       "args": {"sort_index": r}})
+        for tid, lane in enumerate(LANES):
+            events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid,
+                           "args": {"name": lane}})
+            events.append({"ph": "M", "name": "thread_sort_index", "pid": r, "tid": tid,
+                           "args": {"sort_index": tid}})
+    timed: list[dict[str, object]] = []
+    groups: dict[tuple[int, int], list[Span]] = defaultdict(list)
+    for s in spans:
+        if s.lane not in LANES:
+            raise ValueError(f"span lane {s.lane!r} is not one of {', '.join(LANES)}")
+        ts, end = _us(s.start, time_scale), _us(s.end, time_scale)
+        timed.append({"ph": "X", "name": s.name, "cat": s.lane, "pid": s.rank,
+                      "tid": LANES.index(s.lane), "ts": ts, "dur": round(end - ts, 3),
+                      "args": _span_args(s)})
+        if s.lane == "compute" and s.action_index >= 0:
+            groups[(s.rank, s.action_index)].append(s)
+    for (r, idx), group in groups.items():
+        ts = min(_us(s.start, time_scale) for s in group)
+        end = max(_us(s.end, time_scale) for s in group)
+        name = (action_names or {}).get((r, idx), group[0].name)
+        timed.append({"ph": "X", "name": name, "cat": "action", "pid": r, "tid": 0, "ts": ts,
+                      "dur": round(end - ts, 3), "args": _action_args(name, idx)})
+    # parents first: earlier start, then longer duration
+    timed.sort(key=lambda e: (e["pid"], e["tid"], e["ts"], -e["dur"]))  # type: ignore[operator]
+    events += timed
+    for r, points in enumerate(memory or []):
+        for t, val in points:
+            events.append({"ph": "C", "name": "activation memory (M_B)", "pid": r, "tid": 0,
+                           "ts": _us(t, time_scale), "args": {"resident": val}})
+    return events
+
+
+def trace_json(res: SimResult, *, time_scale: float = 1000.0) -> dict[str, object]:
+    """The whole trace document of a simulation result."""
+    sch = res.schedule
+    names = {(r, i): str(a) for r, acts in enumerate(sch.actions) for i, a in enumerate(acts)}
+    return {
+        "traceEvents": trace_events(res.spans, memory=res.memory, action_names=names,
+                                    time_scale=time_scale),
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "source": "stp simulator",
+            "schedule": sch.name,
+            "pp": sch.num_ranks,
+            "microbatches": sch.num_microbatches,
+            "chunks": sch.chunks,
+            "layers": res.layers,
+            "costs": {k: getattr(res.costs, k) for k in ("f", "b", "w", "ar", "comm")},
+            "time_scale_us_per_unit": time_scale,
+            "makespan": res.makespan,
+        },
+    }
+
+
+def write_trace(res: SimResult, path: str | Path, *, time_scale: float = 1000.0) -> None:
+    """Write the trace of `res` to `path` (open it in ui.perfetto.dev)."""
+    if not res.spans:
+        raise ValueError("the simulation result has no spans; simulate with record_spans=True")
+    try:
+        Path(path).write_text(json.dumps(trace_json(res, time_scale=time_scale)),
+                              encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"cannot write {str(path)!r}: {e.strerror or e}") from None
