@@ -75,7 +75,7 @@ def test_memory_follows_f_b_w():
     res = simulate(sch, Costs(), MemCosts(m_b=1.0, m_w=0.25))
     assert res.peak_activation == [2.0]
     levels = [v for _, v in res.memory[0]]
-    assert levels == pytest.approx([0, 1, 2, 1.25, 1.0, 0.25, 0.0])
+    assert levels == pytest.approx([1, 2, 1.25, 1.0, 0.25, 0.0])
 
 
 def test_span_and_bubble_rate_definition():

@@ -12,6 +12,7 @@ from stp.cli.common import (
     positive_int,
     schedule_from_args,
 )
+from stp.cli.offload_opts import add_offload_args, offload_from_args
 from stp.schedule import Schedule, validate
 from stp.schedule.registry import SCHEDULES, get
 from stp.sim import SimResult, simulate
@@ -28,6 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="simulate a PyTorch compute-only CSV schedule instead of a named one")
     p.add_argument("--from-json", metavar="FILE", help="simulate a schedule saved as stp JSON")
     add_cost_args(p)
+    add_offload_args(p)
     p.add_argument("--memory-limit", type=float, default=None,
                    help="refuse the schedule if a rank's peak activation exceeds this "
                    "(units of M_B)")
@@ -40,6 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--schedules", default=None,
                    help="comma-separated names (default: every schedule that accepts p and m)")
     add_cost_args(c)
+    add_offload_args(c)
     c.add_argument("--json", action="store_true", help="print one JSON object")
     c.add_argument("--plot", metavar="FILE.png|FILE.svg", default=None,
                    help="also draw makespan and peak memory per schedule")
@@ -75,8 +78,14 @@ def _fmt(x: float) -> str:
 def run_simulate(args: argparse.Namespace) -> int:
     sch = _load(args)
     costs, mem = costs_from_args(args)
-    validate(sch, memory_limit=args.memory_limit, mem=mem)
-    res = simulate(sch, costs, mem, layers=args.layers, record_spans=False)
+    validate(sch, memory_limit=None if args.offload != "none" else args.memory_limit, mem=mem)
+    plan, oc = offload_from_args(args, sch, costs, mem)
+    res = simulate(sch, costs, mem, layers=args.layers, offload=plan, offload_costs=oc,
+                   record_spans=False)
+    if args.memory_limit is not None and max(res.peak_activation) > args.memory_limit + 1e-9:
+        worst = max(res.ranks, key=lambda r: r.peak_activation)
+        raise ValueError(f"rank {worst.rank}: peak activation {worst.peak_activation:g} with "
+                         f"offload {args.offload} exceeds the limit {args.memory_limit:g}")
     if args.json:
         print(json.dumps(res.to_json()))
         return 0
@@ -85,9 +94,18 @@ def run_simulate(args: argparse.Namespace) -> int:
     print(f"makespan {_fmt(res.makespan)}  bubble_rate {res.bubble_rate:.2%}  "
           f"pp_bubble {_fmt(res.pp_bubble)}  tp_bubble {_fmt(res.tp_bubble)}  "
           f"(critical rank {res.critical_rank.rank})")
+    header = ["rank", "span", "compute", "exposed_tp", "idle", "peak_act"]
     rows = [[str(r.rank), _fmt(r.span), _fmt(r.compute), _fmt(r.exposed_tp), _fmt(r.idle),
              _fmt(r.peak_activation)] for r in res.ranks]
-    print(_table(rows, ["rank", "span", "compute", "exposed_tp", "idle", "peak_act"]))
+    if plan is not None:
+        base = simulate(sch, costs, mem, layers=args.layers, record_spans=False)
+        print(f"offload {plan.policy}: {len(plan)} activations; peak "
+              f"{_fmt(max(base.peak_activation))} -> {_fmt(max(res.peak_activation))}, "
+              f"makespan {_fmt(base.makespan)} -> {_fmt(res.makespan)}")
+        header.append("offload_wait")
+        for row, r in zip(rows, res.ranks, strict=True):
+            row.append(_fmt(r.exposed_offload))
+    print(_table(rows, header))
     return 0
 
 
@@ -118,7 +136,9 @@ def compare_results(args: argparse.Namespace) -> tuple[list[SimResult], list[str
             continue
         sch = schedule_from_args(args, name)
         validate(sch)
-        results.append(simulate(sch, costs, mem, layers=args.layers, record_spans=bool(args.plot)))
+        plan, oc = offload_from_args(args, sch, costs, mem)
+        results.append(simulate(sch, costs, mem, layers=args.layers, offload=plan,
+                                offload_costs=oc, record_spans=bool(args.plot)))
     if not results:
         raise ValueError("no schedule accepts these settings: " + ", ".join(skipped))
     results.sort(key=lambda r: (r.makespan, r.schedule.name))

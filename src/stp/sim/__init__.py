@@ -1,6 +1,6 @@
 """Discrete-event simulator of pipeline schedules with TP all-reduce. Imports no torch."""
 
-from stp.sim.costs import Costs, MemCosts, parse_costs, parse_mem
+from stp.sim.costs import Costs, MemCosts, OffloadCosts, parse_costs, parse_mem
 from stp.sim.engine import simulate
 from stp.sim.result import LANES, RankStats, SimResult, Span
 
@@ -8,6 +8,7 @@ __all__ = [
     "LANES",
     "Costs",
     "MemCosts",
+    "OffloadCosts",
     "RankStats",
     "SimResult",
     "Span",

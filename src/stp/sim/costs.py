@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 from stp.schedule.memory import MemCosts
 
-__all__ = ["Costs", "MemCosts", "parse_costs", "parse_mem"]
+__all__ = ["Costs", "MemCosts", "OffloadCosts", "parse_costs", "parse_mem"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,31 @@ class Costs:
                 raise ValueError(f"cost {fl.name}={val!r} must be a finite number >= 0")
         if self.f + self.b + self.w <= 0:
             raise ValueError("costs f, b, w are all zero; at least one must be > 0")
+
+
+@dataclass(frozen=True)
+class OffloadCosts:
+    """Host-link model for activation offload (PipeOffload, seed 004).
+
+    Copying `x` units of M_B one way takes `x * act_bytes / bandwidth` time
+    units. Defaults: one M_B is 1 byte and the link moves 1 byte per time
+    unit, so a copy of one M_B takes one time unit; give real bytes and
+    bytes/s (with costs in seconds) to model a machine.
+    """
+
+    bandwidth: float = 1.0
+    """Host link bytes per time unit, each direction (D2H and H2D run at once)."""
+    act_bytes: float = 1.0
+    """Bytes of one M_B (one microbatch's activations for one rank's share)."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.bandwidth, int | float) and 0 < self.bandwidth < float("inf")):
+            raise ValueError(f"offload bandwidth {self.bandwidth!r} must be a number > 0")
+        if not (isinstance(self.act_bytes, int | float) and 0 <= self.act_bytes < float("inf")):
+            raise ValueError(f"activation bytes {self.act_bytes!r} must be a number >= 0")
+
+    def copy_time(self, units_of_mb: float) -> float:
+        return units_of_mb * self.act_bytes / self.bandwidth
 
 
 def _parse_kv(text: str, allowed: tuple[str, ...], what: str) -> dict[str, float]:

@@ -19,6 +19,11 @@ Model (one rank; every rank of a TP group does the same, so one stands for all):
   `comm` later on another rank; same-rank hand-offs (the V tip) are free.
 * memory: an action allocates its forwards' activations when it starts and
   releases its backwards' when it ends (`stp.schedule.memory`).
+* offload (optional `OffloadPlan`): an offloaded forward's activations are
+  copied out on the rank's device-to-host lane right after the forward and
+  stop counting when that copy ends; the copy back runs on the host-to-device
+  lane from when the stream reaches the plan's reload position (and the copy
+  out has ended) and counts from its start; the backward waits for it.
 
 Accounting per rank: `exposed_tp` is compute-lane time spent waiting on an
 all-reduce beyond any wait for pipeline data; `idle` (the PP bubble) is the
@@ -29,8 +34,9 @@ from __future__ import annotations
 
 from stp.schedule.ir import Kind, Pass, Schedule, passes_of
 from stp.schedule.memory import MemCosts, action_memory
+from stp.schedule.offload import OffloadPlan
 from stp.schedule.validate import ScheduleError, dependencies
-from stp.sim.costs import Costs
+from stp.sim.costs import Costs, OffloadCosts
 from stp.sim.result import RankStats, SimResult, Span
 from stp.sim.units import braid
 
@@ -45,6 +51,8 @@ def simulate(
     mem: MemCosts | None = None,
     layers: int = 1,
     *,
+    offload: OffloadPlan | None = None,
+    offload_costs: OffloadCosts | None = None,
     record_spans: bool = True,
 ) -> SimResult:
     """Simulate `schedule` under `costs` (per microbatch, per rank share).
@@ -71,9 +79,18 @@ def simulate(
     last_end = [0.0] * P
     busy = [0.0] * P
     tp_wait = [0.0] * P
-    cur_mem = [0.0] * P
-    peak = [0.0] * P
-    memory: list[list[tuple[float, float]]] = [[(0.0, 0.0)] for _ in range(P)]
+    mem_events: list[list[tuple[float, float]]] = [[] for _ in range(P)]
+    off_wait = [0.0] * P
+    plan = offload.reload_at if offload else {}
+    oc = offload_costs or OffloadCosts()
+    chunk_bytes_time = oc.copy_time(mem.m_b / v)  # one chunk activation, one way
+    d2h = [0.0] * P
+    h2d = [0.0] * P
+    copied_out: dict[tuple[int, int], float] = {}
+    reload_ready: dict[tuple[int, int], float] = {}
+    reloads_at: list[dict[int, list[tuple[int, int]]]] = [{} for _ in range(P)]
+    for key, pos in plan.items():
+        reloads_at[owner[key[0]]].setdefault(pos, []).append(key)
     spans: list[Span] = []
     ptr = [0] * P
     acts = schedule.actions
@@ -104,6 +121,15 @@ def simulate(
                 progress = True
                 braided = len(ps) > 1
                 t = lane[r]
+                for key in sorted(reloads_at[r].get(idx, ())):
+                    # reload issued when the stream reaches this action
+                    a0 = max(t, h2d[r], copied_out[key])
+                    h2d[r] = a0 + chunk_bytes_time
+                    reload_ready[key] = h2d[r]
+                    mem_events[r].append((a0, mem.m_b / v))
+                    if record_spans:
+                        spans.append(Span(r, "h2d", a0, h2d[r], f"{key[0]}RELOAD{key[1]}",
+                                          "H2D", key[0], key[1], chunk_of[key[0]], None, idx))
                 start = None
                 chain_ar = [0.0] * len(ps)  # end of the chain's last all-reduce
                 chain_end = [0.0] * len(ps)
@@ -111,15 +137,17 @@ def simulate(
                     p = ps[it.chain]
                     dep = ready[it.chain] if it.first else 0.0
                     base = max(t, dep)  # type: ignore[arg-type]
+                    if it.first and p.kind is not Kind.F and (p.stage, p.mb) in reload_ready:
+                        back = max(base, reload_ready.pop((p.stage, p.mb)))
+                        off_wait[r] += back - base
+                        base = back
                     s = max(base, chain_ar[it.chain]) if it.waits_ar else base
                     tp_wait[r] += s - base
                     if start is None:
                         start = s
                         alloc, _ = action_memory(action, v, mem)
                         if alloc:
-                            cur_mem[r] += alloc
-                            peak[r] = max(peak[r], cur_mem[r])
-                            memory[r].append((s, cur_mem[r]))
+                            mem_events[r].append((s, alloc))
                     if p.kind is Kind.F:
                         first_f[r] = min(first_f[r], s)
                     e = s + unit_time[it.kind]
@@ -150,10 +178,18 @@ def simulate(
                 lane[r] = t
                 _, free = action_memory(action, v, mem)
                 if free:
-                    cur_mem[r] -= free
-                    memory[r].append((t, cur_mem[r]))
+                    mem_events[r].append((t, -free))
                 for c, p in enumerate(ps):
                     fin = chain_end[c]
+                    if p.kind is Kind.F and (p.stage, p.mb) in plan:
+                        a0 = max(fin, d2h[r])
+                        d2h[r] = a0 + chunk_bytes_time
+                        copied_out[(p.stage, p.mb)] = d2h[r]
+                        mem_events[r].append((d2h[r], -mem.m_b / v))
+                        if record_spans:
+                            spans.append(Span(r, "d2h", a0, d2h[r], f"{p.stage}OFFLOAD{p.mb}",
+                                              "D2H", p.stage, p.mb, chunk_of[p.stage], None,
+                                              idx))
                     last_end[r] = max(last_end[r], fin)
                     for k in _DONE_KEYS[p.kind]:
                         done[(p.stage, k, p.mb)] = fin
@@ -172,6 +208,7 @@ def simulate(
             "deadlock in simulation (validate the schedule for a diagnosis)",
             r, ptr[r], acts[r][ptr[r]],
         )
+    memory, peak = _memory_curves(mem_events)
     ranks = [
         RankStats(
             rank=r,
@@ -180,6 +217,7 @@ def simulate(
             compute=busy[r],
             exposed_tp=tp_wait[r],
             peak_activation=peak[r],
+            exposed_offload=off_wait[r],
         )
         for r in range(P)
     ]
@@ -192,4 +230,28 @@ def simulate(
         ranks=ranks,
         spans=spans,
         memory=memory,
+        offload=offload,
     )
+
+
+def _memory_curves(
+    events: list[list[tuple[float, float]]],
+) -> tuple[list[list[tuple[float, float]]], list[float]]:
+    """Sweep each rank's (time, delta) events in time order, frees first at
+    equal times (so an action that starts as another ends does not count
+    both), into step curves and peaks."""
+    curves, peaks = [], []
+    for ev in events:
+        ev.sort(key=lambda e: (e[0], e[1] > 0))
+        cur = peak = 0.0
+        curve = [(0.0, 0.0)]
+        for t, d in ev:
+            cur += d
+            peak = max(peak, cur)
+            if curve[-1][0] == t:
+                curve[-1] = (t, cur)
+            else:
+                curve.append((t, cur))
+        curves.append(curve)
+        peaks.append(peak)
+    return curves, peaks

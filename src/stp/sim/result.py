@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from stp.schedule.ir import Schedule
+from stp.schedule.offload import OffloadPlan
 from stp.sim.costs import Costs, MemCosts
 
 __all__ = ["Span", "RankStats", "SimResult", "LANES"]
@@ -58,6 +59,8 @@ class RankStats:
     """Compute-lane time spent waiting on TP all-reduces."""
     peak_activation: float
     """Peak resident activations, units of M_B."""
+    exposed_offload: float = 0.0
+    """Compute-lane time spent waiting for a reload (activation offload)."""
 
     @property
     def span(self) -> float:
@@ -65,8 +68,9 @@ class RankStats:
 
     @property
     def idle(self) -> float:
-        """Pipeline bubble of this rank: span not spent computing or waiting on TP."""
-        return self.span - self.compute - self.exposed_tp
+        """Pipeline bubble of this rank: span not spent computing, waiting on TP
+        or waiting on a reload."""
+        return self.span - self.compute - self.exposed_tp - self.exposed_offload
 
 
 @dataclass
@@ -80,6 +84,7 @@ class SimResult:
     spans: list[Span] = field(repr=False)
     memory: list[list[tuple[float, float]]] = field(repr=False)
     """Per rank: (time, resident activations) at every change, in time order."""
+    offload: OffloadPlan | None = None
 
     @property
     def critical_rank(self) -> RankStats:
@@ -120,6 +125,8 @@ class SimResult:
             "pp_bubble": self.pp_bubble,
             "tp_bubble": self.tp_bubble,
             "peak_activation": self.peak_activation,
+            "offload": self.offload.policy if self.offload else "none",
+            "offloaded_passes": len(self.offload) if self.offload else 0,
             "ranks": [
                 {
                     "rank": r.rank,
@@ -128,6 +135,7 @@ class SimResult:
                     "end": r.end,
                     "compute": r.compute,
                     "exposed_tp": r.exposed_tp,
+                    "exposed_offload": r.exposed_offload,
                     "idle": r.idle,
                     "peak_activation": r.peak_activation,
                 }

@@ -1,0 +1,36 @@
+"""`--offload` options shared by simulate, compare and draw."""
+
+from __future__ import annotations
+
+import argparse
+
+from stp.schedule import Schedule
+from stp.schedule.offload import POLICIES, OffloadPlan
+from stp.sim.costs import Costs, MemCosts, OffloadCosts
+from stp.sim.offload import plan_offload
+
+__all__ = ["add_offload_args", "offload_from_args"]
+
+
+def add_offload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--offload", default="none", metavar="POLICY",
+        help=f"activation offload policy: {', '.join(POLICIES)} (default none)",
+    )
+    p.add_argument(
+        "--offload-bandwidth", type=float, default=1.0, metavar="BYTES_PER_T",
+        help="host link bytes per time unit of --cost, each direction (default 1)",
+    )
+    p.add_argument(
+        "--act-bytes", type=float, default=1.0, metavar="BYTES",
+        help="bytes of one M_B, one microbatch's activations for one rank's share "
+        "(default 1: a copy of one M_B then takes one time unit)",
+    )
+
+
+def offload_from_args(
+    args: argparse.Namespace, schedule: Schedule, costs: Costs, mem: MemCosts
+) -> tuple[OffloadPlan | None, OffloadCosts]:
+    oc = OffloadCosts(bandwidth=args.offload_bandwidth, act_bytes=args.act_bytes)
+    plan = plan_offload(schedule, args.offload, costs, mem, oc, layers=args.layers)
+    return (plan if len(plan) else None), oc
