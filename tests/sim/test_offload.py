@@ -10,7 +10,8 @@ from stp.sim.offload import offload_ratio, plan_offload
 COSTS = Costs(f=2, b=2, w=2, ar=0.4)
 
 
-def run(name, p, m, policy, bw=1.0, mem=MemCosts()):
+def run(name, p, m, policy, bw=1.0, mem=None):
+    mem = mem or MemCosts()
     sch = generate(name, p, m)
     validate(sch)
     oc = OffloadCosts(bandwidth=bw)
