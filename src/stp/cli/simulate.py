@@ -13,21 +13,15 @@ from stp.cli.common import (
     schedule_from_args,
 )
 from stp.cli.offload_opts import add_offload_args, offload_from_args
-from stp.schedule import Schedule, validate
+from stp.cli.source import add_source_args, load_schedule
+from stp.schedule import validate
 from stp.schedule.registry import SCHEDULES, get
 from stp.sim import SimResult, simulate
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="simulate one schedule and print its timing and memory")
-    p.add_argument("--schedule", help="schedule name (see `stp schedules`)")
-    p.add_argument("--pp", type=positive_int, help="pipeline ranks p")
-    p.add_argument("--microbatches", "-m", type=positive_int, help="microbatches m")
-    p.add_argument("--chunks", type=positive_int, default=None,
-                   help="chunks per rank for 1f1b-interleaved (default 2)")
-    p.add_argument("--from-csv", metavar="FILE",
-                   help="simulate a PyTorch compute-only CSV schedule instead of a named one")
-    p.add_argument("--from-json", metavar="FILE", help="simulate a schedule saved as stp JSON")
+    add_source_args(p)
     add_cost_args(p)
     add_offload_args(p)
     p.add_argument("--memory-limit", type=float, default=None,
@@ -49,20 +43,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=run_compare, chunks=None)
 
 
-def _load(args: argparse.Namespace) -> Schedule:
-    if args.from_csv or args.from_json:
-        from stp.schedule import io
-
-        if args.from_csv:
-            return io.load_csv(args.from_csv, num_microbatches=args.microbatches)
-        return io.load_json(args.from_json)
-    missing = [o for o, v in (("--schedule", args.schedule), ("--pp", args.pp),
-                              ("--microbatches", args.microbatches)) if v is None]
-    if missing:
-        raise ValueError(f"simulate needs {', '.join(missing)} (or --from-csv FILE)")
-    return schedule_from_args(args)
-
-
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     line = "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))
@@ -76,7 +56,7 @@ def _fmt(x: float) -> str:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    sch = _load(args)
+    sch = load_schedule(args)
     costs, mem = costs_from_args(args)
     validate(sch, memory_limit=None if args.offload != "none" else args.memory_limit, mem=mem)
     plan, oc = offload_from_args(args, sch, costs, mem)
