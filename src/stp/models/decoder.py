@@ -1,0 +1,343 @@
+"""The decoder cut into units at its TP all-reduces, the units that braided
+execution blocks interleave (seed 000, Fig. 3).
+
+A unit computes up to a partial sum, the caller all-reduces it over the TP
+group, and a cheap epilogue finishes the unit. Forward of one layer:
+
+      x --+--> RMSNorm -> wq,wk,wv (col) -> RoPE, attention -> wo (row) --> partial
+          |                                                                   |
+          |                                                      [ all-reduce ]  <- unit boundary
+          +-------------------------- residual add (forward_finish) <--------+--> x'
+      x'--+--> RMSNorm -> w1,w3 (col) -> silu(gate) * up -> w2 (row) -------> partial
+          |                                                      [ all-reduce ]
+          +-------------------------- residual add (forward_finish) <--------+--> x''
+
+Backward is the mirror image: backward_partial runs from the unit's output
+gradient g down to the partial input gradient of the column-parallel matrices
+(each rank holds some heads / some of the MLP width); after the all-reduce,
+backward_finish runs the RMSNorm backward and adds the residual gradient g.
+The epilogues are a few element-wise ops, so a braiding executor can fold a
+unit's finish into the start of the next unit it runs and keep one all-reduce
+in flight while the other pass computes.
+
+Unit methods, in the order a pass calls them for microbatch mb:
+  F: forward_partial(mb, x[, targets]) -> partial;  forward_finish(mb, reduced) -> y
+  B: backward_partial(mb, g) -> partial or None;    backward_finish(mb, reduced) -> dx
+  W: weight(mb)   (the deferred weight gradients into .grad, seed 002)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from stp.runtime.tp.layers import (
+    linear,
+    rms_norm,
+    vocab_ce_finish,
+    vocab_ce_grad,
+    vocab_ce_stats,
+    vocab_embedding_partial,
+)
+from stp.runtime.tp.wgrad import EmbedGrad, WGradEntry, WGradStore
+
+__all__ = ["Unit", "EmbedUnit", "AttentionUnit", "MLPUnit", "LossUnit", "RopeCache", "apply_rope"]
+
+
+class RopeCache:
+    """cos / sin tables of rotary embeddings (Su et al. 2021), rotate-half layout as in
+    Llama / Qwen2, cached per (seq_len, device, dtype)."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        self.head_dim = head_dim
+        self.theta = theta
+        self._tables: dict[tuple[int, str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(
+        self, seq_len: int, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (seq_len, str(device), dtype)
+        if key not in self._tables:
+            half = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
+            inv_freq = 1.0 / self.theta**half
+            angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+            angles = torch.cat([angles, angles], dim=-1)  # [s, hd]
+            self._tables[key] = (angles.cos().to(device, dtype), angles.sin().to(device, dtype))
+        return self._tables[key]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, n, s, hd] rotated by position: x cos + rotate_half(x) sin."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+@dataclass
+class _MbState:
+    phase: str
+    """'F-partial', 'F', 'B-partial': the last method run for this microbatch."""
+    sink: list[WGradEntry]
+    saved: dict[str, Any] = field(default_factory=dict)
+
+
+class Unit:
+    """Per-microbatch bookkeeping shared by the units; subclasses fill the maths."""
+
+    name: str
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._states: dict[int, _MbState] = {}
+        self._wgrad = WGradStore()
+
+    def _enter(self, mb: int, expect: str | None, phase: str) -> _MbState:
+        state = self._states.get(mb)
+        have = state.phase if state is not None else None
+        if have != expect:
+            raise RuntimeError(
+                f"unit {self.name}: {phase} of microbatch {mb} needs the previous step "
+                f"{expect or 'none (a fresh microbatch)'}, but the microbatch is at "
+                f"{have or 'none'}"
+            )
+        if state is None:
+            state = _MbState(phase, self._wgrad.open(mb))
+            self._states[mb] = state
+        state.phase = phase
+        return state
+
+    def forward_partial(
+        self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Compute up to the partial sum to all-reduce. `targets`: loss unit only."""
+        raise NotImplementedError
+
+    def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
+        """The epilogue after the all-reduce: the unit's output."""
+        raise NotImplementedError
+
+    def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """Input-gradient work up to the partial sum to all-reduce (None: nothing to
+        reduce). Records what weight(mb) needs; touches no `.grad`."""
+        raise NotImplementedError
+
+    def backward_finish(self, mb: int, reduced: torch.Tensor | None) -> torch.Tensor | None:
+        """The epilogue after the all-reduce: the unit's input gradient."""
+        raise NotImplementedError
+
+    def weight(self, mb: int) -> None:
+        """W: accumulate microbatch mb's weight gradients into `.grad`, free its tensors."""
+        if mb in self._states:
+            raise RuntimeError(
+                f"unit {self.name}: weight of microbatch {mb} before its backward finished "
+                f"(it is at {self._states[mb].phase})"
+            )
+        if mb not in self._wgrad.pending():
+            raise RuntimeError(f"unit {self.name}: no pending weight gradient for microbatch {mb}")
+        self._wgrad.flush(mb)
+
+    def pending_backward(self) -> list[int]:
+        """Microbatches with a forward started and no finished backward."""
+        return sorted(self._states)
+
+    def pending_weight(self) -> list[int]:
+        """Microbatches whose backward finished and whose W has not run."""
+        return [mb for mb in self._wgrad.pending() if mb not in self._states]
+
+    def reset(self) -> None:
+        """Drop every microbatch's state (after a failed step)."""
+        for mb in list(self._wgrad.pending()):
+            self._wgrad.discard(mb)
+        self._states.clear()
+
+
+class EmbedUnit(Unit):
+    """Vocab-parallel embedding (stage 0): partial rows, all-reduce, identity finish.
+    No input gradient (token ids), so its backward has nothing to reduce."""
+
+    def __init__(self, weight: torch.Tensor, vocab_start: int) -> None:
+        super().__init__("embed")
+        self.w = weight
+        self.vocab_start = vocab_start
+
+    def forward_partial(
+        self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        st = self._enter(mb, None, "F-partial")
+        partial, owned, local = vocab_embedding_partial(x, self.w.detach(), self.vocab_start)
+        st.saved.update(owned=owned, local=local)
+        return partial
+
+    def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
+        self._enter(mb, "F-partial", "F")
+        return reduced
+
+    def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
+        st = self._enter(mb, "F", "B-partial")
+        owned, local = st.saved.pop("owned"), st.saved.pop("local")
+        st.sink.append(EmbedGrad(self.w, local[owned], grad[owned]))
+        return None
+
+    def backward_finish(self, mb: int, reduced: torch.Tensor | None) -> torch.Tensor | None:
+        self._enter(mb, "B-partial", "B")
+        del self._states[mb]
+        return None
+
+
+class _ResidualUnit(Unit):
+    """x -> x + f(RMSNorm(x)), f ending in a row-parallel matrix. Two autograd graphs,
+    x -> h (the norm) and h -> partial (the TP body), so the all-reduce of dh sits
+    between them, outside autograd."""
+
+    def __init__(self, name: str, norm_weight: torch.Tensor, eps: float) -> None:
+        super().__init__(name)
+        self.norm_w = norm_weight
+        self.eps = eps
+
+    def _body(self, h: torch.Tensor, sink: list[WGradEntry]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward_partial(
+        self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        st = self._enter(mb, None, "F-partial")
+        with torch.enable_grad():
+            x_in = x.detach().requires_grad_(True)
+            h = rms_norm(x_in, self.norm_w, self.eps, st.sink)
+            h_in = h.detach().requires_grad_(True)
+            out = self._body(h_in, st.sink)
+        st.saved.update(x=x, x_in=x_in, h=h, h_in=h_in, out=out)
+        return out.detach()
+
+    def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
+        st = self._enter(mb, "F-partial", "F")
+        return st.saved.pop("x") + reduced
+
+    def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
+        st = self._enter(mb, "F", "B-partial")
+        (grad_h,) = torch.autograd.grad(st.saved.pop("out"), st.saved.pop("h_in"), grad)
+        st.saved["grad"] = grad
+        return grad_h
+
+    def backward_finish(self, mb: int, reduced: torch.Tensor | None) -> torch.Tensor | None:
+        st = self._enter(mb, "B-partial", "B")
+        (grad_x,) = torch.autograd.grad(st.saved.pop("h"), st.saved.pop("x_in"), reduced)
+        grad = st.saved.pop("grad")
+        del self._states[mb]
+        return grad + grad_x
+
+
+class AttentionUnit(_ResidualUnit):
+    """Causal grouped-query attention over this rank's heads (num_heads / tp query heads,
+    num_kv_heads / tp kv heads: a rank's query heads use only its own kv heads)."""
+
+    def __init__(
+        self,
+        layer: int,
+        norm_weight: torch.Tensor,
+        wq: torch.Tensor,
+        wk: torch.Tensor,
+        wv: torch.Tensor,
+        wo: torch.Tensor,
+        *,
+        head_dim: int,
+        eps: float,
+        rope: RopeCache,
+    ) -> None:
+        super().__init__(f"layers.{layer}.attn", norm_weight, eps)
+        self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
+        self.head_dim = head_dim
+        self.rope = rope
+
+    def _body(self, h: torch.Tensor, sink: list[WGradEntry]) -> torch.Tensor:
+        b, s, _ = h.shape
+        hd = self.head_dim
+        q = linear(h, self.wq, sink).view(b, s, -1, hd).transpose(1, 2)  # [b, nq, s, hd]
+        k = linear(h, self.wk, sink).view(b, s, -1, hd).transpose(1, 2)  # [b, nkv, s, hd]
+        v = linear(h, self.wv, sink).view(b, s, -1, hd).transpose(1, 2)
+        cos, sin = self.rope.get(s, h.device, h.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        o = o.transpose(1, 2).reshape(b, s, -1)  # [b, s, nq * hd]
+        return linear(o, self.wo, sink)  # [b, s, h], partial over TP
+
+
+class MLPUnit(_ResidualUnit):
+    """SwiGLU MLP over this rank's slice of the inner width: w2(silu(w1 h) * w3 h)."""
+
+    def __init__(
+        self,
+        layer: int,
+        norm_weight: torch.Tensor,
+        w1: torch.Tensor,
+        w3: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        eps: float,
+    ) -> None:
+        super().__init__(f"layers.{layer}.mlp", norm_weight, eps)
+        self.w1, self.w3, self.w2 = w1, w3, w2
+
+    def _body(self, h: torch.Tensor, sink: list[WGradEntry]) -> torch.Tensor:
+        a = F.silu(linear(h, self.w1, sink)) * linear(h, self.w3, sink)  # [b, s, ffn / tp]
+        return linear(a, self.w2, sink)  # [b, s, h], partial over TP
+
+
+class LossUnit(Unit):
+    """Final RMSNorm, column-parallel head (vocab-sharded logits) and vocab-parallel
+    cross-entropy (last stage). Forward reduces the loss statistics
+    (stp.runtime.tp.layers.vocab_ce_stats), backward the head's input gradient.
+    Its backward_partial takes the loss gradient as a 0-dim tensor."""
+
+    def __init__(
+        self,
+        norm_weight: torch.Tensor,
+        head_weight: torch.Tensor,
+        *,
+        eps: float,
+        vocab_start: int,
+        tp_size: int,
+        tp_rank: int,
+    ) -> None:
+        super().__init__("head")
+        self.norm_w, self.head_w = norm_weight, head_weight
+        self.eps = eps
+        self.vocab_start, self.tp_size, self.tp_rank = vocab_start, tp_size, tp_rank
+
+    def forward_partial(
+        self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if targets is None:
+            raise ValueError("the loss unit needs targets")
+        st = self._enter(mb, None, "F-partial")
+        with torch.enable_grad():
+            x_in = x.detach().requires_grad_(True)
+            h = rms_norm(x_in, self.norm_w, self.eps, st.sink)
+            h_in = h.detach().requires_grad_(True)
+            logits = linear(h_in, self.head_w, st.sink)  # [b, s, V / tp]
+        st.saved.update(x_in=x_in, h=h, h_in=h_in, logits=logits, targets=targets)
+        return vocab_ce_stats(
+            logits.detach(), targets, self.vocab_start, self.tp_size, self.tp_rank
+        )
+
+    def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
+        st = self._enter(mb, "F-partial", "F")
+        loss, st.saved["lse"] = vocab_ce_finish(reduced)
+        return loss.detach()
+
+    def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
+        st = self._enter(mb, "F", "B-partial")
+        logits = st.saved.pop("logits")
+        grad_logits = vocab_ce_grad(
+            logits.detach(), st.saved.pop("targets"), st.saved.pop("lse"), self.vocab_start, grad
+        )
+        (grad_h,) = torch.autograd.grad(logits, st.saved.pop("h_in"), grad_logits)
+        return grad_h
+
+    def backward_finish(self, mb: int, reduced: torch.Tensor | None) -> torch.Tensor | None:
+        st = self._enter(mb, "B-partial", "B")
+        (grad_x,) = torch.autograd.grad(st.saved.pop("h"), st.saved.pop("x_in"), reduced)
+        del self._states[mb]
+        return grad_x

@@ -1,0 +1,263 @@
+"""One pipeline stage of the decoder: its layers' units, their parameters under the
+reference model's global names, and the PipelineStage protocol
+(stp.runtime.stage_api) run as "units in order, a synchronous all-reduce between".
+
+A braiding executor (seed 000, Fig. 3: braided execution blocks) can instead
+drive `stage.units` itself, one unit of each of two passes at a time, with the
+all-reduces in flight (stp.runtime.tp.comm.start_allreduce).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stp.models.config import ModelConfig
+from stp.models.decoder import AttentionUnit, EmbedUnit, LossUnit, MLPUnit, RopeCache, Unit
+from stp.models.init import ParamSpec, init_shard, parameter_specs, shard_range, stage_layers
+from stp.runtime.tp.comm import AllReduce, make_allreduce
+
+__all__ = ["ModelStage", "build_stage", "check_tp"]
+
+
+def check_tp(config: ModelConfig, tp_size: int, tp_rank: int) -> None:
+    """ValueError unless every TP-sharded size divides by tp_size."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be an int in [0, tp_size={tp_size}), got {tp_rank!r}")
+    for field in ("num_heads", "num_kv_heads", "vocab_size", "ffn_hidden"):
+        value = getattr(config, field)
+        if value % tp_size:
+            raise ValueError(f"{field}={value} must be divisible by tp_size={tp_size}")
+
+
+def _register(root: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Attach param at the dotted global name, creating plain container modules."""
+    *path, leaf = name.split(".")
+    module = root
+    for part in path:
+        child = module._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            module.add_module(part, child)
+        module = child
+    module.register_parameter(leaf, param)
+
+
+class ModelStage(nn.Module):
+    """Layers `layer_ids` of the decoder on one TP rank; implements PipelineStage.
+
+    Microbatch bookkeeping: forward(mb) keeps what backward_input(mb) needs; that
+    keeps, per linear, (input, output gradient) until backward_weight(mb).
+
+    Buffers: the caller may reuse `x` once forward returns (only fresh tensors
+    derived from it are kept), but the `grad` given to backward_input(mb) is
+    held by reference (the output gradient of the last row-parallel matrix)
+    until backward_weight(mb): do not overwrite it before then. Returned tensors
+    are fresh and never written again by the stage, so they can be sent
+    asynchronously."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        stage: int,
+        num_stages: int,
+        specs: list[ParamSpec],
+        tensors: dict[str, torch.Tensor],
+        *,
+        tp_size: int,
+        tp_rank: int,
+        allreduce: AllReduce,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.stage = stage
+        self.num_stages = num_stages
+        self.is_first = stage == 0
+        self.is_last = stage == num_stages - 1
+        self.layer_ids = stage_layers(config.num_layers, stage, num_stages)
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.allreduce = allreduce
+        self._shard_dims = {s.name: s.shard_dim for s in specs}
+        for spec in specs:
+            _register(self, spec.name, nn.Parameter(tensors[spec.name]))
+        p = dict(self.named_parameters())
+        vocab_start = shard_range(config.vocab_size, tp_size, tp_rank)[0]
+        units: list[Unit] = []
+        if self.is_first:
+            units.append(EmbedUnit(p["embed.weight"], vocab_start))
+        rope = RopeCache(config.head_dim, config.rope_theta)
+        for i in self.layer_ids:
+            a, m = f"layers.{i}.attn", f"layers.{i}.mlp"
+            units.append(AttentionUnit(
+                i, p[f"layers.{i}.attn_norm.weight"], p[f"{a}.wq.weight"], p[f"{a}.wk.weight"],
+                p[f"{a}.wv.weight"], p[f"{a}.wo.weight"],
+                head_dim=config.head_dim, eps=config.norm_eps, rope=rope,
+            ))
+            units.append(MLPUnit(
+                i, p[f"layers.{i}.mlp_norm.weight"], p[f"{m}.w1.weight"], p[f"{m}.w3.weight"],
+                p[f"{m}.w2.weight"], eps=config.norm_eps,
+            ))
+        if self.is_last:
+            units.append(LossUnit(
+                p["norm.weight"], p["head.weight"], eps=config.norm_eps,
+                vocab_start=vocab_start, tp_size=tp_size, tp_rank=tp_rank,
+            ))
+        # A tuple, not a ModuleList: units reference the parameters registered above.
+        self.units: tuple[Unit, ...] = tuple(units)
+
+    def shard_dim(self, name: str) -> int | None:
+        """The tensor dim of parameter `name` split over TP ranks; None if replicated."""
+        if name not in self._shard_dims:
+            raise ValueError(
+                f"stage {self.stage} has no parameter {name!r}; it holds {sorted(self._shard_dims)}"
+            )
+        return self._shard_dims[name]
+
+    # -- PipelineStage ---------------------------------------------------------
+
+    def _check_input(self, x: torch.Tensor, targets: torch.Tensor | None) -> None:
+        c = self.config
+        if self.is_first:
+            if x.dim() != 2 or x.dtype not in (torch.int32, torch.int64):
+                raise ValueError(
+                    f"stage 0 takes token ids [batch, seq] of int32/int64, got "
+                    f"{x.dtype} {tuple(x.shape)}"
+                )
+            # Value checks only on CPU: on an accelerator they would sync every microbatch.
+            if x.device.type == "cpu" and x.numel() and (x.min() < 0 or x.max() >= c.vocab_size):
+                raise ValueError(f"token ids must be in [0, vocab_size={c.vocab_size})")
+        elif x.dim() != 3 or x.shape[-1] != c.hidden:
+            raise ValueError(
+                f"stage {self.stage} takes hidden states [batch, seq, {c.hidden}], "
+                f"got {tuple(x.shape)}"
+            )
+        if x.shape[1] > c.max_seq_len:
+            raise ValueError(f"sequence length {x.shape[1]} exceeds max_seq_len={c.max_seq_len}")
+        if self.is_last:
+            if targets is None or tuple(targets.shape) != tuple(x.shape[:2]):
+                got = None if targets is None else tuple(targets.shape)
+                raise ValueError(
+                    f"the last stage needs targets of shape {tuple(x.shape[:2])}, got {got}"
+                )
+            if targets.device.type == "cpu" and targets.numel() and (
+                targets.min() < 0 or targets.max() >= c.vocab_size
+            ):
+                raise ValueError(f"targets must be in [0, vocab_size={c.vocab_size})")
+        elif targets is not None:
+            raise ValueError(f"stage {self.stage} is not the last stage; it takes no targets")
+
+    def forward(
+        self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """F: run the units in order with a synchronous all-reduce between."""
+        self._check_input(x, targets)
+        for unit in self.units:
+            partial = unit.forward_partial(mb, x, targets if unit is self.units[-1] else None)
+            x = unit.forward_finish(mb, self.allreduce(partial))
+        return x.detach()
+
+    def backward_input(
+        self, mb: int, grad: torch.Tensor | None, scale: float = 1.0
+    ) -> torch.Tensor | None:
+        """B: input gradients only, units in reverse; weight work waits for W."""
+        if self.is_last:
+            if grad is not None:
+                raise ValueError(
+                    "the last stage takes no output gradient (its loss gradient is `scale`)"
+                )
+            g: torch.Tensor | None = torch.tensor(scale, dtype=torch.float64)
+        else:
+            if grad is None:
+                raise ValueError(f"stage {self.stage} needs the output gradient of microbatch {mb}")
+            g = grad
+        for unit in reversed(self.units):
+            assert g is not None
+            partial = unit.backward_partial(mb, g)
+            g = unit.backward_finish(mb, None if partial is None else self.allreduce(partial))
+        return g
+
+    def backward_weight(self, mb: int) -> None:
+        """W: every unit's deferred weight gradients of mb into `.grad`."""
+        for unit in reversed(self.units):
+            unit.weight(mb)
+
+    def backward_full(
+        self, mb: int, grad: torch.Tensor | None, scale: float = 1.0
+    ) -> torch.Tensor | None:
+        """BW: B then W."""
+        grad_in = self.backward_input(mb, grad, scale)
+        self.backward_weight(mb)
+        return grad_in
+
+    # -- bookkeeping -----------------------------------------------------------
+
+    def pending_backward(self) -> list[int]:
+        """Microbatches forwarded whose B has not finished."""
+        return sorted({mb for u in self.units for mb in u.pending_backward()})
+
+    def pending_weight(self) -> list[int]:
+        """Microbatches whose B finished and whose W has not run."""
+        return sorted({mb for u in self.units for mb in u.pending_weight()})
+
+    def reset(self) -> None:
+        """Drop all microbatch state (e.g. after a failed step); gradients are kept."""
+        for unit in self.units:
+            unit.reset()
+
+
+def build_stage(
+    config: ModelConfig,
+    stage: int,
+    num_stages: int,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    allreduce: AllReduce | None = None,
+) -> ModelStage:
+    """Materialise only stage `stage` of `num_stages` on TP rank tp_rank of tp_size.
+
+    Layers are split contiguously (stp.models.init.stage_layers: the first
+    num_layers % num_stages stages get one extra). Stage 0 also holds the
+    vocab-parallel embedding; the last stage the final RMSNorm, the vocab-sharded
+    head and the vocab-parallel cross-entropy. `allreduce` (default: a sum
+    all-reduce on tp_group, identity when tp_size == 1) runs between units. With
+    tp_size > 1 and no tp_group, the default group is used if its size is tp_size."""
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
+    if num_stages > config.num_layers:
+        raise ValueError(
+            f"num_layers={config.num_layers} must be >= num_stages={num_stages} "
+            "(every stage needs at least one layer)"
+        )
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
+        raise ValueError(f"stage must be an int in [0, num_stages={num_stages}), got {stage!r}")
+    check_tp(config, tp_size, tp_rank)
+    if allreduce is None:
+        if tp_size > 1:
+            if not dist.is_initialized():
+                raise ValueError(f"tp_size={tp_size} needs torch.distributed initialised")
+            size = dist.get_world_size(tp_group)
+            rank = dist.get_rank(tp_group)
+            if (size, rank) != (tp_size, tp_rank):
+                raise ValueError(
+                    f"tp_size={tp_size}, tp_rank={tp_rank} disagree with the TP group "
+                    f"(size {size}, this rank {rank})"
+                )
+        allreduce = make_allreduce(tp_group, tp_size)
+    layers = stage_layers(config.num_layers, stage, num_stages)
+    specs = parameter_specs(config, layers, first=stage == 0, last=stage == num_stages - 1)
+    tensors = {
+        s.name: init_shard(config, s, tp_size, tp_rank, device=device, dtype=dtype) for s in specs
+    }
+    return ModelStage(
+        config, stage, num_stages, specs, tensors,
+        tp_size=tp_size, tp_rank=tp_rank, allreduce=allreduce,
+    )

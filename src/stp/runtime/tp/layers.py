@@ -1,0 +1,152 @@
+"""Megatron-style tensor-parallel pieces (seed 000 Fig. 2; Shoeybi et al. 2019,
+section 3) written so that no collective hides inside autograd.
+
+- Column-parallel linear: W [out, in] split on out (dim 0); the input is
+  replicated, the output sharded. Its input gradient is a partial sum: the
+  caller all-reduces it.
+- Row-parallel linear: W split on in (dim 1); the input is sharded, the output
+  a partial sum: the caller all-reduces it.
+Locally both are y = x W_local^T, so one autograd Function serves both; what
+differs is only where the caller puts the all-reduce (at a unit boundary).
+
+The Function splits the backward (Zero Bubble, seed 002, section 2): its
+backward computes dx = dy W only and appends (W, x, dy) to a sink; the W pass
+computes dW += dy^T x from it later (stp.runtime.tp.wgrad).
+
+Vocab-parallel embedding and cross-entropy shard the vocabulary: rank t owns
+token ids [t V/tp, (t+1) V/tp).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from stp.runtime.tp.wgrad import LinearGrad, NormGrad, WGradEntry
+
+__all__ = [
+    "linear",
+    "rms_norm",
+    "vocab_embedding_partial",
+    "vocab_ce_stats",
+    "vocab_ce_finish",
+    "vocab_ce_grad",
+]
+
+
+class _LinearFn(torch.autograd.Function):
+    """y = x W^T; backward gives dx only and defers dW to the sink."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, sink: list[WGradEntry]):
+        ctx.save_for_backward(x, weight)
+        ctx.sink = sink
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        ctx.sink.append(LinearGrad(weight, x, grad_out))
+        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
+        return grad_x, None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, sink: list[WGradEntry]) -> torch.Tensor:
+    """x [..., in] @ weight[out, in]^T -> [..., out], with the weight gradient deferred."""
+    return _LinearFn.apply(x, weight, sink)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Norm statistics and softmax in at least float32 (bf16 / fp16 lose the mean square).
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """y = g * x * rstd, rstd = 1 / sqrt(mean(x^2) + eps) (Zhang and Sennrich 2019).
+    Backward: dx = rstd * (dxhat - xhat * mean(dxhat * xhat)), dxhat = dy * g; the
+    gain's gradient sum(dy * xhat) is deferred to W."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, sink: list[WGradEntry]
+    ):
+        xf = x.to(_compute_dtype(x.dtype))
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        xhat = xf * rstd
+        ctx.save_for_backward(xhat, rstd, weight)
+        ctx.sink = sink
+        return (xhat * weight).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        xhat, rstd, weight = ctx.saved_tensors
+        ctx.sink.append(NormGrad(weight, xhat, grad_out))
+        dxhat = grad_out.to(xhat.dtype) * weight
+        grad_x = rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+        return grad_x.to(grad_out.dtype), None, None, None
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, sink: list[WGradEntry]
+) -> torch.Tensor:
+    """RMSNorm over the last dim with the gain's gradient deferred to W."""
+    return _RMSNormFn.apply(x, weight, eps, sink)
+
+
+def vocab_embedding_partial(
+    ids: torch.Tensor, weight: torch.Tensor, vocab_start: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's share of the embedding lookup: rows for the ids it owns, zeros for
+    the others, so the sum over TP ranks (one all-reduce) is the full lookup.
+    Returns (partial [b, s, h], owned mask [b, s], local row of each id [b, s])."""
+    local = ids - vocab_start
+    owned = (local >= 0) & (local < weight.shape[0])
+    local = torch.where(owned, local, torch.zeros_like(local))
+    partial = weight[local] * owned.unsqueeze(-1).to(weight.dtype)
+    return partial, owned, local
+
+
+def vocab_ce_stats(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, tp_size: int, tp_rank: int
+) -> torch.Tensor:
+    """Partial statistics of the vocab-parallel cross-entropy, made to be SUMMED over
+    the TP group by one all-reduce: rows 0..tp-1 hold each rank's local
+    logsumexp (rank t writes row t, the others are 0), row tp the target's logit
+    (only its owner adds it). The global logsumexp is then
+    log sum_t exp(lse_t) = m + log sum_t exp(lse_t - m), m = max_t lse_t: the
+    max-shift of Megatron's max all-reduce, done after one sum all-reduce
+    instead of before a second one. Returns [tp + 1, b, s] in float32 or wider."""
+    lf = logits.to(_compute_dtype(logits.dtype))
+    stats = lf.new_zeros((tp_size + 1, *targets.shape))
+    stats[tp_rank] = torch.logsumexp(lf, dim=-1)
+    local = targets - vocab_start
+    owned = (local >= 0) & (local < logits.shape[-1])
+    picked = lf.gather(-1, torch.where(owned, local, 0).unsqueeze(-1)).squeeze(-1)
+    stats[tp_size] = torch.where(owned, picked, 0.0)
+    return stats
+
+
+def vocab_ce_finish(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the reduced statistics: (mean loss over tokens, global logsumexp [b, s])."""
+    lse = torch.logsumexp(stats[:-1], dim=0)
+    return (lse - stats[-1]).mean(), lse
+
+
+def vocab_ce_grad(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    vocab_start: int,
+    grad_loss: torch.Tensor,
+) -> torch.Tensor:
+    """d(mean loss)/d(local logits) * grad_loss = (softmax - onehot) * grad_loss / n,
+    with softmax = exp(logits - global lse): no collective needed."""
+    lf = logits.to(_compute_dtype(logits.dtype))
+    grad = torch.exp(lf - lse.unsqueeze(-1))
+    local = targets - vocab_start
+    owned = (local >= 0) & (local < logits.shape[-1])
+    rows = torch.where(owned, local, 0).unsqueeze(-1)
+    grad.scatter_add_(-1, rows, -owned.to(grad.dtype).unsqueeze(-1))
+    grad.mul_(grad_loss.to(grad.dtype) / targets.numel())
+    return grad.to(logits.dtype)

@@ -1,0 +1,108 @@
+"""The deferred weight-gradient store of the split backward (Zero Bubble, seed 002,
+section 2): B computes input gradients only and records, per parameter, what W
+needs; W later turns the records into `.grad` and frees them.
+
+    linear  y = x W^T      B: dx = dy W            W: dW += dy^T x
+    RMSNorm y = xhat * g   B: dx (needs g, xhat)   W: dg += sum_tokens dy * xhat
+    embed   y = E[ids]     B: (no input grad)      W: dE[ids] += dy
+
+The RMSNorm weights are small, but they are still deferred to W so that B never
+touches `.grad` (the PipelineStage contract: weight gradients wait for W).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LinearGrad", "NormGrad", "EmbedGrad", "WGradEntry", "WGradStore", "accumulate_grad"]
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """param.grad += grad, creating it on first use (gradients accumulate over
+    microbatches until the optimizer zeroes them)."""
+    grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad.contiguous()
+    else:
+        param.grad.add_(grad)
+
+
+@dataclass
+class LinearGrad:
+    weight: torch.Tensor
+    """[out, in] local shard."""
+    x: torch.Tensor
+    """Input [..., in] saved by the forward."""
+    grad_out: torch.Tensor
+    """Output gradient [..., out] from B."""
+
+    def accumulate(self) -> None:
+        x2 = self.x.reshape(-1, self.x.shape[-1])
+        gy2 = self.grad_out.reshape(-1, self.grad_out.shape[-1])
+        if self.weight.grad is None:
+            self.weight.grad = (gy2.t() @ x2).to(self.weight.dtype)
+        else:
+            self.weight.grad.addmm_(gy2.t().to(self.weight.dtype), x2.to(self.weight.dtype))
+
+
+@dataclass
+class NormGrad:
+    weight: torch.Tensor
+    """[h] RMSNorm gain (replicated over TP)."""
+    xhat: torch.Tensor
+    """Normalised input x * rstd [..., h]."""
+    grad_out: torch.Tensor
+    """Output gradient [..., h] (already all-reduced over TP, so replicated)."""
+
+    def accumulate(self) -> None:
+        h = self.xhat.shape[-1]
+        accumulate_grad(self.weight, (self.grad_out * self.xhat).reshape(-1, h).sum(0))
+
+
+@dataclass
+class EmbedGrad:
+    weight: torch.Tensor
+    """[V / tp, h] local vocab shard."""
+    local_ids: torch.Tensor
+    """Row of each token in the local shard [n] (only tokens this rank owns)."""
+    grad_out: torch.Tensor
+    """Output gradient of those tokens [n, h]."""
+
+    def accumulate(self) -> None:
+        if self.weight.grad is None:
+            self.weight.grad = torch.zeros_like(self.weight)
+        self.weight.grad.index_add_(0, self.local_ids, self.grad_out.to(self.weight.dtype))
+
+
+WGradEntry = LinearGrad | NormGrad | EmbedGrad
+
+
+class WGradStore:
+    """Per-microbatch lists of pending W work for one unit.
+
+    `open(mb)` at forward time gives the list the unit's autograd Functions append
+    to during B; `flush(mb)` runs W for that microbatch and drops the tensors."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, list[WGradEntry]] = {}
+
+    def open(self, mb: int) -> list[WGradEntry]:
+        if mb in self._pending:
+            raise RuntimeError(f"microbatch {mb} already has weight-gradient work pending")
+        sink: list[WGradEntry] = []
+        self._pending[mb] = sink
+        return sink
+
+    def flush(self, mb: int) -> None:
+        sink = self._pending.pop(mb)
+        for entry in sink:
+            entry.accumulate()
+        sink.clear()
+
+    def discard(self, mb: int) -> None:
+        self._pending.pop(mb, None)
+
+    def pending(self) -> list[int]:
+        return sorted(self._pending)
