@@ -46,6 +46,18 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
         "--layers", type=positive_int, default=1,
         help="transformer layers per model chunk; each gives two units (attention, MLP)",
     )
+    p.add_argument(
+        "--model", default=None, metavar="NAME[,key=val..]",
+        help="derive costs and memory from a model: a preset (zb-1.5b, zb-6.2b, zb-14.6b, "
+        "zb-28.3b, qwen2-12.1b, qwen2-26.3b) and/or fields (layers, hidden, heads, kv_heads, "
+        "ffn, vocab, sequence, micro_batch, tp, ...); --cost/--mem keys override the result",
+    )
+    p.add_argument(
+        "--hardware", default=None, metavar="NAME[,key=val..]",
+        help="hardware for --model: a100-80g (default) or a800-80g, and/or fields "
+        "(peak_flops, efficiency, tp_bandwidth, tp_latency, pp_bandwidth, pp_latency, "
+        "host_bandwidth)",
+    )
 
 
 def schedule_from_args(args: argparse.Namespace, name: str | None = None) -> Schedule:
@@ -59,4 +71,17 @@ def schedule_from_args(args: argparse.Namespace, name: str | None = None) -> Sch
 
 
 def costs_from_args(args: argparse.Namespace) -> tuple[Costs, MemCosts]:
-    return parse_costs(args.cost), parse_mem(args.mem)
+    """--cost/--mem, on top of what --model/--hardware derive (stp.costmodel) if given."""
+    model = getattr(args, "model", None)
+    hardware = getattr(args, "hardware", None)
+    if model is None:
+        if hardware is not None:
+            raise ValueError("--hardware needs --model (the model the costs are derived for)")
+        return parse_costs(args.cost), parse_mem(args.mem)
+    from stp.costmodel import derive, parse_hardware, parse_model
+
+    pp = getattr(args, "pp", None)
+    if pp is None:
+        raise ValueError("--model needs --pp: costs are per pipeline rank's share of the model")
+    derived = derive(parse_model(model), parse_hardware(hardware or "a100-80g"), pp)
+    return parse_costs(args.cost, derived.costs), parse_mem(args.mem, derived.mem)

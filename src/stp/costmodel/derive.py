@@ -1,0 +1,156 @@
+"""Model + hardware + pipeline size -> the simulator's costs and memory units.
+
+What one rank does for one microbatch (its share: `L = layers / pp`
+transformer layers, all of its chunks together; `stp.sim.costs`):
+
+    f, b, w   L x (F, B, W FLOPs of a layer, `stp.costmodel.model`) / achieved FLOP/s
+    ar        L x 2 all-reduces of the layer output (s b h 16-bit values) in one
+              F pass (Megatron-LM TP: after attention and after the MLP; B has the
+              same two on the input gradients; Shoeybi et al. 2019, section 3)
+    comm      one send of the stage output, s b h 16-bit values (1/t of it per
+              TP rank with sequence parallelism, Korthikanti et al. 2023)
+    mem       M_B = 1 unit = L x M_B bytes of a layer; M_W as a fraction of it
+
+Times are in milliseconds. The embedding and output layer (vocabulary) sit on
+the first and last stage only; the simulator gives every rank the same costs,
+so they are reported (`lm_head_ms`) but not added, as the Zero Bubble and
+STP papers balance them by giving those stages fewer layers.
+
+The offload ratio of REFERENCE section 4 (PipeOffload), `k = T_offload /
+T_compute`, is `M_B bytes / host bandwidth` over `f + b + w`: k <= 1 means
+every activation can go to host memory and back within its own compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from stp.costmodel.hardware import HardwareSpec, allreduce_time, p2p_time
+from stp.costmodel.model import ModelSpec, layer_activation_bytes, layer_flops
+from stp.costmodel.presets import HARDWARE, MODELS
+from stp.schedule.memory import MemCosts
+from stp.sim.costs import Costs
+
+__all__ = ["Derived", "derive", "parse_model", "parse_hardware"]
+
+
+@dataclass(frozen=True)
+class Derived:
+    """The simulator's inputs for one (model, hardware, pp), and how they came about."""
+
+    costs: Costs
+    """Times of one microbatch through one rank's share, milliseconds."""
+    mem: MemCosts
+    """M_B = 1 (the unit of every memory figure) and M_W / M_B."""
+    bytes_per_unit: float
+    """Bytes of one M_B unit on one GPU: converts memory figures to bytes."""
+    layers_per_rank: float
+    flops_per_rank: tuple[float, float, float]
+    """F, B, W FLOPs of one microbatch through one rank's share (one TP rank)."""
+    lm_head_ms: float
+    """Output layer forward time (last stage only; not in `costs`)."""
+    offload_ratio: float
+    """PipeOffload's k = offload time of M_B / compute time f + b + w."""
+
+    def to_json(self) -> dict[str, object]:
+        c = self.costs
+        return {
+            "costs_ms": {"f": c.f, "b": c.b, "w": c.w, "ar": c.ar, "comm": c.comm},
+            "mem": {"b": self.mem.m_b, "w": self.mem.m_w},
+            "bytes_per_unit": self.bytes_per_unit,
+            "layers_per_rank": self.layers_per_rank,
+            "flops_per_rank": list(self.flops_per_rank),
+            "lm_head_ms": self.lm_head_ms,
+            "offload_ratio": self.offload_ratio,
+        }
+
+
+def derive(model: ModelSpec, hardware: HardwareSpec, pp: int) -> Derived:
+    """Per-rank costs of `model` cut into `pp` pipeline ranks on `hardware`."""
+    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+        raise ValueError(f"pipeline size pp={pp!r} must be an integer >= 1")
+    if pp > model.layers:
+        raise ValueError(
+            f"pp={pp} exceeds the model's {model.layers} layers; at most one rank per layer"
+        )
+    per_rank = model.layers / pp
+    f_fl, b_fl, w_fl = (x * per_rank for x in layer_flops(model))
+    ms = 1e3 / hardware.achieved_flops
+    s, b, h, t = model.sequence, model.micro_batch, model.hidden, model.tp
+    layer_out = 2.0 * s * b * h  # bytes of one 16-bit layer output
+    ar = 2 * per_rank * allreduce_time(layer_out, t, hardware.tp_bandwidth, hardware.tp_latency)
+    sent = layer_out / t if model.sequence_parallel else layer_out
+    comm = p2p_time(sent, hardware.pp_bandwidth, hardware.pp_latency)
+    m_b, m_w = layer_activation_bytes(model)
+    unit = m_b * per_rank
+    costs = Costs(f=f_fl * ms, b=b_fl * ms, w=w_fl * ms, ar=ar * 1e3, comm=comm * 1e3)
+    lm_head = 2.0 * s * b * h * model.vocab / t * ms
+    compute = costs.f + costs.b + costs.w
+    offload = (unit / hardware.host_bandwidth * 1e3) / compute
+    return Derived(
+        costs=costs,
+        mem=MemCosts(m_b=1.0, m_w=m_w / m_b),
+        bytes_per_unit=unit,
+        layers_per_rank=per_rank,
+        flops_per_rank=(f_fl, b_fl, w_fl),
+        lm_head_ms=lm_head,
+        offload_ratio=offload,
+    )
+
+
+def _convert(cls: type, key: str, raw: str, what: str) -> object:
+    types = {fl.name: fl.type for fl in fields(cls)}
+    if key not in types:
+        raise ValueError(f"unknown {what} key {key!r}; accepted: {', '.join(types)}")
+    kind = types[key]
+    try:
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+        if kind == "bool":
+            low = raw.strip().lower()
+            if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError
+            return low in ("1", "true", "yes", "on")
+    except ValueError:
+        raise ValueError(f"{what} {key}={raw!r} is not a valid {kind}") from None
+    return raw
+
+
+def _parse(text: str, presets: dict, cls: type, what: str) -> object:
+    """`NAME`, `NAME,key=val,...` or `key=val,...` (all fields given)."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise ValueError(f"empty --{what}; give a preset ({', '.join(presets)}) or key=value items")
+    base = None
+    if "=" not in items[0]:
+        name = items.pop(0)
+        if name not in presets:
+            raise ValueError(f"unknown {what} preset {name!r}; choose one of: {', '.join(presets)}")
+        base = presets[name]
+    vals: dict[str, object] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"{what} item {item!r} is not KEY=VALUE")
+        vals[key.strip()] = _convert(cls, key.strip(), raw.strip(), what)
+    if base is not None:
+        return replace(base, **vals)
+    try:
+        return cls(**vals)
+    except TypeError as e:
+        raise ValueError(
+            f"--{what} without a preset needs every required field: {e}; or start with one "
+            f"of: {', '.join(presets)}"
+        ) from None
+
+
+def parse_model(text: str) -> ModelSpec:
+    """`qwen2-12.1b,sequence=6144,tp=8` -> ModelSpec (preset names in MODELS)."""
+    return _parse(text, MODELS, ModelSpec, "model")  # type: ignore[return-value]
+
+
+def parse_hardware(text: str) -> HardwareSpec:
+    """`a800-80g,efficiency=0.45` -> HardwareSpec (preset names in HARDWARE)."""
+    return _parse(text, HARDWARE, HardwareSpec, "hardware")  # type: ignore[return-value]

@@ -1,0 +1,142 @@
+"""A decoder-only transformer's shape, and its FLOPs and activation bytes per layer.
+
+Formulas (per transformer layer, one microbatch: `s` sequence, `b`
+microbatch size, `h` hidden, `a` query heads, `k` key/value heads,
+`d = h / a` head size, `f` feed-forward width, `t` tensor-parallel size):
+
+FLOPs count matmuls only, 2 FLOPs per multiply-add (Narayanan et al.,
+"Efficient Large-Scale Language Model Training on GPU Clusters", SC'21,
+section 5.1; Zero Bubble, seed 002, Table 1):
+
+    linear  L = 2sb (h (h + 2kd) + h h + g h f)     QKV, output projection, MLP
+                                                     (g = 3 gated SwiGLU, 2 GELU)
+    attn    A = 4 s^2 b h                            QK^T and (softmax) V
+    F = L + A        B = L + 2A        W = L
+
+Each forward matmul has two backward matmuls of the same size, one for the
+input gradient (B) and one for the weight gradient (W); attention has no
+weights, so both of its backward matmuls are in B. For a GPT layer
+(k = a, g = 2, f = 4h) this is Zero Bubble's Table 1 exactly:
+F = sbh(24h + 4s), B = sbh(24h + 8s), W = 24sbh^2.
+
+Activation bytes (16-bit activations, 1-byte dropout masks), term by term as
+Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+Models" (MLSys 2023), section 4.1, generalised to GQA and gated MLPs:
+
+    M_B = sb [ 10h + (2h + 4kd + 2h + 2(g-1)f + 2f) / t ] + 5 a s^2 b / t
+          (replicated: 2 LayerNorm inputs 4h, their outputs 4h, 2 dropout masks
+           2h; split by TP: Q, K, V, attention output, MLP hidden values;
+           attention scores, softmax and its dropout 5as^2b unless flash)
+    M_W = 2sb [ (2h + (h + 2kd)/t) + (h/t + h) + (h + (g-1)f/t) + (f/t + h) ]
+          (what W needs: each linear layer's input and its output gradient)
+
+For GPT (t = 1) these are Zero Bubble's `M_B = sb(34h + 5as)` and
+`M_W = 32sbh` (Table 1). With sequence parallelism the replicated terms are
+split too (Korthikanti eq. 5); flash attention keeps no s^2 terms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+__all__ = ["ModelSpec", "layer_flops", "layer_activation_bytes", "num_parameters"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer and how one microbatch is cut."""
+
+    layers: int
+    """Transformer layers of the whole model."""
+    hidden: int
+    """Hidden size h."""
+    heads: int
+    """Query heads a."""
+    kv_heads: int
+    """Key/value heads k (k = a: multi-head attention; k < a: GQA)."""
+    ffn: int
+    """Feed-forward width f (GPT: 4h)."""
+    vocab: int
+    """Vocabulary size (embedding and output layer; on the first and last stage)."""
+    sequence: int
+    """Sequence length s."""
+    micro_batch: int = 1
+    """Sequences per microbatch b."""
+    tp: int = 1
+    """Tensor-parallel size t (Megatron column/row split of every layer)."""
+    gated_mlp: bool = True
+    """SwiGLU-style MLP (3 matrices) instead of GELU (2 matrices)."""
+    flash_attention: bool = False
+    """Attention kernels that keep no s x s scores (no 5as^2b activation term)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: the replicated activations are split by t too."""
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for fl in fields(self):
+            val = getattr(self, fl.name)
+            if fl.type == "int" and (not isinstance(val, int) or isinstance(val, bool) or val < 1):
+                raise ValueError(f"model {fl.name}={val!r} must be an integer >= 1")
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"model hidden={self.hidden} must be a multiple of heads={self.heads}"
+            )
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"model heads={self.heads} must be a multiple of kv_heads={self.kv_heads}"
+            )
+        if self.heads % self.tp or self.kv_heads % self.tp and self.tp % self.kv_heads:
+            raise ValueError(
+                f"model tp={self.tp} must divide heads={self.heads} (and divide or be a "
+                f"multiple of kv_heads={self.kv_heads})"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.gated_mlp else 2
+
+
+def layer_flops(spec: ModelSpec) -> tuple[float, float, float]:
+    """(F, B, W) FLOPs of one transformer layer for one microbatch, one TP rank."""
+    s, b, h, f = spec.sequence, spec.micro_batch, spec.hidden, spec.ffn
+    kd = spec.kv_heads * spec.head_dim
+    linear = 2 * s * b * (h * (h + 2 * kd) + h * h + spec.mlp_matrices * h * f)
+    attn = 4 * s * s * b * h
+    t = spec.tp
+    return (linear + attn) / t, (linear + 2 * attn) / t, linear / t
+
+
+def layer_activation_bytes(spec: ModelSpec) -> tuple[float, float]:
+    """(M_B, M_W) bytes of one transformer layer for one microbatch, one TP rank."""
+    s, b, h, f, t = spec.sequence, spec.micro_batch, spec.hidden, spec.ffn, spec.tp
+    kd = spec.kv_heads * spec.head_dim
+    g = spec.mlp_matrices
+    replicated = 10 * h
+    split = 2 * h + 4 * kd + 2 * h + 2 * (g - 1) * f + 2 * f
+    if spec.sequence_parallel:
+        m_b = s * b * (replicated + split) / t
+    else:
+        m_b = s * b * (replicated + split / t)
+    if not spec.flash_attention:
+        m_b += 5 * spec.heads * s * s * b / t
+    sp = t if spec.sequence_parallel else 1
+    m_w = 2 * s * b * (
+        (h / sp + (h + 2 * kd) / t)  # QKV: input, output gradient
+        + (h / t + h / sp)  # attention output projection
+        + (h / sp + (g - 1) * f / t)  # MLP up (and gate)
+        + (f / t + h / sp)  # MLP down
+    )
+    return m_b, m_w
+
+
+def num_parameters(spec: ModelSpec, *, tied_embeddings: bool = False) -> int:
+    """Weights of the whole model (biases and norms left out: under 0.1%)."""
+    h, f = spec.hidden, spec.ffn
+    kd = spec.kv_heads * spec.head_dim
+    per_layer = h * (h + 2 * kd) + h * h + spec.mlp_matrices * h * f
+    embed = spec.vocab * h * (1 if tied_embeddings else 2)
+    return spec.layers * per_layer + embed

@@ -1,0 +1,125 @@
+"""Named models, hardware, and the published figures the benchmarks compare with.
+
+Models
+  * `zb-1.5b`, `zb-6.2b`, `zb-14.6b`, `zb-28.3b`: the Zero Bubble paper's
+    GPT-3-like models (Qi et al., ICLR 2024, arXiv 2401.10241, Table 3:
+    layers, heads, hidden, sequence 1024, microbatch size 6/3/1/1). The
+    vocabulary is not in the paper; GPT-2's BPE (50257) is assumed.
+  * `qwen2-12.1b`, `qwen2-26.3b`: Qwen2-style models (GQA, SwiGLU, vocabulary
+    152064) for the STP paper's LLM experiments (seed 000, section 5:
+    A800-80GB, TP 2-8, PP 2-8, sequence 2048-8192). The paper's model table
+    was not available to us; these shapes are ASSUMED: Qwen2 layer shapes
+    whose parameter count matches the name (12.0B and 26.3B by
+    `num_parameters`) with a layer count of the form k*PP - 2 for PP in
+    {2, 4, 8}, as the paper splits the model with two fewer layers on the
+    last stage. Override any field: `--model qwen2-12.1b,sequence=6144,tp=8`.
+
+Hardware (16-bit dense peak from NVIDIA's A100 / A800 datasheets; link
+bandwidths are one direction; `efficiency` and the effective bandwidths are
+assumptions, override them with `--hardware a800-80g,efficiency=0.45`)
+  * `a100-80g`: NVLink 600 GB/s both directions; the Zero Bubble paper's
+    nodes are linked by RoCE (assumed 200 Gb/s per GPU).
+  * `a800-80g`: the export variant, NVLink capped at 400 GB/s both directions.
+"""
+
+from __future__ import annotations
+
+from stp.costmodel.hardware import HardwareSpec
+from stp.costmodel.model import ModelSpec
+
+__all__ = [
+    "MODELS",
+    "HARDWARE",
+    "ZB_PROFILED",
+    "ZB_BUBBLE_RATES",
+    "ZB_BUBBLE_COLUMNS",
+    "STP_REPORTED",
+]
+
+
+def _gpt(name: str, layers: int, heads: int, hidden: int, micro_batch: int) -> ModelSpec:
+    return ModelSpec(
+        layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden,
+        vocab=50257, sequence=1024, micro_batch=micro_batch, gated_mlp=False, name=name,
+    )
+
+
+def _qwen2(name: str, layers: int, hidden: int, heads: int, ffn: int) -> ModelSpec:
+    return ModelSpec(
+        layers=layers, hidden=hidden, heads=heads, kv_heads=8, ffn=ffn, vocab=152064,
+        sequence=4096, micro_batch=1, tp=8, gated_mlp=True, flash_attention=True, name=name,
+    )
+
+
+MODELS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in [
+        _gpt("zb-1.5b", 22, 24, 2304, 6),
+        _gpt("zb-6.2b", 30, 32, 4096, 3),
+        _gpt("zb-14.6b", 46, 40, 5120, 1),
+        _gpt("zb-28.3b", 62, 48, 6144, 1),
+        _qwen2("qwen2-12.1b", 38, 5120, 40, 13824),
+        _qwen2("qwen2-26.3b", 46, 7168, 56, 18944),
+    ]
+}
+
+HARDWARE: dict[str, HardwareSpec] = {
+    h.name: h
+    for h in [
+        HardwareSpec(
+            name="a100-80g", peak_flops=312e12, efficiency=0.5, tp_bandwidth=200e9,
+            tp_latency=5e-6, pp_bandwidth=25e9, pp_latency=10e-6, host_bandwidth=25e9,
+        ),
+        HardwareSpec(
+            name="a800-80g", peak_flops=312e12, efficiency=0.5, tp_bandwidth=130e9,
+            tp_latency=5e-6, pp_bandwidth=25e9, pp_latency=10e-6, host_bandwidth=25e9,
+        ),
+    ]
+}
+
+# Zero Bubble paper, Appendix D, Table 9: profiled T_F, T_B, T_W, T_comm (ms)
+# of one stage; (model, p, m) -> (f, b, w, comm).
+ZB_PROFILED: dict[tuple[str, int, int], tuple[float, float, float, float]] = {
+    ("zb-1.5b", 8, 24): (18.522, 18.086, 9.337, 0.601),
+    ("zb-1.5b", 8, 32): (18.513, 18.086, 9.331, 0.626),
+    ("zb-1.5b", 8, 64): (18.546, 18.097, 9.321, 0.762),
+    ("zb-6.2b", 8, 24): (29.718, 29.444, 19.927, 0.527),
+    ("zb-6.2b", 8, 32): (29.802, 29.428, 19.530, 0.577),
+    ("zb-6.2b", 8, 64): (29.935, 29.621, 19.388, 0.535),
+    ("zb-14.6b", 16, 48): (11.347, 11.248, 8.132, 0.377),
+    ("zb-14.6b", 16, 64): (11.307, 11.254, 8.101, 0.379),
+    ("zb-14.6b", 16, 128): (11.325, 11.308, 8.109, 0.378),
+    ("zb-28.3b", 32, 96): (10.419, 10.207, 7.715, 0.408),
+    ("zb-28.3b", 32, 128): (10.408, 10.204, 7.703, 0.408),
+    ("zb-28.3b", 32, 256): (10.402, 10.248, 7.698, 0.460),
+}
+
+ZB_BUBBLE_COLUMNS = ("1f1b", "1f1b-i", "zb-h1", "zb-h2", "zb-1p", "zb-2p")
+"""Columns of ZB_BUBBLE_RATES; zb-1p / zb-2p are the paper's searched
+schedules at memory limits p M_B / 2p M_B."""
+
+# Zero Bubble paper, section 5.3, Table 5: bubble rates computed by the
+# authors from the profiled costs above (not measured).
+ZB_BUBBLE_RATES: dict[tuple[str, int, int], tuple[float, ...]] = {
+    ("zb-1.5b", 8, 24): (0.2431, 0.1055, 0.1585, 0.1083, 0.1585, 0.0433),
+    ("zb-1.5b", 8, 32): (0.1985, 0.0818, 0.1242, 0.0837, 0.1242, 0.0039),
+    ("zb-1.5b", 8, 64): (0.1240, 0.0443, 0.0674, 0.0444, 0.0674, 0.0026),
+    ("zb-6.2b", 8, 24): (0.2347, 0.0808, 0.1323, 0.0698, 0.1323, 0.0029),
+    ("zb-6.2b", 8, 32): (0.1898, 0.0628, 0.1045, 0.0559, 0.1045, 0.0022),
+    ("zb-6.2b", 8, 64): (0.1091, 0.0320, 0.0554, 0.0294, 0.0554, 0.0010),
+    ("zb-14.6b", 16, 48): (0.2552, 0.1104, 0.1397, 0.0672, 0.1397, 0.0066),
+    ("zb-14.6b", 16, 64): (0.2082, 0.0852, 0.1088, 0.0516, 0.1088, 0.0054),
+    ("zb-14.6b", 16, 128): (0.1251, 0.0445, 0.0576, 0.0266, 0.0576, 0.0028),
+    ("zb-28.3b", 32, 96): (0.2646, 0.1493, 0.1421, 0.0641, 0.1421, 0.0038),
+    ("zb-28.3b", 32, 128): (0.2168, 0.1164, 0.1106, 0.0490, 0.1106, 0.0029),
+    ("zb-28.3b", 32, 256): (0.1352, 0.0624, 0.0594, 0.0257, 0.0594, 0.0018),
+}
+
+STP_REPORTED: dict[str, object] = {
+    "claim": "up to +12% throughput over 1F1B-I / ZB-V for LLMs",
+    "setting": {"model": "qwen2-12.1b", "tp": 8, "pp": 2, "sequence": 6144},
+    "gain": 0.12,
+    "source": "STP (seed 000), abstract and section 5; setting as stated in the issue",
+}
+"""The STP paper's headline LLM gain, the one the STP benchmark sets beside its
+simulated throughput."""
