@@ -1,0 +1,159 @@
+"""The pp x tp x dp device mesh: validated sizes, rank layout, process groups.
+
+Rank layout (row-major over the named axes pp, dp, tp; tp fastest):
+
+    global rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+
+so the ranks of one TP group are consecutive (one node, the fastest links:
+TP all-reduces run twice per layer per pass, Megatron-LM's placement), the
+DP replicas of a stage come next and pipeline stages are farthest apart
+(point-to-point only). Everything is an object passed in; no module globals,
+so several meshes can live in one test process (STYLE.md, "topology is
+explicit and injected", torchtitan's ParallelDims).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ParallelDims", "Coord", "Mesh"]
+
+
+class Coord(NamedTuple):
+    """A rank's position on the mesh."""
+
+    pp: int
+    tp: int
+    dp: int
+
+
+def _check_size(axis: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"mesh size {axis}={value!r} not accepted; it must be an integer >= 1")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the three parallel axes."""
+
+    pp: int = 1
+    """Pipeline ranks (each holds one or more stages, per the schedule's placement)."""
+    tp: int = 1
+    """Tensor-parallel ranks per stage (heads, FFN and vocabulary are split)."""
+    dp: int = 1
+    """Data-parallel replicas (gradients averaged)."""
+
+    def __post_init__(self) -> None:
+        for axis in ("pp", "tp", "dp"):
+            _check_size(axis, getattr(self, axis))
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.tp * self.dp
+
+    def check_world(self, world_size: int) -> None:
+        """ValueError unless the world has exactly pp x tp x dp ranks."""
+        if world_size != self.world_size:
+            raise ValueError(
+                f"world size {world_size} does not match pp x tp x dp = {self.pp} x {self.tp} x "
+                f"{self.dp} = {self.world_size}; start {self.world_size} processes or change "
+                "--pp/--tp/--dp"
+            )
+
+    def rank_of(self, coord: Coord) -> int:
+        return (coord.pp * self.dp + coord.dp) * self.tp + coord.tp
+
+    def coord_of(self, rank: int) -> Coord:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside 0..{self.world_size - 1}")
+        tp = rank % self.tp
+        dp = (rank // self.tp) % self.dp
+        pp = rank // (self.tp * self.dp)
+        return Coord(pp, tp, dp)
+
+    def group_ranks(self, axis: str, coord: Coord) -> list[int]:
+        """Global ranks along `axis` through `coord`, ordered by that axis."""
+        if axis not in ("pp", "tp", "dp"):
+            raise ValueError(f"unknown mesh axis {axis!r}; accepted: pp, tp, dp")
+        size = getattr(self, axis)
+        return [self.rank_of(coord._replace(**{axis: i})) for i in range(size)]
+
+    def all_groups(self, axis: str) -> list[list[int]]:
+        """Every group along `axis`, in a fixed order (all ranks must create them alike)."""
+        others = [a for a in ("pp", "tp", "dp") if a != axis]
+        groups = []
+        for i in range(getattr(self, others[0])):
+            for j in range(getattr(self, others[1])):
+                base = Coord(0, 0, 0)._replace(**{others[0]: i, others[1]: j})
+                groups.append(self.group_ranks(axis, base))
+        return groups
+
+
+@dataclass
+class Mesh:
+    """This rank's place on the mesh and its three process groups.
+
+    Build with `Mesh.from_world(dims)` after `torch.distributed` is
+    initialised. Group ranks equal the axis coordinate (pipeline peer `r` is
+    group rank `r` of `pp_group`).
+    """
+
+    dims: ParallelDims
+    rank: int
+    coord: Coord
+    pp_group: dist.ProcessGroup
+    tp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    backend: str
+    device: torch.device
+    ranks: dict[str, list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def from_world(
+        cls,
+        dims: ParallelDims,
+        *,
+        device: torch.device | str | None = None,
+        timeout: float | None = None,
+    ) -> Mesh:
+        """Validate the world against `dims` and create the pp, tp, dp groups.
+
+        Collective: every rank of the world must call it with the same dims.
+        `timeout` (seconds) bounds every collective on the new groups.
+        """
+        if not dist.is_initialized():
+            raise ValueError("torch.distributed is not initialised; call init_process_group first")
+        dims.check_world(dist.get_world_size())
+        rank = dist.get_rank()
+        coord = dims.coord_of(rank)
+        backend = str(dist.get_backend())
+        kw = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+        mine: dict[str, dist.ProcessGroup] = {}
+        ranks: dict[str, list[int]] = {}
+        for axis in ("pp", "tp", "dp"):
+            for group_ranks in dims.all_groups(axis):
+                group = dist.new_group(group_ranks, **kw)
+                if rank in group_ranks:
+                    mine[axis], ranks[axis] = group, group_ranks
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else (
+                torch.device("cpu")
+            )
+        return cls(
+            dims, rank, coord, mine["pp"], mine["tp"], mine["dp"], backend,
+            torch.device(device), ranks,
+        )
+
+    def describe(self) -> str:
+        """`rank 3 (pp 1, tp 1, dp 0)`: used in every runtime message."""
+        c = self.coord
+        return f"rank {self.rank} (pp {c.pp}, tp {c.tp}, dp {c.dp})"
+
+    def pp_peer_rank(self, pp_rank: int) -> int:
+        """Global rank of pipeline rank `pp_rank` in this rank's pipeline."""
+        return self.ranks["pp"][pp_rank]

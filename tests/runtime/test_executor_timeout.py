@@ -1,0 +1,108 @@
+"""Hangs become diagnoses: a rank that waits past the timeout names itself, the
+action and the peer, and every rank exits (nothing blocks forever)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from _dist import DistFailure, run_dist
+from test_executor_toy import HIDDEN, MBS, SEQ, ToyStage, _batch
+
+from stp.runtime.errors import CommTimeout
+from stp.runtime.executor import Executor
+from stp.runtime.launch import launch_local
+from stp.runtime.mesh import Mesh, ParallelDims
+from stp.runtime.p2p import P2P
+from stp.schedule.lower import LoweredSchedule, lower
+from stp.trainer import Trainer, make_schedule
+
+TIMEOUT = 1.5
+
+
+def _lost_send(rank: int, world: int) -> None:
+    """Rank 0's program loses its 0SEND_F0: rank 1 starves in 1RECV_F0, and
+    rank 0 then starves in 0RECV_B0."""
+    mesh = Mesh.from_world(ParallelDims(pp=2), timeout=30)
+    sch = make_schedule("1f1b", 2, 2)
+    low = lower(sch)
+    progs = list(low.actions)
+    progs[0] = tuple(a for a in progs[0] if str(a) != "0SEND_F0")
+    broken = LoweredSchedule(sch, tuple(progs), low.lookahead)
+    stages = {s: ToyStage(s, 2, 2) for s in sch.stages_of(rank)}
+    p2p = P2P(mesh.pp_group, mesh.ranks["pp"], 2, timeout=TIMEOUT, where=mesh.describe())
+    ex = Executor(broken, rank, stages, p2p, boundary_shape=(MBS, SEQ, HIDDEN),
+                  dtype=torch.float64, where=mesh.describe())
+    tokens, targets = _batch(2)
+    ex.run(list(tokens.chunk(2)), list(targets.chunk(2)))
+
+
+def test_lost_send_names_rank_action_and_peer():
+    start = time.monotonic()
+    with pytest.raises(DistFailure) as info:
+        run_dist(_lost_send, 2, timeout=60)
+    errors = info.value.errors
+    assert time.monotonic() - start < 30
+    assert set(errors) == {0, 1}
+    assert "CommTimeout" in errors[1]
+    assert "rank 1 (pp 1, tp 0, dp 0) in 1RECV_F0 before 1F0" in errors[1]
+    assert "pipeline rank 0 (global rank 0, stage 0)" in errors[1]
+    # Rank 0 either starves in its own receive or finds the pair already closed.
+    assert "rank 0 (pp 0, tp 0, dp 0) in 0RECV_B" in errors[0]
+    assert "pipeline rank 1 (global rank 1, stage 1)" in errors[0]
+
+
+class _SlowStage(ToyStage):
+    """Stalls `delay` seconds in the forward of microbatch 1 (a stuck GPU, a slow node)."""
+
+    delay = 0.0
+
+    def forward(self, mb, x, targets=None):
+        if mb == 1:
+            time.sleep(self.delay)
+        return super().forward(mb, x, targets)
+
+
+def _stalled_rank(rank: int, world: int) -> None:
+    def build(stage, num_stages, **kw):
+        st = _SlowStage(stage, num_stages, 2 * num_stages)
+        st.delay = 4 * TIMEOUT if rank == 0 else 0.0
+        return st
+
+    trainer = Trainer(build, lambda ps: torch.optim.SGD(ps, lr=0.1), "1f1b", pp=2,
+                      microbatches=2, hidden=HIDDEN, dtype=torch.float64, timeout=TIMEOUT)
+    trainer.step(_batch(2))
+
+
+def test_stalled_rank_every_rank_exits_with_a_diagnosis():
+    start = time.monotonic()
+    with pytest.raises(DistFailure) as info:
+        run_dist(_stalled_rank, 2, timeout=60, pg_timeout=TIMEOUT)
+    errors = info.value.errors
+    assert time.monotonic() - start < 30
+    assert set(errors) == {0, 1}, "every rank must report, none may hang"
+    assert "CommTimeout" in errors[1] and "1RECV_F1 before 1F1" in errors[1]
+    assert "waited more than 1.5 s for data from pipeline rank 0" in errors[1]
+    assert "rank 0 (pp 0, tp 0, dp 0)" in errors[0]
+    assert "pipeline rank 1" in errors[0] or "the world" in errors[0]
+
+
+def _exit_or_sleep(code: int) -> int:
+    if os.environ["RANK"] == "1":
+        os._exit(code)
+    time.sleep(120)
+    return 0
+
+
+def test_local_launch_stops_every_worker_when_one_fails():
+    start = time.monotonic()
+    result = launch_local(_exit_or_sleep, (3,), 2)
+    assert time.monotonic() - start < 30
+    assert result.exitcode == 3 and result.failed_ranks == [1]
+
+
+def test_comm_timeout_is_a_rank_error():
+    err = CommTimeout("waited", where="rank 2 (pp 1, tp 0, dp 0)", action="2RECV_F3")
+    assert str(err) == "rank 2 (pp 1, tp 0, dp 0) in 2RECV_F3: waited"

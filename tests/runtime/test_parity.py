@@ -1,0 +1,119 @@
+"""Parity: the distributed Trainer equals a single-process reference.
+
+For every schedule and each mesh (pp, tp, dp) in {(2,1,1), (2,2,1), (4,1,1),
+(1,2,1), (2,1,2)}: the step's loss, every parameter's gradient after the
+first step, and every parameter after two optimizer steps (SGD with
+momentum) equal `stp.models.build_reference` run on the whole global batch.
+
+Criterion per tensor: max |dist - ref| <= TOL * max |ref|, with
+  float64: TOL = 1e-9 (the issue's bar; observed ~1e-15);
+  float32: TOL = 1e-4 for gradients and parameters, 1e-5 for the loss
+           (observed about 1e-6: summation order differs between the
+           sharded / pipelined run and the reference, and a float32 TP
+           all-reduce of partial sums rounds differently).
+
+One spawn per mesh; every applicable schedule runs inside that process group.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_dist
+
+from stp.models import ModelConfig, build_reference
+from stp.runtime.mesh import Mesh, ParallelDims
+from stp.schedule import registry
+from stp.trainer import Trainer, make_schedule
+
+MESHES = [(2, 1, 1), (2, 2, 1), (4, 1, 1), (1, 2, 1), (2, 1, 2)]
+CONFIG = ModelConfig(
+    vocab_size=32, hidden=32, num_layers=8, num_heads=4, num_kv_heads=2, ffn_hidden=64,
+    max_seq_len=16, seed=3,
+)
+SEQ, MBS = 8, 1
+TOL = {"float64": {"loss": 1e-9, "grad": 1e-9, "param": 1e-9},
+       "float32": {"loss": 1e-5, "grad": 1e-4, "param": 1e-4}}
+FLOAT32_MESH = (2, 2, 1)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def _batch(rows: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    tok = torch.randint(0, CONFIG.vocab_size, (rows, SEQ + 1), generator=gen)
+    return tok[:, :-1], tok[:, 1:]
+
+
+def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b), sorted(set(a) ^ set(b))
+    return max(float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-300)) for n in b)
+
+
+def applicable(pp: int) -> list[str]:
+    return [n for n in registry.names() if pp >= registry.get(n).min_ranks]
+
+
+def _mesh_worker(rank: int, world: int, pp: int, tp: int, dp: int, dtypes: list[str]) -> dict:
+    mesh = Mesh.from_world(ParallelDims(pp, tp, dp), timeout=60)
+    out = {}
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        for name in applicable(pp):
+            sch = make_schedule(name, pp)
+            m = sch.num_microbatches
+            trainer = Trainer(CONFIG, _sgd, sch, mesh=mesh, dtype=dtype, timeout=60)
+            batches = [_batch(dp * m * MBS, step) for step in range(2)]
+            losses = [trainer.step(batches[0])]
+            grads = trainer.full_state_dict(grads=True)
+            losses.append(trainer.step(batches[1]))
+            params = trainer.full_state_dict()
+            every = [None] * world
+            dist.all_gather_object(every, losses)
+            if rank != 0:
+                continue
+            ref = build_reference(CONFIG, dtype)
+            opt = _sgd(list(ref.parameters()))
+            ref_losses, ref_grads = [], {}
+            for step, (tokens, targets) in enumerate(batches):
+                opt.zero_grad()
+                loss = ref.loss(tokens, targets)
+                loss.backward()
+                ref_losses.append(loss.item())
+                if step == 0:
+                    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+                opt.step()
+            ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+            out[(dtype_name, name)] = {
+                "m": m,
+                "same_on_every_rank": all(e == losses for e in every),
+                "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
+                "grad": _rel(grads, ref_grads),
+                "param": _rel(params, ref_params),
+            }
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "pp{}-tp{}-dp{}".format(*m))
+def test_every_schedule_matches_the_reference(mesh: tuple[int, int, int]) -> None:
+    pp, tp, dp = mesh
+    dtypes = ["float64", "float32"] if mesh == FLOAT32_MESH else ["float64"]
+    res = run_dist(_mesh_worker, pp * tp * dp, pp, tp, dp, dtypes, timeout=240)[0]
+    expected = {(d, n) for d in dtypes for n in applicable(pp)}
+    assert set(res) == expected
+    bad = []
+    for (dtype_name, name), r in sorted(res.items()):
+        tol = TOL[dtype_name]
+        print(f"{mesh} {dtype_name} {name:17s} m={r['m']:2d} loss {r['loss']:.1e} "
+              f"grad {r['grad']:.1e} param {r['param']:.1e}")
+        if not r["same_on_every_rank"]:
+            bad.append(f"{dtype_name} {name}: ranks returned different losses")
+        bad += [
+            f"{dtype_name} {name}: {k} differs by {r[k]:.3g} (tolerance {tol[k]:g})"
+            for k in ("loss", "grad", "param") if not r[k] <= tol[k]
+        ]
+    assert not bad, "\n".join(bad)

@@ -1,0 +1,130 @@
+"""`stp train`: JSON output, checkpoint, the same losses on any mesh, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _dist import free_port
+
+from stp.cli.main import main
+from stp.schedule import registry
+
+TINY = ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq-len", "16",
+        "--microbatch-size", "1", "--steps", "3", "--timeout", "60"]
+
+
+def _stp(*argv: str, env: dict[str, str] | None = None, timeout: float = 120):
+    cmd = [sys.executable, "-m", "stp.cli.main", *argv]
+    full_env = {**os.environ, **(env or {})}
+    start = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    return out, time.monotonic() - start
+
+
+def _json_losses(stdout: str) -> list[float]:
+    rows = [json.loads(line) for line in stdout.splitlines()]  # every line is JSON
+    assert [r["step"] for r in rows] == list(range(len(rows)))
+    for r in rows:
+        assert set(r) >= {"step", "loss", "tokens_per_s"} and r["tokens_per_s"] > 0
+    return [r["loss"] for r in rows]
+
+
+@pytest.mark.slow
+def test_same_losses_on_one_process_and_on_meshes(tmp_path: Path) -> None:
+    """Same seed, data and global batch (dp x m x microbatch size = 8): the
+    same per-step losses, float64, up to summation order (1e-9 relative)."""
+    runs = {
+        "single": ["--pp", "1", "-m", "8"],
+        "pp2-tp2-stp": ["--pp", "2", "--tp", "2", "--schedule", "stp", "-m", "8"],
+        "pp2-dp2-zbv": ["--pp", "2", "--dp", "2", "--schedule", "zb-v", "-m", "4"],
+    }
+    losses = {}
+    for name, mesh in runs.items():
+        out, _ = _stp("train", *TINY, "--dtype", "float64", "--json", *mesh,
+                      "--out", str(tmp_path / name), timeout=180)
+        assert out.returncode == 0, out.stderr
+        losses[name] = _json_losses(out.stdout)
+        assert len(losses[name]) == 3
+        assert "checkpoint" in out.stderr  # the summary goes to stderr with --json
+    ref = losses["single"]
+    assert ref[-1] < ref[0]
+    for name, ls in losses.items():
+        assert max(abs(a - b) / abs(b) for a, b in zip(ls, ref, strict=True)) <= 1e-9, (name, ls)
+    ckpt = torch.load(tmp_path / "pp2-tp2-stp" / "checkpoint.pt", weights_only=False)
+    assert ckpt["losses"] == losses["pp2-tp2-stp"]
+    single = torch.load(tmp_path / "single" / "checkpoint.pt", weights_only=False)
+    assert set(ckpt["model"]) == set(single["model"])
+    worst = max(float((ckpt["model"][n] - t).abs().max()) for n, t in single["model"].items())
+    assert worst < 1e-9
+    assert ckpt["model"]["embed.weight"].shape == (256, 32)  # TP shards concatenated
+
+
+def test_single_process_run_prints_progress_and_summary(tmp_path: Path) -> None:
+    out, _ = _stp("train", *TINY, "--pp", "1", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "step 3/3" in out.stderr and "tok/s" in out.stderr and "loss" in out.stderr
+    assert "trained 3 steps of stp" in out.stdout
+    assert (tmp_path / "checkpoint.pt").exists()
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--tp", "3"], "num_heads=4 must be divisible by tp_size=3"),
+        (["--tp", "3", "--heads", "6", "--hidden", "48"], "vocab_size=256 must be divisible"),
+        (["--schedule", "zb-v", "--pp", "2", "--layers", "3"],
+         "--layers 3 is fewer than the schedule's 4 stages"),
+        (["-m", "0"], "0 must be >= 1"),
+        (["--data", "/nonexistent/c.txt"], "data path '/nonexistent/c.txt' does not exist"),
+        (["--schedule", "nope"], "invalid choice"),
+    ],
+)
+def test_bad_input_is_one_line_and_status_2(capsys, argv, message) -> None:
+    start = time.monotonic()
+    code = main(["train", *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and err.count("\n") == 1, err
+    assert time.monotonic() - start < 30
+
+
+def test_microbatches_below_the_schedule_minimum(capsys, monkeypatch) -> None:
+    # Every generator now accepts m >= 1; give one a minimum of 2p to exercise the check.
+    spec = registry.get("zb-v")
+    monkeypatch.setitem(
+        registry.SCHEDULES, "zb-v", dataclasses.replace(spec, min_microbatches=lambda p: 2 * p)
+    )
+    code = main(["train", "--schedule", "zb-v", "--pp", "2", "-m", "3"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "zb-v: 3 microbatches not accepted at pp=2; it needs at least 4" in err
+
+
+def test_world_size_mismatch_under_torchrun_env() -> None:
+    env = {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    out, elapsed = _stp("train", "--pp", "2", env=env)
+    assert out.returncode == 2
+    assert "world size 3 does not match pp x tp x dp = 2 x 1 x 1 = 2" in out.stderr
+    assert out.stderr.count("\n") == 1 and elapsed < 30
+
+
+@pytest.mark.slow
+def test_torchrun_bad_input_every_rank_exits_promptly() -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "stp.cli.main", "train", "--pp", "2", "--tp", "2"]
+    start = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert time.monotonic() - start < 30
+    assert out.returncode != 0
+    line = "world size 2 does not match pp x tp x dp = 2 x 2 x 1 = 4"
+    assert out.stderr.count(line) == 1, out.stderr  # reported once, by rank 0
