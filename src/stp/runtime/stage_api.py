@@ -37,7 +37,9 @@ class PipelineStage(Protocol):
         otherwise the output hidden states (detached, ready to send)."""
         ...
 
-    def backward_input(self, mb: int, grad: torch.Tensor | None, scale: float = 1.0) -> torch.Tensor | None:
+    def backward_input(
+        self, mb: int, grad: torch.Tensor | None, scale: float = 1.0
+    ) -> torch.Tensor | None:
         """B: input gradient only. `grad` is the output gradient (None on the last
         stage, whose loss gradient is `scale`). Returns the input gradient (None on
         the first stage). Weight gradients are deferred until backward_weight."""
@@ -47,6 +49,8 @@ class PipelineStage(Protocol):
         """W: accumulate this microbatch's weight gradients into `.grad`."""
         ...
 
-    def backward_full(self, mb: int, grad: torch.Tensor | None, scale: float = 1.0) -> torch.Tensor | None:
+    def backward_full(
+        self, mb: int, grad: torch.Tensor | None, scale: float = 1.0
+    ) -> torch.Tensor | None:
         """BW: B immediately followed by W."""
         ...
