@@ -119,7 +119,8 @@ def main() -> None:
     for r in behind:
         print(f"behind the paper's searched schedule: {r['model']} p={r['p']} m={r['m']} "
               f"{r['limit']}: {r['search_1chunk']:.4f} vs {r['paper_search']:.4f} (our "
-              "search has no exact ILP step, which the paper offers as a refinement of its heuristic)")
+              "search has no exact ILP step, which the paper offers as a refinement of "
+              "its heuristic)")
     worse = [r for r in zb if not r["not_worse_than_handcrafted"]]
     print(f"rows worse than a handcrafted schedule at the same limit: {len(worse)}")
     print()

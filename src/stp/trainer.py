@@ -37,8 +37,10 @@ from stp.runtime.errors import CommTimeout, RankError, first_line, is_timeout
 from stp.runtime.executor import Executor
 from stp.runtime.launch import init_distributed
 from stp.runtime.mesh import Mesh, ParallelDims
+from stp.runtime.offload import ActivationOffloader, StepMemory, runtime_plan
 from stp.runtime.p2p import P2P
 from stp.runtime.stage_api import PipelineStage
+from stp.runtime.trace import Recorder, gather_spans, write_trace
 from stp.schedule import Schedule, registry, validate
 from stp.schedule.lower import lower
 
@@ -80,6 +82,12 @@ class Trainer:
     an iterable of (tokens, targets) global batches for `step()` without an
     argument. `hidden` is the width of stage boundary tensors (read from a
     ModelConfig). `timeout` (s) bounds every receive and collective.
+    `offload`: an activation offload policy (none, stp, all, selective:X;
+    stp.runtime.offload); given, even as "none", resident activation bytes
+    are measured every step (`memory`, `activation_peaks()`).
+    `braid`: run braided blocks unit by unit with the TP all-reduces hidden
+    (stp.runtime.braid; False: the unbraided baseline). `trace`: record every
+    step (`write_trace` writes the last one).
     """
 
     def __init__(
@@ -99,6 +107,9 @@ class Trainer:
         data: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None,
         hidden: int | None = None,
         lookahead: int = 1,
+        offload: str | None = None,
+        braid: bool = True,
+        trace: bool = False,
     ) -> None:
         dims = mesh.dims if mesh is not None else ParallelDims(pp, tp, dp)
         if isinstance(schedule, str):
@@ -152,11 +163,19 @@ class Trainer:
         if dims.pp > 1:
             p2p = P2P(mesh.pp_group, mesh.ranks["pp"], schedule.num_stages,
                       timeout=timeout, where=mesh.describe())
+        # activation offload (stp.runtime.offload): plan checked before any step
+        self.offloader = None if offload is None else ActivationOffloader(
+            schedule, c.pp, self.stages, runtime_plan(schedule, offload), device=self.device
+        )
         self.executor = Executor(
             lower(schedule, lookahead=lookahead), c.pp, self.stages, p2p,
             boundary_shape=(1, 1, hidden), dtype=dtype, device=self.device,
             where=mesh.describe(),
             collective_peers=f"the TP group (global ranks {mesh.ranks['tp']})",
+            offload=self.offloader,
+            braid=braid,  # braided blocks (stp.runtime.braid); trace: stp.runtime.trace
+            recorder=Recorder(mesh.rank, [schedule.chunk_of(s) for s in range(
+                schedule.num_stages)]) if trace else None,
         )
         self.holds_loss = schedule.stage_to_rank[-1] == c.pp
         self._data: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = (
@@ -167,6 +186,21 @@ class Trainer:
     @property
     def num_microbatches(self) -> int:
         return self.schedule.num_microbatches
+
+    @property
+    def memory(self) -> StepMemory | None:
+        """This rank's activation bytes in the last step (None without `offload`)."""
+        return None if self.offloader is None else self.offloader.memory
+
+    def activation_peaks(self) -> list[int] | None:
+        """Peak resident activation bytes of the last step on every global rank
+        (collective: every rank calls it); None without `offload`."""
+        if self.offloader is None:
+            return None
+        peaks: list[Any] = [None] * self.dims.world_size
+        self._collective("memory gather", "the world", dist.all_gather_object, peaks,
+                         self.offloader.memory.peak_bytes)
+        return [int(p) for p in peaks]
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(global name, local tensor) of every parameter this rank holds."""
@@ -206,6 +240,17 @@ class Trainer:
         self.optimizer.step()
         self.steps_done += 1
         return float(total)
+
+    def write_trace(self, path: str, meta: dict[str, object] | None = None) -> None:
+        """Write the last step's measured trace of every rank to `path` on global
+        rank 0 (stp.runtime.trace; needs `trace=True`). Collective."""
+        rec = self.executor.recorder
+        if rec is None:
+            raise ValueError("write_trace needs Trainer(..., trace=True)")
+        spans = gather_spans(rec)
+        if spans is not None:
+            pp_of = {r: self.dims.coord_of(r).pp for r in range(self.dims.world_size)}
+            write_trace(path, spans, self.schedule, pp_of, meta)
 
     def _reduce_dp_grads(self) -> None:
         """Average gradients over DP replicas in one flat all-reduce."""

@@ -2,7 +2,11 @@
 
     stp train                                 # 2 pipeline ranks, schedule stp
     stp train --schedule 1f1b --pp 2 --dp 2   # starts 4 local workers itself
+    stp train --offload stp --json           # chunk-0 activations to the host; per-rank
+                                              # peak resident activation bytes per step
     torchrun --nproc-per-node 4 -m stp.cli.main train --pp 2 --tp 2
+    stp train --tp 2 --trace run.json         # the last step's measured trace (Perfetto)
+    stp train --tp 2 --emulate-compute f=24,b=24,w=16 --braid off   # timed waits, real comm
 
 Without torchrun the command starts pp x tp x dp local worker processes
 through PyTorch's launcher API (stp.runtime.launch); under torchrun each
@@ -85,6 +89,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=_positive_float, default=d.timeout,
                    help=f"seconds a rank may wait on a peer before all ranks stop "
                    f"(default {d.timeout:g})")
+    p.add_argument("--offload", default=d.offload, metavar="POLICY",
+                   help="activation offload: none, stp (the seed's: chunk-0 activations), "
+                   "all, selective:X (PipeOffload: cut the peak by about X); default none. "
+                   "Every policy measures resident activation bytes per rank")
+    p.add_argument("--braid", choices=("on", "off"), default="on",
+                   help="run braided blocks unit by unit with the TP all-reduces in flight "
+                   "(default on); off: pass by pass, every all-reduce waited for")
+    p.add_argument("--trace", default=None, metavar="FILE.json",
+                   help="write the last step's measured trace (every unit, all-reduce, send "
+                   "and receive of every rank; open in ui.perfetto.dev)")
+    p.add_argument("--emulate-compute", default=None, metavar="f=..,b=..,w=..",
+                   help="replace each unit's compute by a timed wait: milliseconds of F, B, W "
+                   "per microbatch per rank share, as `stp simulate --cost`; communication "
+                   "stays real (the loss is not computed)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per step on stdout and nothing else there")
     p.set_defaults(func=run_train)
@@ -98,7 +116,8 @@ def _job(args: argparse.Namespace) -> Any:
         microbatches=args.microbatches, microbatch_size=args.microbatch_size,
         layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
         seq_len=args.seq_len, steps=args.steps, lr=args.lr, seed=args.seed, dtype=args.dtype,
-        data=args.data, out=args.out, timeout=args.timeout,
+        data=args.data, out=args.out, timeout=args.timeout, offload=args.offload,
+        braid=args.braid == "on", trace=args.trace, emulate=args.emulate_compute,
     )
 
 
@@ -113,7 +132,9 @@ class _Progress:
     def __call__(self, r: Any) -> None:
         if self.as_json:
             print(json.dumps({"step": r.step, "loss": r.loss, "tokens_per_s": r.tokens_per_s,
-                              "step_time_s": r.step_time_s}), flush=True)
+                              "step_time_s": r.step_time_s,
+                              "resident_activation_bytes": r.resident_activation_bytes}),
+                  flush=True)
             return
         done = r.step + 1
         width = 24
@@ -134,10 +155,17 @@ def _summary(s: dict[str, Any], as_json: bool) -> None:
         f"dp={s['dp']} (m={s['microbatches']}, {s['backend']} on {s['device']}, "
         f"{s['parameters']:,} parameters)"
     )
-    if s["first_loss"] is not None:
+    if s.get("emulate"):
+        text += f"\nemulated compute ({s['emulate']} ms): the loss is not computed"
+    elif s["first_loss"] is not None:
         text += (f"\nloss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, "
                  f"{s['tokens_per_s'] / 1000:.1f}k tokens/s, "
                  f"{1000 * s['step_time_s']:.0f} ms/step")
+    if s.get("resident_activation_bytes"):
+        peaks = ", ".join(f"{b / 2**20:.2f}" for b in s["resident_activation_bytes"])
+        text += f"\npeak resident activations per rank (offload {s['offload']}): {peaks} MiB"
+    if s.get("trace"):
+        text += f"\ntrace of the last step: {s['trace']}"
     text += f"\ncheckpoint: {s['checkpoint']}"
     print(text, file=sys.stderr if as_json else sys.stdout, flush=True)
 

@@ -68,6 +68,10 @@ class RopeCache:
             self._tables[key] = (angles.cos().to(device, dtype), angles.sin().to(device, dtype))
         return self._tables[key]
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every cached table (shared by all microbatches: never offloaded)."""
+        return [t for pair in self._tables.values() for t in pair]
+
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [b, n, s, hd] rotated by position: x cos + rotate_half(x) sin."""
@@ -81,6 +85,8 @@ class _MbState:
     """'F-partial', 'F', 'B-partial': the last method run for this microbatch."""
     sink: list[WGradEntry]
     saved: dict[str, Any] = field(default_factory=dict)
+    early_w: bool = False
+    """W ran between backward_partial and backward_finish (a braided full backward)."""
 
 
 class Unit:
@@ -128,8 +134,19 @@ class Unit:
         raise NotImplementedError
 
     def weight(self, mb: int) -> None:
-        """W: accumulate microbatch mb's weight gradients into `.grad`, free its tensors."""
-        if mb in self._states:
+        """W: accumulate microbatch mb's weight gradients into `.grad`, free its tensors.
+
+        May also run between backward_partial and backward_finish: in a braided
+        full backward (seed 000, Fig. 3) W of a unit runs while the all-reduce of
+        its B is in flight. The matrices' gradients need only what backward_partial
+        recorded; the RMSNorm gain's needs the reduced gradient, so backward_finish
+        accumulates it at once (`_close`)."""
+        state = self._states.get(mb)
+        if state is not None and state.phase == "B-partial" and not state.early_w:
+            self._wgrad.flush(mb)  # clears state.sink; backward_finish refills it
+            state.early_w = True
+            return
+        if state is not None:
             raise RuntimeError(
                 f"unit {self.name}: weight of microbatch {mb} before its backward finished "
                 f"(it is at {self._states[mb].phase})"
@@ -138,6 +155,15 @@ class Unit:
             raise RuntimeError(f"unit {self.name}: no pending weight gradient for microbatch {mb}")
         self._wgrad.flush(mb)
 
+    def _close(self, mb: int) -> None:
+        """End of mb's backward: drop its state; after an early W, accumulate what
+        backward_finish added to the sink (the rest of W)."""
+        state = self._states.pop(mb)
+        if state.early_w:
+            for entry in state.sink:
+                entry.accumulate()
+            state.sink.clear()
+
     def pending_backward(self) -> list[int]:
         """Microbatches with a forward started and no finished backward."""
         return sorted(self._states)
@@ -145,6 +171,14 @@ class Unit:
     def pending_weight(self) -> list[int]:
         """Microbatches whose backward finished and whose W has not run."""
         return [mb for mb in self._wgrad.pending() if mb not in self._states]
+
+    def kept_tensors(self, mb: int) -> list[torch.Tensor]:
+        """What this unit holds for microbatch mb: its forward state until B (the
+        roots of autograd's saved tensors among them), then its W work until W.
+        For activation offload and memory accounting (stp.runtime.offload)."""
+        state = self._states.get(mb)
+        saved = [] if state is None else list(state.saved.values())
+        return [t for t in saved if isinstance(t, torch.Tensor)] + self._wgrad.tensors(mb)
 
     def reset(self) -> None:
         """Drop every microbatch's state (after a failed step)."""
@@ -182,7 +216,7 @@ class EmbedUnit(Unit):
 
     def backward_finish(self, mb: int, reduced: torch.Tensor | None) -> torch.Tensor | None:
         self._enter(mb, "B-partial", "B")
-        del self._states[mb]
+        self._close(mb)
         return None
 
 
@@ -225,7 +259,7 @@ class _ResidualUnit(Unit):
         st = self._enter(mb, "B-partial", "B")
         (grad_x,) = torch.autograd.grad(st.saved.pop("h"), st.saved.pop("x_in"), reduced)
         grad = st.saved.pop("grad")
-        del self._states[mb]
+        self._close(mb)
         return grad + grad_x
 
 
@@ -339,5 +373,5 @@ class LossUnit(Unit):
     def backward_finish(self, mb: int, reduced: torch.Tensor | None) -> torch.Tensor | None:
         st = self._enter(mb, "B-partial", "B")
         (grad_x,) = torch.autograd.grad(st.saved.pop("h"), st.saved.pop("x_in"), reduced)
-        del self._states[mb]
+        self._close(mb)
         return grad_x

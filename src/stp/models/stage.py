@@ -4,7 +4,7 @@ reference model's global names, and the PipelineStage protocol
 
 A braiding executor (seed 000, Fig. 3: braided execution blocks) can instead
 drive `stage.units` itself, one unit of each of two passes at a time, with the
-all-reduces in flight (stp.runtime.tp.comm.start_allreduce).
+all-reduces in flight (`launch_allreduce`; stp.runtime.braid).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch import nn
 from stp.models.config import ModelConfig
 from stp.models.decoder import AttentionUnit, EmbedUnit, LossUnit, MLPUnit, RopeCache, Unit
 from stp.models.init import ParamSpec, init_shard, parameter_specs, shard_range, stage_layers
+from stp.runtime.braid import launch_sum
 from stp.runtime.tp.comm import AllReduce, make_allreduce
 
 __all__ = ["ModelStage", "build_stage", "check_tp"]
@@ -70,6 +71,8 @@ class ModelStage(nn.Module):
         tp_size: int,
         tp_rank: int,
         allreduce: AllReduce,
+        tp_group: dist.ProcessGroup | None = None,
+        async_allreduce: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
@@ -80,6 +83,8 @@ class ModelStage(nn.Module):
         self.layer_ids = stage_layers(config.num_layers, stage, num_stages)
         self.tp_size, self.tp_rank = tp_size, tp_rank
         self.allreduce = allreduce
+        self.tp_group = tp_group
+        self._async = async_allreduce and tp_size > 1
         self._shard_dims = {s.name: s.shard_dim for s in specs}
         for spec in specs:
             _register(self, spec.name, nn.Parameter(tensors[spec.name]))
@@ -118,7 +123,18 @@ class ModelStage(nn.Module):
 
     # -- PipelineStage ---------------------------------------------------------
 
-    def _check_input(self, x: torch.Tensor, targets: torch.Tensor | None) -> None:
+    def launch_allreduce(self, partial: torch.Tensor) -> tuple[torch.Tensor, dist.Work | None]:
+        """Start the TP all-reduce of a unit's partial sum and return at once (braided
+        execution, seed 000 Fig. 3): (the tensor, reduced in place when `work`
+        completes; work). Work is None when the result is already there: one TP rank,
+        or the synchronous `allreduce` build_stage was given."""
+        if not self._async:
+            return self.allreduce(partial), None
+        tensor = partial.contiguous()
+        return tensor, launch_sum(tensor, self.tp_group)
+
+    def check_input(self, x: torch.Tensor, targets: torch.Tensor | None) -> None:
+        """ValueError unless x (and targets, last stage only) fit this stage."""
         c = self.config
         if self.is_first:
             if x.dim() != 2 or x.dtype not in (torch.int32, torch.int64):
@@ -153,7 +169,7 @@ class ModelStage(nn.Module):
         self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
     ) -> torch.Tensor:
         """F: run the units in order with a synchronous all-reduce between."""
-        self._check_input(x, targets)
+        self.check_input(x, targets)
         for unit in self.units:
             partial = unit.forward_partial(mb, x, targets if unit is self.units[-1] else None)
             x = unit.forward_finish(mb, self.allreduce(partial))
@@ -202,6 +218,15 @@ class ModelStage(nn.Module):
         """Microbatches whose B finished and whose W has not run."""
         return sorted({mb for u in self.units for mb in u.pending_weight()})
 
+    def kept_tensors(self, mb: int) -> list[torch.Tensor]:
+        """Tensors the units hold for microbatch mb (stp.runtime.offload)."""
+        return [t for unit in self.units for t in unit.kept_tensors(mb)]
+
+    def shared_tensors(self) -> list[torch.Tensor]:
+        """Tensors every microbatch uses besides parameters: the rotary tables."""
+        ropes = {id(u.rope): u.rope for u in self.units if isinstance(u, AttentionUnit)}
+        return [t for rope in ropes.values() for t in rope.tensors()]
+
     def reset(self) -> None:
         """Drop all microbatch state (e.g. after a failed step); gradients are kept."""
         for unit in self.units:
@@ -240,6 +265,7 @@ def build_stage(
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
         raise ValueError(f"stage must be an int in [0, num_stages={num_stages}), got {stage!r}")
     check_tp(config, tp_size, tp_rank)
+    custom = allreduce is not None
     if allreduce is None:
         if tp_size > 1:
             if not dist.is_initialized():
@@ -260,4 +286,5 @@ def build_stage(
     return ModelStage(
         config, stage, num_stages, specs, tensors,
         tp_size=tp_size, tp_rank=tp_rank, allreduce=allreduce,
+        tp_group=tp_group, async_allreduce=not custom,
     )

@@ -14,8 +14,16 @@ interpreter"; DualPipe's forward / backward / weight chunk + commit comm):
 
 Hand-offs between two stages on this rank (the V tip) go through a local
 inbox: the producer's output is the consumer's input, no copy, no send.
-The passes of a braided block run one after the other here; their
-interleaving at unit granularity is the model side's (stp.models units).
+
+Stages cut into units (stp.models.ModelStage, stp.runtime.emulate) run
+through `stp.runtime.braid.UnitRunner`: a braided block interleaves its
+passes unit by unit with every TP all-reduce in flight under the other
+pass's compute (seed 000, Fig. 3), in the simulator's order. A block's last
+all-reduces may still be in flight when the block ends; a send of an output
+not finished yet is posted as soon as it is (the rest of its batch goes out
+at once), and before this rank blocks on anything. Other stages run pass by
+pass through the four primitives above; `braid=False` runs units pass by
+pass with every all-reduce waited for at once (the unbraided baseline).
 
 Scaling: the last stage's backward seeds the loss gradient with `scale`,
 1/m by default, so weight gradients are the sum over microbatches of each
@@ -27,13 +35,16 @@ size). Nothing else scales.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from stp.runtime.braid import UnitRunner, has_units
 from stp.runtime.errors import CommTimeout, RankError, first_line, is_timeout
+from stp.runtime.offload import ActivationOffloader
 from stp.runtime.p2p import P2P, Transfer
 from stp.runtime.stage_api import PipelineStage
+from stp.runtime.trace import Recorder
 from stp.schedule.ir import Action, Kind, Pass, passes_of
 from stp.schedule.lower import Comm, LoweredSchedule
 
@@ -51,6 +62,10 @@ class Executor:
     gradients), used to allocate receive buffers. `p2p` may be None when no
     action sends or receives (one pipeline rank). `collective_peers` names
     the group a stage's own collectives wait on (for timeout messages).
+    `offload` (stp.runtime.offload) measures resident activations and moves
+    them to the host and back as its plan says. `braid` (default on) runs
+    blocks braided; `recorder` (stp.runtime.trace) records every unit,
+    all-reduce, send and receive of each run.
     """
 
     def __init__(
@@ -66,6 +81,9 @@ class Executor:
         where: str = "",
         collective_peers: str = "",
         trace: bool = False,
+        offload: ActivationOffloader | None = None,
+        braid: bool = True,
+        recorder: Recorder | None = None,
     ) -> None:
         sch = lowered.schedule
         mine = set(sch.stages_of(pp_rank))
@@ -89,6 +107,20 @@ class Executor:
         self.trace_enabled = trace
         self.trace: list[tuple[str, float, float]] = []
         """(action, start, end) of every compute action of the last run, seconds."""
+        self.offload = offload
+        self.recorder = recorder
+        self._open: list[tuple[Transfer, float]] = []  # posted, not yet seen complete
+        self.sends_deferred = 0
+        """Sends posted after their batch, their all-reduce held (all runs so far)."""
+        self.runner: UnitRunner | None = None
+        if all(has_units(st) for st in self.stages.values()):
+            self.runner = UnitRunner(
+                self.stages, braid=braid, take=self._input, give=self._output,
+                targets=lambda mb: self._targets[mb],
+                before_pass=offload.before_pass if offload is not None else None,
+                after_pass=offload.after_pass if offload is not None else None,
+                recorder=recorder,
+            )
 
     # -- the run loop ------------------------------------------------------------
 
@@ -122,6 +154,16 @@ class Executor:
         self._outbox: dict[Message, torch.Tensor] = {}
         self._losses: dict[int, torch.Tensor] = {}
         self.trace = []
+        self._deferred: dict[Message, Comm] = {}  # sends waiting for a held all-reduce
+        self._index = 0  # compute actions run so far
+        if self.runner is not None:
+            self.runner.reset()
+            self.runner.scale = self._scale
+        if self.recorder is not None:
+            self.recorder.start()
+            self._open = []
+        if self.offload is not None:  # activation offload: stp.runtime.offload
+            self.offload.start(inputs, targets)
         prog, i = self.program, 0
         while i < len(prog):
             action = prog[i]
@@ -134,11 +176,17 @@ class Executor:
             else:
                 self._compute(action)
                 i += 1
+        if self.runner is not None:  # the last block's held all-reduces
+            self._guard("end of step", self.runner.release)
+        assert not self._deferred, f"{self.where}: sends never posted {sorted(self._deferred)}"
         if self.p2p is not None:
             self.p2p.drain()
+            self._record_transfers()
         assert not self._inbox and not self._outbox, (
             f"{self.where}: unconsumed {sorted(self._inbox)} / unsent {sorted(self._outbox)}"
         )
+        if self.offload is not None:
+            self.offload.finish()
         return self._losses
 
     def _commit(self, comms: list[Comm]) -> None:
@@ -146,30 +194,82 @@ class Executor:
         batch = []
         for c in comms:
             if c.op.is_send:
+                if c.message not in self._outbox:  # its all-reduce is still in flight
+                    assert self.runner is not None and self.runner.holds(c.message), c
+                    self._deferred[c.message] = c
+                    self.sends_deferred += 1
+                    continue
+                # keep each channel's send order (NCCL matches by order)
+                for msg in [m for m, d in self._deferred.items() if d.peer == c.peer]:
+                    self._guard(str(c), self.runner.release, msg)  # type: ignore[union-attr]
                 batch.append((c, self._outbox.pop(c.message).contiguous()))
             else:
                 buf = torch.empty(self.boundary_shape, dtype=self.dtype, device=self.device)
                 batch.append((c, buf))
+        self._post(batch)
+
+    def _post(self, batch: list[tuple[Comm, torch.Tensor]]) -> None:
+        assert self.p2p is not None
+        now = time.perf_counter()
         for t in self.p2p.post(batch):
             if not t.comm.op.is_send:
                 self._inbox[t.comm.message] = t
+            if self.recorder is not None:
+                self._open.append((t, now))
 
-    def _compute(self, action: Action) -> None:
-        start = time.perf_counter()
+    def _record_transfers(self, done: Transfer | None = None) -> None:
+        """Record transfer `done` (None: every open one, after the drain) as complete now.
+        (Gloo reports a point-to-point work complete only to its wait.)"""
+        rec = self.recorder
+        if rec is None:
+            return
+        now, still = time.perf_counter(), []
+        for t, posted in self._open:
+            if done is None or t is done:
+                kind = "SEND" if t.comm.op.is_send else "RECV"
+                rec.transfer(str(t.comm), kind, t.comm.stage, t.comm.mb, posted, now,
+                             t.peer_rank, t.comm.message)
+            else:
+                still.append((t, posted))
+        self._open = still
+
+    def _guard(self, action: str, fn: Callable[..., object], *args: object) -> None:
+        """Run fn(*args), naming `action` in any failure (as _compute does)."""
         try:
-            for p in passes_of(action):  # a braided block: passes in order
-                self._run_pass(p)
+            fn(*args)
         except RankError:
             raise
         except RuntimeError as e:
-            first = first_line(e)
-            if is_timeout(e):
-                peers = f" on {self.collective_peers}" if self.collective_peers else ""
-                raise CommTimeout(
-                    f"a collective{peers} timed out or lost a peer ({first})",
-                    where=self.where, action=str(action),
-                ) from e
-            raise RankError(first, where=self.where, action=str(action)) from e
+            raise self._failure(e, action) from e
+
+    def _failure(self, e: RuntimeError, action: str) -> RankError:
+        first = first_line(e)
+        if is_timeout(e):
+            peers = f" on {self.collective_peers}" if self.collective_peers else ""
+            return CommTimeout(f"a collective{peers} timed out or lost a peer ({first})",
+                               where=self.where, action=action)
+        return RankError(first, where=self.where, action=action)
+
+    def _compute(self, action: Action) -> None:
+        start = time.perf_counter()
+        off = self.offload
+        index, self._index = self._index, self._index + 1
+        try:
+            if off is not None:
+                off.before_action(action)  # issues the reloads planned here
+            if self.runner is not None:
+                self.runner.run(action, index)  # unit by unit, braided
+            else:
+                for p in passes_of(action):  # a braided block: passes in order
+                    if off is not None:
+                        off.before_pass(p)  # a backward waits for its reload
+                    self._run_pass(p)
+                    if off is not None:
+                        off.after_pass(p)  # a forward's activations: count, offload
+        except RankError:
+            raise
+        except RuntimeError as e:
+            raise self._failure(e, str(action)) from e
         if self.trace_enabled:
             self.trace.append((str(action), start, time.perf_counter()))
 
@@ -194,14 +294,38 @@ class Executor:
         else:
             st.backward_weight(p.mb)
 
+    def _input(self, p: Pass) -> torch.Tensor | None:
+        """The runner's `take`: pass p's input (None: the last stage's backward)."""
+        st = self.stages[p.stage]
+        if p.kind is Kind.F:
+            return self._inputs[p.mb] if st.is_first else self._take(("F", p.stage - 1, p.mb), p)
+        return None if st.is_last else self._take(("B", p.stage + 1, p.mb), p)
+
+    def _output(self, p: Pass, out: torch.Tensor | None) -> None:
+        """The runner's `give`: a finished pass's output."""
+        st = self.stages[p.stage]
+        if p.kind is Kind.F:
+            if st.is_last:
+                self._losses[p.mb] = out  # type: ignore[assignment]
+            else:
+                self._give(("F", p.stage, p.mb), out)  # type: ignore[arg-type]
+        elif not st.is_first:
+            assert out is not None, f"stage {p.stage} returned no input gradient"
+            self._give(("B", p.stage, p.mb), out)
+
     def _give(self, msg: Message, tensor: torch.Tensor) -> None:
         consumer = msg[1] + 1 if msg[0] == "F" else msg[1] - 1
         if consumer in self.stages:
             self._inbox[msg] = tensor  # local hand-off (V tip)
         else:
             self._outbox[msg] = tensor
+            send = self._deferred.pop(msg, None)
+            if send is not None:  # its batch already went out: post it alone
+                self._post([(send, self._outbox.pop(msg).contiguous())])
 
     def _take(self, msg: Message, p: Pass) -> torch.Tensor:
+        if msg not in self._inbox and self.runner is not None:
+            self.runner.release(msg)  # produced here, its all-reduce held
         item = self._inbox.pop(msg, None)
         if item is None:
             raise RankError(
@@ -210,5 +334,9 @@ class Executor:
             )
         if isinstance(item, Transfer):
             assert self.p2p is not None
-            return self.p2p.wait(item, needed_by=str(p))
+            if self.runner is not None and not item.is_completed():
+                self.runner.release()  # about to block: let held sends go first
+            tensor = self.p2p.wait(item, needed_by=str(p))
+            self._record_transfers(item)
+            return tensor
         return item

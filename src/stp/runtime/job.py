@@ -50,6 +50,14 @@ class TrainJob:
     """Checkpoint directory; None: runs/train-<time>/ under the working directory."""
     timeout: float = 120.0
     """Seconds a rank may wait on a receive or a collective before it gives up."""
+    offload: str = "none"
+    """Activation offload policy: none, stp, all, selective:X (stp.runtime.offload)."""
+    braid: bool = True
+    """Run braided blocks braided (stp.runtime.braid); False: the unbraided baseline."""
+    trace: str | None = None
+    """Write the last step's measured trace here (stp.runtime.trace), a JSON file."""
+    emulate: str | None = None
+    """Emulated compute `f=..,b=..,w=..` in ms (stp.runtime.emulate); None: the model."""
 
     # -- checks (no process started yet) -------------------------------------------
 
@@ -105,6 +113,19 @@ class TrainJob:
             raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout}")
         schedule = make_schedule(self.schedule, self.pp, self.num_microbatches)
         check_model(self.model_config(), self.tp, schedule.num_stages)
+        from stp.schedule.offload import parse_policy
+
+        parse_policy(self.offload)  # ValueError naming the accepted policies
+        if self.emulate is not None:  # emulated compute: stp.runtime.emulate
+            from stp.runtime.emulate import parse_emulate
+
+            parse_emulate(self.emulate)
+            if self.offload != "none":
+                raise ValueError("--emulate-compute has no activations to offload; "
+                                 "drop --offload or --emulate-compute")
+        if self.trace is not None and not Path(self.trace).parent.is_dir():
+            raise ValueError(f"--trace {self.trace!r}: directory "
+                             f"{str(Path(self.trace).parent)!r} does not exist")
         if self.data is not None:
             from stp.runtime.data import read_corpus
 
@@ -127,6 +148,8 @@ class StepReport:
     loss: float
     tokens_per_s: float
     step_time_s: float
+    resident_activation_bytes: list[int] | None = None
+    """Peak resident activation bytes of the step, per global rank."""
 
 
 def run(
@@ -154,19 +177,35 @@ def run(
         return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
     schedule = make_schedule(job.schedule, job.pp, job.num_microbatches)
+    model: Any = job.model_config()
+    if job.emulate is not None:  # units wait instead of computing: stp.runtime.emulate
+        from stp.runtime.emulate import emulated_builder, parse_emulate
+
+        model = emulated_builder(parse_emulate(job.emulate), schedule.chunks, job.layers,
+                                 job.hidden)
     trainer = Trainer(
-        job.model_config(), optimizer, schedule, mesh=mesh, dtype=dtype, timeout=job.timeout
+        model, optimizer, schedule, mesh=mesh, dtype=dtype, timeout=job.timeout,
+        offload=job.offload if job.emulate is None else None, hidden=job.hidden,
+        braid=job.braid, trace=job.trace is not None,
     )
     tokens_per_step = job.global_batch * job.seq_len
     losses, times = [], []
+    peaks: list[int] | None = None
     for step in range(job.steps):
         start = time.perf_counter()
         loss = trainer.step(batches.batch(step))
         elapsed = time.perf_counter() - start
         losses.append(loss)
         times.append(elapsed)
+        resident = trainer.activation_peaks()  # collective, outside the timed step
+        if resident is not None:
+            old = peaks or resident
+            peaks = [max(a, b) for a, b in zip(old, resident, strict=True)]
         if mesh.rank == 0 and on_step is not None:
-            on_step(StepReport(step, loss, tokens_per_step / elapsed, elapsed))
+            on_step(StepReport(step, loss, tokens_per_step / elapsed, elapsed, resident))
+    if job.trace is not None and job.steps > 0:  # the last step, every rank
+        trainer.write_trace(job.trace, {"braid": job.braid, "emulate": job.emulate,
+                                        "tp": job.tp, "dp": job.dp})
     state = trainer.full_state_dict()
     if mesh.rank != 0:
         return None
@@ -180,6 +219,9 @@ def run(
         "tokens_per_s": tokens_per_step * len(steady) / sum(steady) if steady else None,
         "step_time_s": sum(steady) / len(steady) if steady else None,
         "parameters": sum(t.numel() for t in (state or {}).values()),
+        "offload": job.offload,
+        "resident_activation_bytes": peaks,
+        "braid": job.braid, "trace": job.trace, "emulate": job.emulate,
     }
     out = job.out_dir()
     out.mkdir(parents=True, exist_ok=True)

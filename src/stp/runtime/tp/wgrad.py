@@ -39,8 +39,10 @@ class LinearGrad:
     """Output gradient [..., out] from B."""
 
     def accumulate(self) -> None:
-        x2 = self.x.reshape(-1, self.x.shape[-1])
-        gy2 = self.grad_out.reshape(-1, self.grad_out.shape[-1])
+        # detached: x requires grad (it is the autograd input h_in), and a .grad
+        # with a graph would keep every microbatch's x and dy alive until zero_grad
+        x2 = self.x.detach().reshape(-1, self.x.shape[-1])
+        gy2 = self.grad_out.detach().reshape(-1, self.grad_out.shape[-1])
         if self.weight.grad is None:
             self.weight.grad = (gy2.t() @ x2).to(self.weight.dtype)
         else:
@@ -106,3 +108,10 @@ class WGradStore:
 
     def pending(self) -> list[int]:
         return sorted(self._pending)
+
+    def tensors(self, mb: int) -> list[torch.Tensor]:
+        """The tensors mb's pending W work holds (for memory accounting and offload)."""
+        return [
+            t for entry in self._pending.get(mb, ())
+            for t in vars(entry).values() if isinstance(t, torch.Tensor)
+        ]

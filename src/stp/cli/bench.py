@@ -1,0 +1,200 @@
+"""`stp bench overlap` and `stp bench fidelity`: braided execution, measured.
+
+    stp bench overlap [--json]    # tp=2: F then B, against F braided with B
+    stp bench fidelity [--json]   # pp=2 x tp=2: measured step time vs the simulator
+
+overlap: the all-reduce time left on the compute stream when F and B of two
+microbatches run one after the other, and when they run as one braided block
+(seed 000, Fig. 3); hidden_fraction = 1 - exposed(braided) / exposed(sequential),
+in emulated compute (stp.runtime.emulate) and in real compute.
+
+fidelity: the all-reduce of one unit's partial sum and the point-to-point
+time are measured first; then each schedule runs on emulated stages with
+fixed unit durations, and its median step time is printed next to the
+simulator's makespan for the same costs (stp.sim.simulate).
+
+These are benchmarks, not tests: figures depend on the machine and its load.
+With --json the last stdout line is one JSON object. torch is imported only
+when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from stp.cli.common import positive_int
+from stp.sim.costs import Costs
+
+__all__ = ["register"]
+
+
+def _unit_ms(text: str) -> tuple[float, float, float]:
+    """`f=4,b=4,w=3` (ms per unit) -> seconds; ValueError names the bad item."""
+    from stp.runtime.emulate import parse_times
+
+    f, b, w = parse_times(text, "--unit-ms")
+    return f / 1e3, b / 1e3, w / 1e3
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="measure braided execution: overlap and fidelity",
+                       description="Measure braided execution on this machine: overlap (tp=2, "
+                       "F then B against F braided with B) and fidelity (pp=2 x tp=2, measured "
+                       "step times against the simulator). Figures depend on the machine.")
+    bs = p.add_subparsers(dest="bench", metavar="BENCH", parser_class=type(p))
+    bs.required = True
+    o = bs.add_parser("overlap", help="TP all-reduce hidden by a braided block (tp=2)")
+    o.add_argument("--layers", type=positive_int, default=8, help="layers (default 8)")
+    o.add_argument("--hidden", type=positive_int, default=256, help="width (default 256)")
+    o.add_argument("--heads", type=positive_int, default=4, help="heads (default 4)")
+    o.add_argument("--seq-len", type=positive_int, default=128, help="tokens (default 128)")
+    o.add_argument("--microbatch-size", type=positive_int, default=4,
+                   help="sequences per microbatch (default 4)")
+    o.add_argument("--unit-ms", default="f=6,b=6,w=6", metavar="f=..,b=..,w=..",
+                   help="emulated milliseconds per F, B, W unit (default f=6,b=6,w=6)")
+    o.add_argument("--repeats", type=positive_int, default=10, help="runs of each (default 10)")
+    o.add_argument("--mode", choices=("both", "emulated", "real"), default="both",
+                   help="compute: emulated, real or both (default)")
+    o.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+    o.set_defaults(func=run_overlap)
+
+    f = bs.add_parser("fidelity", help="measured step time vs simulated (pp=2, tp=2)")
+    f.add_argument("--schedules", default="1f1b-interleaved,zb-v,stp",
+                   help="comma-separated (default 1f1b-interleaved,zb-v,stp)")
+    f.add_argument("--microbatches", "-m", type=positive_int, default=8,
+                   help="microbatches (default 8)")
+    f.add_argument("--layers", type=positive_int, default=2,
+                   help="layers per chunk, two units each (default 2)")
+    f.add_argument("--hidden", type=positive_int, default=256, help="width h (default 256)")
+    f.add_argument("--seq-len", type=positive_int, default=128, help="tokens s (default 128)")
+    f.add_argument("--microbatch-size", type=positive_int, default=4,
+                   help="sequences b (default 4); all-reduces move [b, s, h] floats")
+    f.add_argument("--unit-ms", default="f=6,b=6,w=4", metavar="f=..,b=..,w=..",
+                   help="emulated milliseconds per F, B, W unit (default f=6,b=6,w=4)")
+    f.add_argument("--steps", type=positive_int, default=3, help="timed steps (default 3)")
+    f.add_argument("--braid", choices=("on", "off"), default="on",
+                   help="run braided blocks braided (default on)")
+    f.add_argument("--trace-dir", default=None, metavar="DIR",
+                   help="also write DIR/<schedule>.measured.json and .simulated.json")
+    f.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+    f.set_defaults(func=run_fidelity)
+
+
+def _launch(kind: str, settings: Any, nprocs: int) -> dict[str, Any]:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see stp.cli.train
+    from stp.runtime.bench import entry
+    from stp.runtime.launch import launch_local
+
+    result = launch_local(entry, (kind, settings), nprocs)
+    if result.exitcode:
+        raise ValueError(f"bench {kind}: rank(s) {result.failed_ranks} failed with status "
+                         f"{result.exitcode}")
+    return result.returns[0]  # type: ignore[return-value]
+
+
+def run_overlap(args: argparse.Namespace) -> int:
+    from stp.runtime.bench import OverlapSettings
+    from stp.runtime.emulate import UnitTimes
+
+    modes = ("emulated", "real") if args.mode == "both" else (args.mode,)
+    s = OverlapSettings(
+        layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
+        microbatch_size=args.microbatch_size, unit=UnitTimes(*_unit_ms(args.unit_ms)),
+        repeats=args.repeats, modes=modes,
+    )
+    if args.hidden % args.heads or (args.hidden // args.heads) % 2 or args.heads % 2:
+        raise ValueError(f"--hidden {args.hidden} / --heads {args.heads}: heads must be even "
+                         "(tp=2) and divide hidden into even head widths")
+    res = _launch("overlap", s, 2)
+    ms = 1e3
+    print(f"tp=2, one stage of {s.layers} layers, microbatch [{s.microbatch_size}, "
+          f"{s.seq_len}, {s.hidden}]; one all-reduce of it: {res['allreduce_s'] * ms:.2f} ms")
+    print("exposed: compute-stream time in all-reduce launches + waits (launches alone)")
+    print(f"{'mode':9s} {'ARs':>4s} {'sequential':>20s} {'braided':>20s} {'wall seq':>9s} "
+          f"{'wall braid':>10s} {'hidden':>7s} {'waits hidden':>12s}")
+    for mode in modes:
+        r = res[mode]
+        seq = f"{r['exposed_sequential_s'] * ms:.1f} ({r['launch_sequential_s'] * ms:.1f}) ms"
+        br = f"{r['exposed_braided_s'] * ms:.1f} ({r['launch_braided_s'] * ms:.1f}) ms"
+        print(f"{mode:9s} {r['allreduces']:4d} {seq:>20s} {br:>20s} "
+              f"{r['wall_sequential_s'] * ms:6.1f} ms {r['wall_braided_s'] * ms:7.1f} ms "
+              f"{r['hidden_fraction']:7.3f} {r['wait_hidden_fraction']:12.3f}")
+    if args.json:
+        head = res.get("emulated", res.get("real"))
+        print(json.dumps({"hidden_fraction": head["hidden_fraction"], **res}))
+    return 0
+
+
+def run_fidelity(args: argparse.Namespace) -> int:
+    from stp.runtime.bench import FidelitySettings
+    from stp.runtime.emulate import UnitTimes
+    from stp.schedule.registry import get
+    from stp.sim import simulate
+    from stp.trainer import make_schedule
+
+    names = tuple(n.strip() for n in args.schedules.split(",") if n.strip())
+    for n in names:
+        get(n)  # ValueError listing the schedules
+    unit = UnitTimes(*_unit_ms(args.unit_ms))
+    s = FidelitySettings(
+        schedules=names, microbatches=args.microbatches, layers=args.layers,
+        hidden=args.hidden, seq_len=args.seq_len, microbatch_size=args.microbatch_size,
+        unit=unit, steps=args.steps, braid=args.braid == "on", trace=bool(args.trace_dir),
+    )
+    for n in names:
+        make_schedule(n, 2, s.microbatches)  # refuse before starting workers
+    res = _launch("fidelity", s, 4)
+    launch, ar_u, iso, comm = (res[k] for k in ("launch_s", "allreduce_s",
+                                                 "allreduce_isolated_s", "p2p_s"))
+    rows = []
+    for r in res["rows"]:
+        sch = make_schedule(r["schedule"], 2, s.microbatches)
+        n = sch.chunks * 2 * s.layers  # units per microbatch per rank share
+        # the launch call runs on the compute stream after each F and B unit
+        costs = Costs(f=(unit.f + launch) * n, b=(unit.b + launch) * n, w=unit.w * n,
+                      ar=ar_u * n, comm=comm)
+        sim = simulate(sch, costs, layers=s.layers, record_spans=bool(args.trace_dir))
+        nominal = simulate(sch, Costs(f=unit.f * n, b=unit.b * n, w=unit.w * n, ar=iso * n,
+                                      comm=comm), layers=s.layers, record_spans=False)
+        rows.append({"schedule": r["schedule"], "simulated": sim.makespan,
+                     "measured": r["measured"], "error": r["measured"] / sim.makespan - 1,
+                     "simulated_nominal": nominal.makespan,
+                     "tp_bubble_simulated": sim.tp_bubble, "steps": r["steps"],
+                     "launch_s": r["launch_s"], "wait_s_per_step": r["wait_s_per_step"]})
+        if args.trace_dir:
+            _write_traces(Path(args.trace_dir), sch, sim, r["spans"])
+    print(f"pp=2 x tp=2, m={s.microbatches}, {s.layers} layers per chunk, units "
+          f"F {unit.f * 1e3:g} / B {unit.b * 1e3:g} / W {unit.w * 1e3:g} ms (emulated), "
+          f"braid {args.braid}")
+    print(f"measured first, [{s.microbatch_size}, {s.seq_len}, {s.hidden}] floats: all-reduce "
+          f"after a unit {ar_u * 1e3:.2f} ms (+ launch {launch * 1e3:.2f} ms; "
+          f"{iso * 1e3:.2f} ms after a barrier), point-to-point {comm * 1e3:.2f} ms")
+    print(f"{'schedule':18s} {'simulated':>10s} {'measured':>10s} {'error':>7s}   "
+          f"{'nominal sim':>11s}")
+    for r in rows:
+        print(f"{r['schedule']:18s} {r['simulated'] * 1e3:7.1f} ms {r['measured'] * 1e3:7.1f} ms "
+              f"{r['error']:+7.1%}   {r['simulated_nominal'] * 1e3:8.1f} ms")
+    rank = lambda key: [r["schedule"] for r in sorted(rows, key=lambda r: r[key])]  # noqa: E731
+    same = rank("simulated") == rank("measured")
+    print(f"ranking: simulated {' < '.join(rank('simulated'))}; measured "
+          f"{' < '.join(rank('measured'))} ({'same' if same else 'DIFFERENT'})")
+    if args.json:
+        print(json.dumps({"rows": rows, "allreduce_s": ar_u, "launch_s": launch,
+                          "allreduce_isolated_s": iso, "p2p_s": comm, "same_ranking": same}))
+    return 0
+
+
+def _write_traces(out: Path, sch: Any, sim: Any, spans: list[Any]) -> None:
+    from stp.runtime.trace import write_trace as write_measured
+    from stp.viz.trace import write_trace as write_simulated
+
+    out.mkdir(parents=True, exist_ok=True)
+    pp_of = {r: r // 2 for r in range(4)}  # tp fastest: global rank = 2 pp + tp
+    write_measured(out / f"{sch.name}.measured.json", spans, sch, pp_of)
+    write_simulated(sim, out / f"{sch.name}.simulated.json", time_scale=1e6)
+    print(f"wrote {out / sch.name}.measured.json and .simulated.json", file=sys.stderr)

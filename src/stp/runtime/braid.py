@@ -1,0 +1,358 @@
+"""Braided execution on the runtime: an action run unit by unit, all-reduces in flight.
+
+A pass through a stage is a chain of units (stp.models.decoder: attention, MLP,
+plus the embedding / loss units of the first / last stage); each F or B unit
+ends in a TP all-reduce of its partial sum (seed 000, Fig. 2). `UnitRunner`
+runs a compute action (a lone pass or a braided `Block`) on the compute stream
+in the simulator's braid order (stp.sim.units.braid, seed 000 Fig. 3):
+
+    compute:  Attn F(i) | MLP B(j) | MLP W(j) | MLP F(i) | Attn B(j) | Attn W(j)
+    TP:                 [AR Attn F(i)]     [AR MLP B(j)]      [AR MLP F(i)] ...
+                                    ^ waited here: MLP F(i) needs it
+
+Each all-reduce is launched right after its unit's partial step and waited for
+only just before the next unit of the same chain, which needs the reduced
+tensor (its finish is folded into the start of that unit). The rules are the
+simulator's (stp.sim.engine), so a measured run and a simulated one line up:
+
+* a lone pass waits for each of its all-reduces in turn, the last one before
+  the action ends (plain TP code);
+* a full backward, alone or in a block, runs W_u while AR(B_u) is in flight:
+  W of a unit needs only B's partial step (stp.models.decoder, early W);
+* in a block, a chain's last all-reduce is held: it runs under the next
+  action and the pass's output (hence its send, stp.runtime.executor) is
+  finished when it completes. Held tails are finished as soon as a poll after
+  a unit finds their all-reduce done, when a later pass needs them, and
+  before the stream blocks: on a receive, all of them; on an all-reduce, those
+  launched before it. A held send then never waits on something that came
+  after it (no cycle through a peer), and a younger tail stays hidden.
+
+With `braid=False` the same units run pass after pass (a full backward as all
+B units then all W units) and every all-reduce is waited for at once: the
+unbraided baseline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from stp.schedule.ir import Action, Kind, Pass, passes_of
+from stp.sim.units import Item, braid
+
+__all__ = ["UnitStage", "has_units", "launch_sum", "stream_order", "sequential_order",
+           "RunnerStats", "UnitRunner"]
+
+Key = tuple[str, int, int]
+"""(direction F or B, stage, mb): a pass's output, the executor's message key."""
+
+
+@runtime_checkable
+class UnitStage(Protocol):
+    """A pipeline stage cut into units (stp.models.ModelStage, stp.runtime.emulate)."""
+
+    stage: int
+    is_first: bool
+    is_last: bool
+    units: tuple[Any, ...]
+
+    def launch_allreduce(self, partial: torch.Tensor) -> tuple[torch.Tensor, Any]: ...
+
+    def check_input(self, x: torch.Tensor, targets: torch.Tensor | None) -> None: ...
+
+
+def has_units(stage: object) -> bool:
+    return isinstance(stage, UnitStage)
+
+
+def launch_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> Any:
+    """Start a sum all-reduce of `tensor`, in place, on `group` (None: the default
+    group); returns its work. It calls the process group as torch.distributed.
+    all_reduce does, without that function's per-call Python checks: on a 2-core
+    VM those cost 40-60 us a launch (stp bench overlap), and every F and B unit
+    launches one on the compute stream."""
+    pg = group if group is not None else dist.group.WORLD
+    assert pg is not None, "torch.distributed is not initialised"
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    opts.asyncOp = True
+    return pg.allreduce([tensor], opts)
+
+
+def _chain(p: Pass, chain: int, n: int) -> list[list[Item]]:
+    """Pass p's steps on the stream, from the simulator's order of the pass alone
+    (a full backward's step is B_u with its W_u)."""
+    steps: list[list[Item]] = []
+    for it in braid(p, n):
+        it = dataclasses.replace(it, chain=chain)
+        if it.kind == "W" and steps and steps[-1][-1].kind == "B":
+            steps[-1].append(it)
+        else:
+            steps.append([it])
+    return steps
+
+
+def stream_order(action: Action, counts: Sequence[int]) -> tuple[Item, ...]:
+    """Items of `action` in stream order; counts[c] = units of pass c's stage.
+
+    Equal counts: exactly `stp.sim.units.braid(action, n)`. Unequal (the first
+    and last stages hold extra units) the same rule: the chain with the least
+    relative progress goes next, ties to the earlier pass of the block."""
+    ps = passes_of(action)
+    if len(counts) != len(ps):
+        raise ValueError(f"{action}: {len(ps)} passes but {len(counts)} unit counts")
+    if len(set(counts)) == 1:
+        return braid(action, counts[0])
+    chains = [_chain(p, c, n) for c, (p, n) in enumerate(zip(ps, counts, strict=True))]
+    pos = [0] * len(chains)
+    order: list[Item] = []
+    while True:
+        best = -1
+        for c, steps in enumerate(chains):
+            if pos[c] < len(steps) and (
+                best < 0 or pos[c] * len(chains[best]) < pos[best] * len(steps)
+            ):
+                best = c
+        if best < 0:
+            return tuple(order)
+        order.extend(chains[best][pos[best]])
+        pos[best] += 1
+
+
+def sequential_order(action: Action, counts: Sequence[int]) -> tuple[Item, ...]:
+    """The unbraided order: pass after pass; a full backward is all its B units,
+    then all its W units (ModelStage.backward_full)."""
+    order: list[Item] = []
+    for c, (p, n) in enumerate(zip(passes_of(action), counts, strict=True)):
+        down = range(n - 1, -1, -1)
+        if p.kind is Kind.F:
+            order += [Item(c, "F", u, u == 0, True, u > 0) for u in range(n)]
+        if p.kind in (Kind.B, Kind.BW):
+            order += [Item(c, "B", u, u == n - 1, True, u < n - 1) for u in down]
+        if p.kind in (Kind.W, Kind.BW):
+            order += [Item(c, "W", u, p.kind is Kind.W and u == n - 1, False, False)
+                      for u in down]
+    return tuple(order)
+
+
+@dataclass
+class RunnerStats:
+    """Compute-stream time spent on TP all-reduces, accumulated over runs."""
+
+    launched: int = 0
+    launch_s: float = 0.0
+    """Time in the launch calls."""
+    wait_s: float = 0.0
+    """Time blocked waiting for an all-reduce to complete."""
+
+    @property
+    def exposed_s(self) -> float:
+        """All-reduce time on the compute stream: launches plus waits."""
+        return self.launch_s + self.wait_s
+
+
+class _AR:
+    """One all-reduce in flight (work None: already complete); `seq` orders launches."""
+
+    __slots__ = ("tensor", "work", "launched", "done_at", "seq")
+
+    def __init__(self, tensor: torch.Tensor | None, work: Any, launched: float,
+                 seq: int = 0) -> None:
+        self.tensor, self.work, self.launched, self.seq = tensor, work, launched, seq
+        self.done_at: float | None = None if work is not None else launched
+
+    def completed(self) -> bool:
+        if self.work is None or self.work.is_completed():
+            if self.done_at is None:
+                self.done_at = time.perf_counter()
+            return True
+        return False
+
+
+@dataclass
+class _Chain:
+    """A pass being run: its stage, current tensor and the all-reduce it waits on."""
+
+    p: Pass
+    stage: Any
+    value: Any = None
+    ar: _AR | None = None
+    finished: bool = False
+
+    @property
+    def key(self) -> Key:
+        return ("F" if self.p.kind is Kind.F else "B", self.p.stage, self.p.mb)
+
+
+Hook = Callable[[Pass], None]
+
+
+class UnitRunner:
+    """Runs compute actions on `stages` (stage index -> UnitStage) unit by unit.
+
+    `take(p)` returns pass p's input (token ids or a received tensor; None for
+    the backward of the last stage), `give(p, out)` receives its output (a
+    forward's activation or loss, a backward's input gradient, None on the
+    first stage). `targets(mb)` feeds the loss unit; `scale` seeds the loss
+    gradient. `before_pass` / `after_pass` run around each pass (activation
+    offload). `recorder` (stp.runtime.trace.Recorder) records unit and
+    all-reduce spans.
+    """
+
+    def __init__(
+        self,
+        stages: Mapping[int, Any],
+        *,
+        braid: bool = True,
+        take: Callable[[Pass], Any],
+        give: Callable[[Pass, Any], None],
+        targets: Callable[[int], Any],
+        before_pass: Hook | None = None,
+        after_pass: Hook | None = None,
+        recorder: Any = None,
+    ) -> None:
+        self.stages, self.braid = dict(stages), braid
+        self.take, self.give, self.targets = take, give, targets
+        self.before_pass, self.after_pass = before_pass, after_pass
+        self.recorder = recorder
+        self.scale = 1.0
+        self.stats = RunnerStats()
+        self._held: dict[Key, _Chain] = {}
+        self._where = (-1, False)  # (action index, braided) of the running action
+        self._seq = 0  # all-reduces launched
+
+    # -- actions -----------------------------------------------------------------
+
+    def run(self, action: Action, index: int = -1) -> None:
+        """Run one action (`index`: its position in the rank's list, for traces)."""
+        ps = passes_of(action)
+        chains = [_Chain(p, self.stages[p.stage]) for p in ps]
+        counts = [len(ch.stage.units) for ch in chains]
+        order = (stream_order if self.braid else sequential_order)(action, counts)
+        last = {it.chain: k for k, it in enumerate(order)}
+        hold = self.braid and len(ps) > 1
+        self._where = (index, len(ps) > 1)
+        for k, it in enumerate(order):
+            ch = chains[it.chain]
+            if it.first:
+                self._begin(ch)
+            # the previous unit of this chain: its all-reduce, then its finish
+            reduced = self._reduced(ch) if it.kind != "W" and not it.first else None
+            start = time.perf_counter()
+            units, mb, u = ch.stage.units, ch.p.mb, it.unit
+            if it.kind == "F":
+                if not it.first:
+                    ch.value = units[u - 1].forward_finish(mb, reduced)
+                last_unit = u == counts[it.chain] - 1 and ch.stage.is_last
+                partial = units[u].forward_partial(
+                    mb, ch.value, self.targets(mb) if last_unit else None)
+                self._launch(ch, partial, u)
+            elif it.kind == "B":
+                if not it.first:
+                    ch.value = units[u + 1].backward_finish(mb, reduced)
+                self._launch(ch, units[u].backward_partial(mb, ch.value), u)
+            else:
+                units[u].weight(mb)
+            if self.recorder is not None:
+                self.recorder.unit(ch.p, it.kind, ch.stage, u, start, time.perf_counter(),
+                                   *self._where)
+            if not self.braid and ch.ar is not None:
+                self._wait(ch.ar)  # unbraided: every all-reduce at once
+            if last[it.chain] == k:
+                if hold and ch.ar is not None:
+                    self._held[ch.key] = ch
+                else:
+                    self._finish(ch)
+            self.poll()
+
+    def poll(self) -> None:
+        """Finish the held tails whose all-reduce has completed."""
+        for key in [k for k, ch in self._held.items() if ch.ar is None or ch.ar.completed()]:
+            self._finish(self._held.pop(key))
+
+    def holds(self, key: Key) -> bool:
+        return key in self._held
+
+    def release(self, key: Key | None = None, before: int | None = None) -> None:
+        """Finish held tail `key` (None: all of them, oldest first; `before`: those
+        whose all-reduce was launched before launch number `before`)."""
+        if key is not None:
+            keys = [key] if key in self._held else []
+        else:
+            keys = [k for k, ch in self._held.items()
+                    if before is None or ch.ar is None or ch.ar.seq < before]
+        for k in keys:
+            ch = self._held.pop(k, None)
+            if ch is not None:
+                self._finish(ch)
+
+    def reset(self) -> None:
+        self._held.clear()
+
+    # -- unit steps --------------------------------------------------------------
+
+    def _begin(self, ch: _Chain) -> None:
+        p, st = ch.p, ch.stage
+        if p.kind is not Kind.F:  # its own forward (or B, for a W) must be finished
+            self.release(("B" if p.kind is Kind.W else "F", p.stage, p.mb))
+        if self.before_pass is not None:
+            self.before_pass(p)
+        if p.kind is Kind.F:
+            ch.value = self.take(p)
+            st.check_input(ch.value, self.targets(p.mb) if st.is_last else None)
+        elif p.kind is not Kind.W:
+            ch.value = self.take(p) if not st.is_last else torch.tensor(
+                self.scale, dtype=torch.float64)
+
+    def _launch(self, ch: _Chain, partial: torch.Tensor | None, u: int) -> None:
+        if partial is None:  # nothing to reduce (the embedding's backward)
+            ch.ar = _AR(None, None, time.perf_counter())
+            return
+        t0 = time.perf_counter()
+        tensor, work = ch.stage.launch_allreduce(partial)
+        self._seq += 1
+        ch.ar = _AR(tensor, work, t0, self._seq)
+        self.stats.launch_s += time.perf_counter() - t0
+        if self.recorder is not None and work is not None:
+            self.recorder.allreduce(ch.ar, ch.p, ch.stage, u, *self._where)
+        self.stats.launched += work is not None
+
+    def _reduced(self, ch: _Chain) -> torch.Tensor | None:
+        ar = ch.ar
+        assert ar is not None, f"{ch.p}: no all-reduce to wait for"
+        self._wait(ar)
+        ch.ar = None
+        return ar.tensor
+
+    def _wait(self, ar: _AR) -> None:
+        if ar.completed():
+            return
+        if self._held:  # never block while holding an older tail (its send)
+            self.release(before=ar.seq)
+            if ar.completed():
+                return
+        t0 = time.perf_counter()
+        ar.work.wait()
+        ar.done_at = time.perf_counter()
+        self.stats.wait_s += ar.done_at - t0
+
+    def _finish(self, ch: _Chain) -> None:
+        """The pass's last finish (after its last all-reduce) and its output."""
+        if ch.finished:
+            return
+        ch.finished = True
+        p, units = ch.p, ch.stage.units
+        if p.kind is Kind.F:
+            out = units[-1].forward_finish(p.mb, self._reduced(ch))
+            self.give(p, out.detach())
+        elif p.kind is not Kind.W:
+            out = units[0].backward_finish(p.mb, self._reduced(ch))
+            self.give(p, out)
+        if self.after_pass is not None:
+            self.after_pass(p)

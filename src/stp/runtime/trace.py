@@ -1,0 +1,222 @@
+"""Measured traces: what the runtime did, in the simulator's shape (stp.sim.result.Span).
+
+A `Recorder` on each rank collects, for one run of the executor:
+
+* compute lane: every unit's compute (`7F3`, kind F/B/W, unit = index of the
+  transformer unit in the stage, None for the embedding and loss units),
+  from after any wait to its end; units of one action share `action_index`;
+* tp lane: every TP all-reduce from its launch to its completion (the work's
+  completion callback where the backend has one, else when first seen
+  complete);
+* send lane: every send and receive (`1SEND_F3`, `2RECV_B1`, kind SEND /
+  RECV) from its posting to its completion as seen by the receiver: a receive
+  ends when the executor's wait for it returns (right before the pass that
+  needs it, so at or after the data arrived); a send ends when its receive
+  does (matched across ranks in `gather_spans`; gloo reports a point-to-point
+  work complete only to `wait`, and the sender waits only at the end of the
+  step).
+
+Events of one lane must nest (trace viewers drop overlapping ones), so a
+span that would end after the span it starts inside is drawn from that
+span's end (`lane_layout`): all-reduces of a rank complete in launch order,
+so the tp lane shows each from its launch or the previous one's completion,
+whichever is later, the lane's occupancy as the simulator draws it.
+
+Times are host times (`time.perf_counter`). On CUDA a compute span would be
+the host's enqueue of the unit unless the stream were synchronised; this
+project's CI has no GPU, so only CPU (gloo) traces are tested.
+
+`gather_spans` brings every rank's spans to global rank 0 on one time axis
+(zero = the earliest run start; `time.perf_counter` is one clock for all the
+processes of a machine); `write_trace` writes them with stp.viz.trace, so a
+measured run and a simulated one open side by side in ui.perfetto.dev.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch.distributed as dist
+
+from stp.schedule.ir import Pass, Schedule
+from stp.sim.result import Span
+from stp.viz.trace import trace_events
+
+__all__ = ["Recorder", "TransferRecord", "gather_spans", "write_trace", "lane_layout"]
+
+
+class TransferRecord(NamedTuple):
+    """One send or receive as the recorder saw it."""
+
+    kind: str
+    """SEND or RECV."""
+    name: str
+    stage: int
+    mb: int
+    chunk: int
+    posted: float
+    end: float
+    """When this rank saw it complete."""
+    peer: int
+    """Global rank at the other end."""
+    message: tuple[str, int, int]
+    """(direction, producing stage, mb): the same on both ends."""
+
+
+class Recorder:
+    """Spans of one rank (global rank `rank`); `chunk_of[stage]` for labels."""
+
+    def __init__(self, rank: int, chunk_of: Mapping[int, int] | Sequence[int]) -> None:
+        self.rank = rank
+        self.chunk_of = chunk_of
+        self.origin = 0.0
+        self._spans: list[Span] = []
+        self._ars: list[tuple[Any, Pass, int | None, int, bool]] = []
+        self._xfers: list[TransferRecord] = []
+        self._layer_index: dict[int, list[int | None]] = {}
+
+    def start(self) -> None:
+        """Forget the previous run; times count from now."""
+        self.origin = time.perf_counter()
+        self._spans, self._ars, self._xfers = [], [], []
+
+    def _unit_index(self, stage: Any, u: int) -> int | None:
+        """Index of unit u among the stage's transformer units (None: embed, loss)."""
+        table = self._layer_index.get(id(stage))
+        if table is None:
+            table, k = [], 0
+            for unit in stage.units:
+                layer = str(getattr(unit, "name", "layers.")).startswith("layers.")
+                table.append(k if layer else None)
+                k += layer
+            self._layer_index[id(stage)] = table
+        return table[u]
+
+    def unit(self, p: Pass, kind: str, stage: Any, u: int, start: float, end: float,
+             index: int, braided: bool) -> None:
+        self._spans.append(Span(self.rank, "compute", start, end, str(p), kind, p.stage, p.mb,
+                                self.chunk_of[p.stage], self._unit_index(stage, u), index,
+                                braided))
+
+    def allreduce(self, ar: Any, p: Pass, stage: Any, u: int, index: int, braided: bool) -> None:
+        """Watch all-reduce `ar` (stp.runtime.braid) of unit u of pass p."""
+        self._ars.append((ar, p, self._unit_index(stage, u), index, braided))
+        try:
+            fut = ar.work.get_future()
+        except (AttributeError, RuntimeError):
+            return  # no completion callback: the executor's polls stamp it
+
+        def stamp(_: Any) -> None:
+            now = time.perf_counter()
+            ar.done_at = now if ar.done_at is None else min(ar.done_at, now)
+
+        fut.then(stamp)
+
+    def transfer(self, name: str, kind: str, stage: int, mb: int, start: float, end: float,
+                 peer: int, message: tuple[str, int, int]) -> None:
+        """A send or receive (kind SEND / RECV) of `message` with global rank `peer`."""
+        self._xfers.append(TransferRecord(kind, name, stage, mb, self.chunk_of[stage], start, end,
+                                    peer, message))
+
+    def spans(self) -> list[Span]:
+        """This run's spans (absolute perf_counter seconds), lanes made to nest."""
+        ars = []
+        for ar, p, unit, index, braided in self._ars:
+            done = ar.done_at if ar.done_at is not None else ar.launched
+            ars.append(Span(self.rank, "tp", ar.launched, done, str(p), "AR", p.stage, p.mb,
+                            self.chunk_of[p.stage], unit, index, braided))
+        return self._spans + lane_layout(ars)
+
+    def transfers(self) -> list[TransferRecord]:
+        return list(self._xfers)
+
+
+def lane_layout(spans: list[Span]) -> list[Span]:
+    """Spans of one lane made to nest, as trace viewers require (Perfetto drops
+    events that overlap without nesting): a span that would end after the span
+    it starts inside is started when that one ends instead."""
+    heap = [(s.start, -s.end, i) for i, s in enumerate(spans)]
+    heapq.heapify(heap)
+    out: list[Span] = []
+    ends: list[float] = []  # ends of the open spans, innermost last
+    while heap:
+        start, neg_end, i = heapq.heappop(heap)
+        while ends and ends[-1] <= start:
+            ends.pop()
+        if ends and -neg_end > ends[-1]:
+            heapq.heappush(heap, (ends[-1], neg_end, i))  # after the one it overlaps
+            continue
+        ends.append(-neg_end)
+        s = spans[i]
+        out.append(Span(s.rank, s.lane, start, s.end, s.name, s.kind, s.stage, s.mb, s.chunk,
+                        s.unit, s.action_index, s.braided))
+    return out
+
+
+def gather_spans(recorder: Recorder, group: dist.ProcessGroup | None = None) -> list[Span] | None:
+    """Every rank's spans on global rank 0 of `group` (None elsewhere), in seconds
+    from the earliest run start. Collective: every rank of the group calls it."""
+    mine = (recorder.rank, recorder.origin, recorder.spans(), recorder.transfers())
+    world = dist.get_world_size(group)
+    out: list[Any] | None = [None] * world if dist.get_rank(group) == 0 else None
+    dist.gather_object(mine, out, dst=dist.get_global_rank(group, 0) if group else 0,
+                       group=group)
+    if out is None:
+        return None
+    zero = min(origin for _, origin, _, _ in out)
+    received = {(rank, x.peer, x.message): x.end for rank, _, _, xs in out
+                for x in xs if x.kind == "RECV"}
+    spans = [s for _, _, sp, _ in out for s in sp]
+    for rank, _, _, xs in out:
+        lane = []
+        for x in xs:
+            end = x.end
+            if x.kind == "SEND":  # complete when its receive was
+                end = max(x.posted, min(end, received.get((x.peer, rank, x.message), end)))
+            lane.append(Span(rank, "send", x.posted, end, x.name, x.kind, x.stage, x.mb,
+                             x.chunk))
+        spans += lane_layout(lane)
+    return [
+        Span(s.rank, s.lane, s.start - zero, s.end - zero, s.name, s.kind, s.stage, s.mb,
+             s.chunk, s.unit, s.action_index, s.braided)
+        for s in spans
+    ]
+
+
+def write_trace(
+    path: str | Path,
+    spans: list[Span],
+    schedule: Schedule,
+    pp_rank_of: Mapping[int, int],
+    meta: Mapping[str, object] | None = None,
+) -> None:
+    """Write measured `spans` as a Chrome / Perfetto trace (stp.viz.trace format,
+    times in seconds shown as such). `pp_rank_of[rank]` names each rank's actions
+    from the schedule."""
+    names = {
+        (r, i): str(a)
+        for r, pp in pp_rank_of.items() for i, a in enumerate(schedule.actions[pp])
+    }
+    doc = {
+        "traceEvents": trace_events(spans, action_names=names, time_scale=1e6),
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "source": "stp runtime (measured)",
+            "schedule": schedule.name,
+            "pp": schedule.num_ranks,
+            "microbatches": schedule.num_microbatches,
+            "chunks": schedule.chunks,
+            "time_scale_us_per_unit": 1e6,
+            "pp_rank_of_rank": {str(r): pp for r, pp in pp_rank_of.items()},
+            **dict(meta or {}),
+        },
+    }
+    try:
+        Path(path).write_text(json.dumps(doc), encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"cannot write {str(path)!r}: {e.strerror or e}") from None
