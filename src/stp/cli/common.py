@@ -20,6 +20,16 @@ def positive_int(text: str) -> int:
     return val
 
 
+def positive_float(text: str) -> float:
+    try:
+        val = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not val > 0 or val == float("inf"):
+        raise argparse.ArgumentTypeError(f"{val:g} must be a finite number > 0")
+    return val
+
+
 def add_schedule_args(p: argparse.ArgumentParser, *, schedule_required: bool = True) -> None:
     p.add_argument(
         "--schedule", required=schedule_required, help="schedule name (see `stp schedules`)"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from stp.cli.common import positive_float
 from stp.schedule import Schedule
 from stp.schedule.offload import POLICIES, OffloadPlan
 from stp.sim.costs import Costs, MemCosts, OffloadCosts
@@ -18,11 +19,11 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
         help=f"activation offload policy: {', '.join(POLICIES)} (default none)",
     )
     p.add_argument(
-        "--offload-bandwidth", type=float, default=1.0, metavar="BYTES_PER_T",
+        "--offload-bandwidth", type=positive_float, default=1.0, metavar="BYTES_PER_T",
         help="host link bytes per time unit of --cost, each direction (default 1)",
     )
     p.add_argument(
-        "--act-bytes", type=float, default=1.0, metavar="BYTES",
+        "--act-bytes", type=positive_float, default=1.0, metavar="BYTES",
         help="bytes of one M_B, one microbatch's activations for one rank's share "
         "(default 1: a copy of one M_B then takes one time unit)",
     )

@@ -18,20 +18,11 @@ import argparse
 import json
 from pathlib import Path
 
-from stp.cli.common import add_cost_args, costs_from_args, positive_int
+from stp.cli.common import add_cost_args, costs_from_args, positive_float, positive_int
 from stp.search import OBJECTIVES, SearchResult, search
 
 __all__ = ["register", "run"]
 
-
-def _positive_float(text: str) -> float:
-    try:
-        val = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not val > 0:
-        raise argparse.ArgumentTypeError(f"{val:g} must be > 0")
-    return val
 
 
 def _number(text: str) -> float:
@@ -67,7 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--objective", choices=OBJECTIVES, default="makespan",
                    help="makespan (default) or span: the longest rank span, the Zero "
                    "Bubble paper's cost, which orders schedules by bubble rate")
-    p.add_argument("--time-limit", type=_positive_float, default=20.0, metavar="S",
+    p.add_argument("--time-limit", type=positive_float, default=20.0, metavar="S",
                    help="stop improving after S seconds (default 20)")
     p.add_argument("--out", metavar="FILE.json|FILE.csv", default=None,
                    help="write the schedule: .json (stp IR) or .csv (PyTorch compute-only)")

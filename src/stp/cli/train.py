@@ -28,19 +28,10 @@ import os
 import sys
 from typing import Any
 
-from stp.cli.common import positive_int
+from stp.cli.common import positive_float, positive_int
 
 __all__ = ["register", "run_train"]
 
-
-def _positive_float(text: str) -> float:
-    try:
-        val = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not val > 0:
-        raise argparse.ArgumentTypeError(f"{val} must be > 0")
-    return val
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -78,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"tokens (bytes) per sequence (default {d.seq_len})")
     p.add_argument("--steps", type=int, default=d.steps,
                    help=f"optimizer steps (default {d.steps})")
-    p.add_argument("--lr", type=_positive_float, default=d.lr,
+    p.add_argument("--lr", type=positive_float, default=d.lr,
                    help=f"AdamW learning rate (default {d.lr:g})")
     p.add_argument("--seed", type=int, default=d.seed, help="init and data seed (default 0)")
     p.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="parameter dtype")
@@ -86,7 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a text file or a directory (default: the Python standard library)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="checkpoint directory (default runs/train-<time>/)")
-    p.add_argument("--timeout", type=_positive_float, default=d.timeout,
+    p.add_argument("--timeout", type=positive_float, default=d.timeout,
                    help=f"seconds a rank may wait on a peer before all ranks stop "
                    f"(default {d.timeout:g})")
     p.add_argument("--offload", default=d.offload, metavar="POLICY",
