@@ -34,7 +34,6 @@ unbraided baseline.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from stp.schedule.ir import Action, Kind, Pass, passes_of
-from stp.sim.units import Item, braid
+from stp.sim.units import Item, braid_counts
 
 __all__ = ["UnitStage", "has_units", "launch_sum", "stream_order", "sequential_order",
            "RunnerStats", "UnitRunner"]
@@ -85,44 +84,11 @@ def launch_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> Any:
     return pg.allreduce([tensor], opts)
 
 
-def _chain(p: Pass, chain: int, n: int) -> list[list[Item]]:
-    """Pass p's steps on the stream, from the simulator's order of the pass alone
-    (a full backward's step is B_u with its W_u)."""
-    steps: list[list[Item]] = []
-    for it in braid(p, n):
-        it = dataclasses.replace(it, chain=chain)
-        if it.kind == "W" and steps and steps[-1][-1].kind == "B":
-            steps[-1].append(it)
-        else:
-            steps.append([it])
-    return steps
-
-
 def stream_order(action: Action, counts: Sequence[int]) -> tuple[Item, ...]:
     """Items of `action` in stream order; counts[c] = units of pass c's stage.
-
-    Equal counts: exactly `stp.sim.units.braid(action, n)`. Unequal (the first
-    and last stages hold extra units) the same rule: the chain with the least
-    relative progress goes next, ties to the earlier pass of the block."""
-    ps = passes_of(action)
-    if len(counts) != len(ps):
-        raise ValueError(f"{action}: {len(ps)} passes but {len(counts)} unit counts")
-    if len(set(counts)) == 1:
-        return braid(action, counts[0])
-    chains = [_chain(p, c, n) for c, (p, n) in enumerate(zip(ps, counts, strict=True))]
-    pos = [0] * len(chains)
-    order: list[Item] = []
-    while True:
-        best = -1
-        for c, steps in enumerate(chains):
-            if pos[c] < len(steps) and (
-                best < 0 or pos[c] * len(chains[best]) < pos[best] * len(steps)
-            ):
-                best = c
-        if best < 0:
-            return tuple(order)
-        order.extend(chains[best][pos[best]])
-        pos[best] += 1
+    The simulator's rule (`stp.sim.units.braid_counts`), so a measured trace
+    lines up with the simulated one unit for unit."""
+    return braid_counts(action, tuple(counts))
 
 
 def sequential_order(action: Action, counts: Sequence[int]) -> tuple[Item, ...]:

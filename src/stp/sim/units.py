@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from stp.schedule.ir import Action, Kind, Pass, passes_of
 
-__all__ = ["Item", "braid"]
+__all__ = ["Item", "braid", "braid_counts"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,17 +59,25 @@ def _chain_steps(p: Pass, chain: int, units: int) -> list[list[Item]]:
     return steps
 
 
-_CACHE: dict[tuple[tuple[Kind, ...], int], tuple[Item, ...]] = {}
+_CACHE: dict[tuple[tuple[Kind, ...], tuple[int, ...]], tuple[Item, ...]] = {}
 
 
 def braid(action: Action, units: int) -> tuple[Item, ...]:
     """The items of `action` in stream order (a lone pass: its own order)."""
+    return braid_counts(action, (units,) * len(passes_of(action)))
+
+
+def braid_counts(action: Action, counts: tuple[int, ...]) -> tuple[Item, ...]:
+    """As `braid`, with `counts[c]` units for pass c (the runtime's first and
+    last stages hold extra units: embedding, loss)."""
     ps = passes_of(action)
-    key = (tuple(p.kind for p in ps), units)
+    if len(counts) != len(ps):
+        raise ValueError(f"{action}: {len(ps)} passes but {len(counts)} unit counts")
+    key = (tuple(p.kind for p in ps), tuple(counts))
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
-    chains = [_chain_steps(p, c, units) for c, p in enumerate(ps)]
+    chains = [_chain_steps(p, c, n) for c, (p, n) in enumerate(zip(ps, counts, strict=True))]
     pos = [0] * len(chains)
     order: list[Item] = []
     while True:
