@@ -110,3 +110,16 @@ def test_bad_policy(bad):
 def test_bad_bandwidth():
     with pytest.raises(ValueError, match="bandwidth"):
         OffloadCosts(bandwidth=0)
+
+
+def test_compare_shows_with_and_without_offload(capsys):
+    import json
+
+    from stp.cli.main import main
+
+    assert main(["compare", "--pp", "4", "-m", "16", "--cost", "f=2,b=2,w=2,ar=0.4",
+                 "--offload", "stp", "--schedules", "stp,zb-v", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    for row in rows:
+        assert max(row["peak_activation"]) < max(row["without_offload"]["peak_activation"])
+        assert row["makespan"] >= row["without_offload"]["makespan"] - 1e-9

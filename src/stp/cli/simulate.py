@@ -125,24 +125,47 @@ def compare_results(args: argparse.Namespace) -> tuple[list[SimResult], list[str
     return results, skipped
 
 
+def _without_offload(res: SimResult) -> SimResult:
+    return simulate(res.schedule, res.costs, res.mem, layers=res.layers, record_spans=False)
+
+
 def run_compare(args: argparse.Namespace) -> int:
     results, skipped = compare_results(args)
     slowest = max(r.makespan for r in results)
+    offload = args.offload != "none"
+    # with --offload, each row also shows the same schedule without it
+    base = {r.schedule.name: _without_offload(r) for r in results} if offload else {}
     if args.json:
+        rows = []
+        for r in results:
+            row = dict(r.to_json(), speedup=slowest / r.makespan)
+            if offload:
+                b = base[r.schedule.name]
+                row["without_offload"] = {"makespan": b.makespan,
+                                          "peak_activation": b.peak_activation}
+            rows.append(row)
         print(json.dumps({
             "pp": args.pp,
             "microbatches": args.microbatches,
-            "rows": [dict(r.to_json(), speedup=slowest / r.makespan) for r in results],
+            "offload": args.offload,
+            "rows": rows,
             "skipped": skipped,
         }))
     else:
         print(f"p={args.pp} m={args.microbatches} layers/chunk={args.layers}  "
-              f"costs {_costs_text(results[0])}")
+              f"costs {_costs_text(results[0])}"
+              + (f"  offload {args.offload}" if offload else ""))
+        header = ["schedule", "makespan", "speedup", "bubble", "pp_bubble", "tp_bubble",
+                  "peak_act"]
         rows = [[r.schedule.name, _fmt(r.makespan), f"{slowest / r.makespan:.3f}x",
                  f"{r.bubble_rate:.1%}", _fmt(r.pp_bubble), _fmt(r.tp_bubble),
                  _fmt(max(r.peak_activation))] for r in results]
-        print(_table(rows, ["schedule", "makespan", "speedup", "bubble", "pp_bubble",
-                            "tp_bubble", "peak_act"]))
+        if offload:
+            header += ["makespan_no_off", "peak_no_off"]
+            for row, r in zip(rows, results, strict=True):
+                b = base[r.schedule.name]
+                row += [_fmt(b.makespan), _fmt(max(b.peak_activation))]
+        print(_table(rows, header))
         if skipped:
             print("skipped: " + ", ".join(skipped), file=sys.stderr)
     if args.plot:
