@@ -21,8 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_dist
+from _parity import compare_with_reference, random_batch, sgd, two_steps
 
-from stp.models import ModelConfig, build_reference
+from stp.models import ModelConfig
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
 from stp.trainer import Trainer, make_schedule
@@ -38,19 +39,8 @@ TOL = {"float64": {"loss": 1e-9, "grad": 1e-9, "param": 1e-9},
 FLOAT32_MESH = (2, 2, 1)
 
 
-def _sgd(params):
-    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
-
-
 def _batch(rows: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 + step)
-    tok = torch.randint(0, CONFIG.vocab_size, (rows, SEQ + 1), generator=gen)
-    return tok[:, :-1], tok[:, 1:]
-
-
-def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert set(a) == set(b), sorted(set(a) ^ set(b))
-    return max(float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-300)) for n in b)
+    return random_batch(CONFIG.vocab_size, rows, SEQ, step)
 
 
 def applicable(pp: int) -> list[str]:
@@ -65,34 +55,18 @@ def _mesh_worker(rank: int, world: int, pp: int, tp: int, dp: int, dtypes: list[
         for name in applicable(pp):
             sch = make_schedule(name, pp)
             m = sch.num_microbatches
-            trainer = Trainer(CONFIG, _sgd, sch, mesh=mesh, dtype=dtype, timeout=60)
+            trainer = Trainer(CONFIG, sgd, sch, mesh=mesh, dtype=dtype, timeout=60)
             batches = [_batch(dp * m * MBS, step) for step in range(2)]
-            losses = [trainer.step(batches[0])]
-            grads = trainer.full_state_dict(grads=True)
-            losses.append(trainer.step(batches[1]))
-            params = trainer.full_state_dict()
+            losses, grads, params = two_steps(trainer, batches)
             every = [None] * world
             dist.all_gather_object(every, losses)
             if rank != 0:
                 continue
-            ref = build_reference(CONFIG, dtype)
-            opt = _sgd(list(ref.parameters()))
-            ref_losses, ref_grads = [], {}
-            for step, (tokens, targets) in enumerate(batches):
-                opt.zero_grad()
-                loss = ref.loss(tokens, targets)
-                loss.backward()
-                ref_losses.append(loss.item())
-                if step == 0:
-                    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
-                opt.step()
-            ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+            diffs = compare_with_reference(CONFIG, dtype, batches, losses, grads, params)
             out[(dtype_name, name)] = {
                 "m": m,
                 "same_on_every_rank": all(e == losses for e in every),
-                "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
-                "grad": _rel(grads, ref_grads),
-                "param": _rel(params, ref_params),
+                **diffs,
             }
     return out
 

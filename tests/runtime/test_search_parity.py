@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from _dist import run_dist
+from _parity import compare_with_reference, random_batch, sgd, two_steps
 
-from stp.models import ModelConfig, build_reference
+from stp.models import ModelConfig
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import Block, Schedule, v_placement, validate
 from stp.search import search
@@ -30,48 +31,18 @@ def _found() -> Schedule:
     return got.schedule
 
 
-def _sgd(params):
-    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
-
-
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 + step)
-    tok = torch.randint(0, CONFIG.vocab_size, (M, SEQ + 1), generator=gen)
-    return tok[:, :-1], tok[:, 1:]
-
-
-def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert set(a) == set(b), sorted(set(a) ^ set(b))
-    return max(float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-300)) for n in b)
+    return random_batch(CONFIG.vocab_size, M, SEQ, step)
 
 
 def _worker(rank: int, world: int, schedule: Schedule) -> dict | None:
     mesh = Mesh.from_world(ParallelDims(PP, 1, 1), timeout=60)
-    trainer = Trainer(CONFIG, _sgd, schedule, mesh=mesh, dtype=torch.float64, timeout=60)
+    trainer = Trainer(CONFIG, sgd, schedule, mesh=mesh, dtype=torch.float64, timeout=60)
     batches = [_batch(step) for step in range(2)]
-    losses = [trainer.step(batches[0])]
-    grads = trainer.full_state_dict(grads=True)
-    losses.append(trainer.step(batches[1]))
-    params = trainer.full_state_dict()
+    losses, grads, params = two_steps(trainer, batches)
     if rank != 0:
         return None
-    ref = build_reference(CONFIG, torch.float64)
-    opt = _sgd(list(ref.parameters()))
-    ref_losses, ref_grads = [], {}
-    for step, (tokens, targets) in enumerate(batches):
-        opt.zero_grad()
-        loss = ref.loss(tokens, targets)
-        loss.backward()
-        ref_losses.append(loss.item())
-        if step == 0:
-            ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
-        opt.step()
-    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    return {
-        "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
-        "grad": _rel(grads, ref_grads),
-        "param": _rel(params, ref_params),
-    }
+    return compare_with_reference(CONFIG, torch.float64, batches, losses, grads, params)
 
 
 def test_found_schedule_is_braided_v_and_valid():
