@@ -2,7 +2,7 @@
 
 STP at p=4, m=16, f=b=w=2, ar=0.4 (the issue's setting), offload policies
 over host-link bandwidths, next to PipeOffload's k = T_offload / T_compute
-(REFERENCE section 4; k <= 1 means every activation can go without a stall).
+(arXiv 2503.01328); k <= 1 means every activation can go without a stall).
 Bandwidth is in M_B per time unit (default --act-bytes 1).
 
     python3 benchmarks/bench_offload.py [--json]

@@ -40,9 +40,10 @@ def _measure(pp: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from stp.models import ModelConfig
-    from stp.runtime.data import ByteBatches, read_corpus
     from stp.runtime.mesh import Mesh, ParallelDims
-    from stp.trainer import Trainer, make_schedule
+    from stp.schedule.registry import make as make_schedule
+    from stp.train.data import ByteBatches, read_corpus
+    from stp.train.trainer import Trainer
 
     mesh = Mesh.from_world(ParallelDims(pp, 1, 1), timeout=120)
     cfg = ModelConfig(vocab_size=256, hidden=args.hidden, num_layers=args.layers,
@@ -85,8 +86,8 @@ def _worker(pp: int, args: argparse.Namespace) -> dict[str, Any]:
 def _predict(name: str, pp: int, m: int, policy: str, rank_mb: list[float],
              m_w: float) -> list[float]:
     from stp.runtime.offload import runtime_plan
+    from stp.schedule.registry import make as make_schedule
     from stp.sim import MemCosts, OffloadCosts, simulate
-    from stp.trainer import make_schedule
 
     sch = make_schedule(name, pp, m)
     plan = runtime_plan(sch, policy)

@@ -5,7 +5,7 @@
 Costs come from the model and hardware presets (`stp.costmodel`: Qwen2-style
 12.1B / 26.3B, shapes ASSUMED as documented there; A800-80GB with assumed
 efficiency and link bandwidths), for TP in {2, 4, 8}, PP in {2, 4, 8} and
-sequence 2048-8192 (STP, seed 000, section 5). m = K p microbatches (K = 4
+sequence 2048-8192 (STP, arXiv 2510.27257, experiments). m = K p microbatches (K = 4
 by default; the paper's batch sizes are not known to us). Each pass is
 `layers / (2 pp)` layers per chunk (two units each), so braiding works at
 the granularity of the paper's attention / MLP units.

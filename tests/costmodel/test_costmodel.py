@@ -41,7 +41,7 @@ def test_gpt_layer_matches_zero_bubble_table_1_and_korthikanti(shape):
     t, a, d8, s, b = shape
     h = a * 8 * d8
     f, bw, w = layer_flops(gpt(h, a, s, b, t))
-    # Zero Bubble (seed 002) Table 1: F = sbh(24h+4s), B = sbh(24h+8s), W = 24sbh^2.
+    # Zero Bubble (arXiv 2401.10241) Table 1: F = sbh(24h+4s), B = sbh(24h+8s), W = 24sbh^2.
     assert f * t == pytest.approx(s * b * h * (24 * h + 4 * s))
     assert bw * t == pytest.approx(s * b * h * (24 * h + 8 * s))
     assert w * t == pytest.approx(24 * s * b * h * h)

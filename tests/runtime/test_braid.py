@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 from stp.models import ModelConfig, build_stage
-from stp.runtime.braid import UnitRunner, sequential_order, stream_order
+from stp.runtime.braid import UnitRunner, stream_order
 from stp.schedule.ir import Block, Kind, Pass
-from stp.sim.units import braid
+from stp.sim.units import braid, sequential_order
 
 F, B, W, BW = Kind.F, Kind.B, Kind.W, Kind.BW
 BLOCKS = [
@@ -38,7 +38,7 @@ def test_equal_unit_counts_give_the_simulators_order(passes, n):
 
 def test_paper_figure_order_for_f_with_a_full_backward():
     items = stream_order(Block((Pass(0, F, 1), Pass(1, BW, 0))), [2, 2])
-    # Attn(F) | MLP B | MLP W | MLP(F) | Attn B | Attn W   (seed 000, Fig. 3)
+    # Attn(F) | MLP B | MLP W | MLP(F) | Attn B | Attn W   (STP paper arXiv 2510.27257, Fig. 3)
     assert [(i.kind, i.unit) for i in items] == [
         ("F", 0), ("B", 1), ("W", 1), ("F", 1), ("B", 0), ("W", 0)]
 
@@ -268,6 +268,6 @@ def test_early_weight_is_refused_before_the_backward_started():
 
 @pytest.mark.parametrize("kinds", list(product([F], [F, B, BW, W])))
 def test_runner_refuses_nothing_the_ir_accepts(kinds):
-    # every block kind of REFERENCE section 3 has a stream order
+    # every block kind of the STP paper (F+F, F+B, F+BW, F+W) has a stream order
     ps = tuple(Pass(0, k, mb) for mb, k in enumerate(kinds))
     assert len(stream_order(Block(ps), [3, 4])) >= 7

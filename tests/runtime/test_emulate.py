@@ -1,4 +1,4 @@
-"""Emulated compute (stp.runtime.emulate): durations as the simulator cuts them,
+"""Emulated compute (stp.models.emulated): durations as the simulator cuts them,
 units that wait instead of computing, and `stp train --emulate-compute`."""
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from stp.cli.main import main
-from stp.runtime.braid import UnitRunner
-from stp.runtime.emulate import (
+from stp.models.emulated import (
     EmulatedStage,
     UnitTimes,
     emulated_builder,
@@ -24,6 +23,7 @@ from stp.runtime.emulate import (
     parse_times,
     unit_times,
 )
+from stp.runtime.braid import UnitRunner
 from stp.schedule.ir import Block, Kind, Pass
 from stp.sim.costs import Costs
 

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stp.runtime.data import ByteBatches, read_corpus, split_batch, stdlib_files
 from stp.runtime.errors import first_line, is_timeout
 from stp.runtime.mesh import Coord, ParallelDims
+from stp.train.data import ByteBatches, read_corpus, split_batch, stdlib_files
 
 
 @given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 4))

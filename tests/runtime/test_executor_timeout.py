@@ -17,7 +17,8 @@ from stp.runtime.launch import launch_local
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.runtime.p2p import P2P
 from stp.schedule.lower import LoweredSchedule, lower
-from stp.trainer import Trainer, make_schedule
+from stp.schedule.registry import make as make_schedule
+from stp.train.trainer import Trainer
 
 TIMEOUT = 1.5
 

@@ -20,9 +20,12 @@ from torch import nn
 from stp.runtime.executor import Executor
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.runtime.p2p import P2P
+from stp.runtime.trace import Recorder
 from stp.schedule import registry
+from stp.schedule.ir import passes_of
 from stp.schedule.lower import lower
-from stp.trainer import Trainer, make_schedule
+from stp.schedule.registry import make as make_schedule
+from stp.train.trainer import Trainer
 
 VOCAB, HIDDEN, SEQ, MBS = 11, 6, 5, 2
 
@@ -108,6 +111,20 @@ def _batch(m: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return tok[:, :-1], tok[:, 1:]
 
 
+def _actions_run(recorder: Recorder, actions) -> list[str]:
+    """The compute actions the recorder saw, in run order, as schedule strings
+    (the passes of action k carry action_index k)."""
+    by_index: dict[int, list[str]] = {}
+    for sp in sorted(recorder.spans(), key=lambda sp: sp.start):
+        if sp.lane == "compute" and sp.name not in by_index.get(sp.action_index, []):
+            by_index.setdefault(sp.action_index, []).append(sp.name)
+    run = []
+    for k in sorted(by_index):
+        passes = [str(p) for p in passes_of(actions[k])]
+        run.append(str(actions[k]) if sorted(by_index[k]) == sorted(passes) else "?")
+    return run
+
+
 def _run_all_schedules(rank: int, world: int) -> dict[str, tuple[float, float]]:
     """pp = world: every schedule, toy stages, executor only (no Trainer)."""
     dims = ParallelDims(pp=world)
@@ -118,12 +135,13 @@ def _run_all_schedules(rank: int, world: int) -> dict[str, tuple[float, float]]:
         m, num_layers = sch.num_microbatches, 2 * sch.num_stages
         stages = {s: ToyStage(s, sch.num_stages, num_layers) for s in sch.stages_of(rank)}
         p2p = P2P(mesh.pp_group, mesh.ranks["pp"], sch.num_stages, timeout=30, where=f"r{rank}")
+        recorder = Recorder(rank, [sch.chunk_of(s) for s in range(sch.num_stages)])
         ex = Executor(lower(sch), rank, stages, p2p, boundary_shape=(MBS, SEQ, HIDDEN),
-                      dtype=torch.float64, trace=True)
+                      dtype=torch.float64, recorder=recorder)
         tokens, targets = _batch(m)
         losses = ex.run(list(tokens.chunk(m)), list(targets.chunk(m)))
         # The trace lines up with the schedule action for action.
-        assert [a for a, _, _ in ex.trace] == [str(a) for a in sch.actions[rank]]
+        assert _actions_run(recorder, sch.actions[rank]) == [str(a) for a in sch.actions[rank]]
         mine = {n: p.grad for st in stages.values() for n, p in st.named_parameters()}
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, (losses, mine))

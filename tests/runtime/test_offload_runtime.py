@@ -21,7 +21,7 @@ from stp.models import ModelConfig, build_stage
 from stp.runtime.executor import Executor
 from stp.runtime.offload import ActivationOffloader, HostCopier, graph_saved, runtime_plan
 from stp.schedule.lower import lower
-from stp.trainer import make_schedule
+from stp.schedule.registry import make as make_schedule
 
 CONFIG = ModelConfig(
     vocab_size=32, hidden=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden=64,

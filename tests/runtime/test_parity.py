@@ -26,7 +26,8 @@ from _parity import compare_with_reference, random_batch, sgd, two_steps
 from stp.models import ModelConfig
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
-from stp.trainer import Trainer, make_schedule
+from stp.schedule.registry import make as make_schedule
+from stp.train.trainer import Trainer
 
 MESHES = [(2, 1, 1), (2, 2, 1), (4, 1, 1), (1, 2, 1), (2, 1, 2)]
 CONFIG = ModelConfig(

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stp.runtime.tp import (
+from stp.models.tp import (
     WGradStore,
     identity_allreduce,
     linear,
@@ -20,7 +20,7 @@ from stp.runtime.tp import (
     vocab_ce_stats,
     vocab_embedding_partial,
 )
-from stp.runtime.tp.wgrad import LinearGrad, NormGrad
+from stp.models.tp.wgrad import LinearGrad, NormGrad
 
 D = torch.float64
 

@@ -20,15 +20,16 @@ import torch.distributed as dist
 from _dist import run_dist
 
 from stp.models import ModelConfig
-from stp.runtime.emulate import EmulatedStage, UnitTimes
+from stp.models.emulated import EmulatedStage, UnitTimes
 from stp.runtime.executor import Executor
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.runtime.p2p import P2P
 from stp.runtime.trace import Recorder, gather_spans, lane_layout, write_trace
 from stp.schedule.ir import Kind, passes_of
 from stp.schedule.lower import Comm, lower
+from stp.schedule.registry import make as make_schedule
 from stp.sim.result import Span
-from stp.trainer import Trainer, make_schedule
+from stp.train.trainer import Trainer
 
 LAYERS, SHAPE = 2, (2, 8, 16)
 CONFIG = ModelConfig(vocab_size=32, hidden=32, num_layers=8, num_heads=4, num_kv_heads=2,

@@ -1,5 +1,6 @@
-"""Tests of the V-shape generators ZB-V, V-Half, V-Min (seed 002 section 6,
-seed 003 section 4; REFERENCE.md section 2)."""
+"""Tests of the V-shape generators ZB-V, V-Half, V-Min ("Zero Bubble Pipeline
+Parallelism", arXiv 2401.10241, section 6; "Pipeline Parallelism with
+Controllable Memory", arXiv 2405.15362, section 4)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from stp.schedule.gen_v import (
     zero_bubble_min_microbatches,
 )
 from stp.schedule.ir import Schedule, v_placement
-from stp.schedule.registry import get
 from stp.schedule.validate import dependencies
+from stp.sim import Costs, simulate
 
 RANKS = range(1, 9)
 GENERATORS = {"zb-v": zb_v, "v-half": v_half, "v-min": v_min}
@@ -31,12 +32,13 @@ M_W_ONLY = MemCosts(m_b=1.0, m_w=1.0)  # every activation kept until its W
 
 
 def half_peak(p: int) -> int:
-    """V-Half's peak, seed 003: (p+2)//2 M_B."""
+    """V-Half's peak, controllable-memory paper: (p+2)//2 M_B."""
     return (p + 2) // 2
 
 
 def min_peak(p: int) -> int:
-    """V-Min's peak, seed 003: (p+4)//3 M_B (activations counted until W)."""
+    """V-Min's peak, controllable-memory paper: (p+4)//3 M_B (activations
+    counted until W)."""
     return (p + 4) // 3
 
 
@@ -92,7 +94,6 @@ def test_valid_and_within_peak_for_any_m(p: int, m: int, name: str) -> None:
 
 def test_registry_accepts_every_m_and_refuses_bad_sizes() -> None:
     for name in GENERATORS:
-        assert get(name).min_microbatches(4) == 1
         assert generate(name, 4, 1).num_microbatches == 1
         with pytest.raises(ValueError, match="pipeline size"):
             generate(name, 0, 4)
@@ -210,7 +211,7 @@ def test_v_min_peak(p: int) -> None:
 
 @pytest.mark.parametrize("p", RANKS)
 def test_zb_v_has_zero_bubble_in_simulator(p: int) -> None:
-    """Zero Bubble (seed 002, section 5) measures a rank's bubble over its own
+    """Zero Bubble (section 5) measures a rank's bubble over its own
     span, from its first F to its last pass; ZB-V's is zero on every rank once
     m >= 2p-1. What the measure leaves out is unavoidable: rank r's first
     input arrives r chunk forwards after rank 0's, so the makespan is the
@@ -232,7 +233,7 @@ def test_zb_v_has_zero_bubble_in_simulator(p: int) -> None:
 
 @pytest.mark.parametrize("p", range(2, 9))
 def test_v_half_and_v_min_bubbles_below_1f1b(p: int) -> None:
-    """Seed 003: V-Half's bubble about 1/2 of 1F1B's, V-Min's about 2/3, at
+    """Controllable-memory paper: V-Half's bubble about 1/2 of 1F1B's, V-Min's about 2/3, at
     T_F = T_B = T_W; the steady state is dense, so the bubble does not grow
     with m."""
     from stp.sim import Costs, simulate
@@ -251,7 +252,7 @@ def test_v_half_and_v_min_bubbles_below_1f1b(p: int) -> None:
 
 @pytest.mark.parametrize("p", range(2, 9))
 def test_v_half_steady_state_stays_dense_under_the_papers_condition(p: int) -> None:
-    """Seed 003: V-Half can stay bubble-free in the steady state when
+    """Controllable-memory paper: V-Half can stay bubble-free in the steady state when
     T_W + 2T_B >= 2T_F and T_W + 2T_F >= 2T_B; then its bubble does not grow
     with m even though the order was laid out for equal passes."""
     from stp.sim import Costs, simulate
@@ -262,3 +263,40 @@ def test_v_half_steady_state_stays_dense_under_the_papers_condition(p: int) -> N
         assert costs.w + 2 * costs.b >= 2 * costs.f and costs.w + 2 * costs.f >= 2 * costs.b
         idle = [simulate(v_half(p, m), costs).critical_rank.idle for m in (4 * p, 8 * p)]
         assert idle[1] == pytest.approx(idle[0]), costs
+
+
+# -- the paper's bubble counts (T_F = T_B = T_W, one slot per chunk pass) ----------
+
+
+def half_bubble(p: int) -> int:
+    """V-Half: 6p - 1 - 3l slots with l = 2((p+2)//2) chunk activations."""
+    return 1 if p == 2 else 6 * p - 1 - 3 * 2 * half_peak(p)
+
+
+def min_bubble(p: int) -> int:
+    """V-Min: 6p - 1 - 3l with l = 2((p+4)//3); 4 slots more when p % 3 == 2."""
+    return 3 if p == 2 else 6 * p - 1 - 3 * 2 * min_peak(p) + (4 if p % 3 == 2 else 0)
+
+
+@pytest.mark.parametrize("p", range(2, 17))
+def test_v_half_and_v_min_bubble_counts(p: int) -> None:
+    costs = Costs(f=2.0, b=2.0, w=2.0)  # one slot per chunk pass
+    for name, bubble, peak in (("v-half", half_bubble, half_peak), ("v-min", min_bubble, min_peak)):
+        for m in (2 * p, 3 * p):
+            res = simulate(generate(name, p, m), costs, M_W_ONLY, record_spans=False)
+            assert res.critical_rank.span - 6 * m == bubble(p), (name, m)
+            assert res.makespan - 6 * m == bubble(p), (name, m)
+            assert max(res.peak_activation) == peak(p), (name, m)
+
+
+def test_bubble_counts_closed_forms() -> None:
+    # The counts above, spelled out: half of 1F1B's 6(p-1) for V-Half, 2/3 for V-Min.
+    for p in range(3, 17):
+        assert half_bubble(p) == (3 * p - 7 if p % 2 == 0 else 3 * p - 4)
+        assert min_bubble(p) == (4 * p - 7 if p % 3 == 0 else 4 * p - 5)
+
+
+def test_v_half_p4_m8_is_as_short_as_the_papers_scheduler() -> None:
+    res = simulate(v_half(4, 8), Costs(f=2.0, b=2.0, w=2.0), M_W_ONLY)
+    assert res.makespan <= 53
+    assert max(res.peak_activation) == 3

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -10,13 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stp.schedule import Block, Kind, Pass, Schedule, generate, io, validate
+from stp.schedule.limits import MAX_ACTIONS, MAX_FILE_BYTES
 from stp.schedule.registry import SCHEDULES
 
 F, B, W, BW = Kind.F, Kind.B, Kind.W, Kind.BW
 
 
 def _all(p: int, m: int) -> list[Schedule]:
-    return [generate(n, p, m) for n, spec in SCHEDULES.items() if spec.min_microbatches(p) <= m]
+    return [generate(n, p, m) for n in SCHEDULES]
 
 
 @pytest.mark.parametrize(("p", "m"), [(1, 3), (2, 6), (4, 12)])
@@ -38,7 +40,7 @@ def test_json_round_trip_exactly_meta_included(p, m):
 @settings(max_examples=15, deadline=None)
 @given(p=st.integers(1, 5), extra=st.integers(0, 6), name=st.sampled_from(sorted(SCHEDULES)))
 def test_round_trips_hold_for_any_size(p, extra, name):
-    m = max(SCHEDULES[name].min_microbatches(p), 1) + extra
+    m = 1 + extra
     sch = generate(name, p, m)
     assert io.load_csv(io.dump_csv(sch), name=name) == sch
     assert io.load_json(io.dump_json(sch)) == sch
@@ -166,3 +168,121 @@ def test_bad_json_is_refused(patch, what):
         io.load_json(json.dumps(obj))
     with pytest.raises(ValueError, match="not valid JSON"):
         io.load_json("{nope")
+
+
+# -- hostile input: every refusal a ValueError, before the work it would cost --
+
+
+def test_byte_order_mark_and_crlf_are_accepted(tmp_path):
+    sch = generate("zb-v", 2, 4)
+    text = "\ufeff" + io.dump_csv(sch).replace("\n", "\r\n")
+    assert io.load_csv(text, name="zb-v") == sch
+    path = tmp_path / "excel.csv"
+    path.write_bytes(text.encode("utf-8"))
+    assert io.load_csv(path, name="zb-v") == sch
+    path = tmp_path / "s.json"
+    path.write_bytes(("\ufeff" + io.dump_json(sch).replace("\n", "\r\n")).encode("utf-8"))
+    assert io.load_json(path) == sch
+
+
+@pytest.mark.parametrize("cell", ["0F\uff10", "\uff10F0", "0F\u0660", "(0F0;0I\uff11)OVERLAP_F_B"])
+def test_non_ascii_digits_are_refused(cell):
+    with pytest.raises(ValueError, match=r"^row 0 \(rank 0\), cell 1: .*non-ASCII"):
+        io.load_csv(f"0F0,{cell},0B0")
+    obj = json.loads(io.dump_json(generate("gpipe", 1, 1)))
+    obj["actions"][0][0] = cell
+    with pytest.raises(ValueError, match=r"^actions\[0\]\[0\] \(rank 0\): .*non-ASCII"):
+        io.load_json(json.dumps(obj))
+
+
+@pytest.mark.parametrize(("cell", "what"), [
+    ("0F99999999999", "microbatch index '99999999999' is outside 0..4095"),
+    ("0F4096", "microbatch index '4096' is outside 0..4095"),
+    ("1024F0", "stage index '1024' is outside 0..1023"),
+    ("0F" + "0" * 5000 + "1", "microbatch index"),
+    ("(0F1;99999999999I0)OVERLAP_F_B", "stage index '99999999999'"),
+])
+def test_indices_past_the_limits_are_refused_before_parsing(cell, what):
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"^row 0 \(rank 0\), cell 1: ") as e:
+        io.load_csv(f"0F0,{cell}")
+    assert what in str(e.value)
+    assert time.monotonic() - start < 1.0
+
+
+def test_counts_past_the_limits_are_refused():
+    with pytest.raises(ValueError, match="num_microbatches=5000: accepted are 1..4096"):
+        io.load_csv("0F0,0B0", num_microbatches=5000)
+    with pytest.raises(ValueError, match="65 rows"):
+        io.load_csv("\n".join(f"{r}F0,{r}B0" for r in range(65)))
+    with pytest.raises(ValueError, match=f"{MAX_ACTIONS + 1} actions"):
+        io.load_csv(",".join(["0F0"] * (MAX_ACTIONS + 1)))
+    obj = json.loads(io.dump_json(generate("gpipe", 1, 1)))
+    for key, val, what in [("num_microbatches", 10**11, "num_microbatches=100000000000 is beyond"),
+                           ("num_ranks", 10**11, "num_ranks=100000000000 is beyond"),
+                           ("stage_to_rank", [0] * 1025, "1025 stages"),
+                           ("actions", [[]] * 65, "65 ranks' lists")]:
+        with pytest.raises(ValueError, match=what):
+            io.load_json(json.dumps(dict(obj, **{key: val})))
+
+
+def test_a_missing_microbatch_is_named_without_listing_them_all():
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"runs 1 forward .F. passes, expected 4096 .*"
+                       r"missing microbatch 1, 2, 3, 4, 5, 6, 7, 8, \.\.\.$"):
+        io.load_csv("0F0,0B0", num_microbatches=4096)
+    assert time.monotonic() - start < 1.0
+
+
+@pytest.mark.parametrize(("text", "what"), [
+    ("0F0,0B0\x00", "unknown action"),
+    ('"' + "x" * 200_000 + '"', "not a readable CSV: field larger than field limit"),
+    ("x" * (MAX_FILE_BYTES + 1), "at most 4194304 are read"),
+])
+def test_unreadable_csv_text_is_a_value_error(text, what):
+    with pytest.raises(ValueError, match=what):
+        io.parse_csv(text)
+
+
+@pytest.mark.parametrize(("text", "what"), [
+    ("[" * 100_000 + "]" * 100_000, "nested deeper than 32 levels"),
+    ("[" * 33 + "]" * 33, "nested deeper than 32 levels"),
+    ('{"format": "stp-schedule", "version": NaN}', "NaN is not a JSON number"),
+    ('{"format": "stp-schedule", "version": -Infinity}', "-Infinity is not a JSON number"),
+    ("1" * 5000, "not valid JSON for a schedule"),
+])
+def test_hostile_json_is_a_value_error(text, what):
+    with pytest.raises(ValueError, match=what):
+        io.parse_json(text)
+
+
+def test_deep_meta_is_refused_but_a_schedule_nests_three_deep():
+    obj = json.loads(io.dump_json(generate("gpipe", 1, 1)))
+    obj["meta"] = {"x": json.loads("[" * 30 + "]" * 30)}  # the object, meta, 30 lists: 32
+    assert io.load_json(json.dumps(obj)).name == "gpipe"
+    obj["meta"] = {"x": json.loads("[" * 31 + "]" * 31)}
+    with pytest.raises(ValueError, match="nested deeper than 32"):
+        io.load_json(json.dumps(obj))
+
+
+def test_a_file_is_a_file_whatever_its_name(tmp_path, monkeypatch):
+    sch = generate("1f1b", 2, 2)
+    path = tmp_path / "run,v2.csv"
+    path.write_text(io.dump_csv(sch))
+    assert io.load_csv(str(path)).name == "run,v2"  # an existing file, though it holds a comma
+    assert io.load_csv(path).name == "run,v2"
+    with pytest.raises(ValueError, match="no such file"):
+        io.load_csv(tmp_path / "0F0,0B0")  # a Path is always a file
+    with pytest.raises(ValueError, match="no such file"):
+        io.load_csv(str(tmp_path / "missing"))  # a path separator: no action has one
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "0F0").write_text(io.dump_csv(sch))
+    assert io.parse_csv("0F0,0B0").num_microbatches == 1  # parse_csv never reads a file
+    with pytest.raises(ValueError, match="larger than 4 MiB"):
+        (tmp_path / "big.csv").write_text("0F0," * (MAX_FILE_BYTES // 4 + 1))
+        io.load_csv(tmp_path / "big.csv")
+    (tmp_path / "latin1.csv").write_bytes(b"0F0,0B0\xff")
+    with pytest.raises(ValueError, match="not UTF-8"):
+        io.load_csv(tmp_path / "latin1.csv")
+    with pytest.raises(ValueError, match="cannot read"):
+        io.load_csv(tmp_path)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from stp.schedule.ir import Block, Kind, Pass, Schedule, parse_action, v_placement
+from stp.schedule.ir import Block, Done, Kind, Pass, Schedule, parse_action, v_placement
 from stp.schedule.memory import MemCosts, peak_by_order
 from stp.schedule.validate import ScheduleError, validate
 
@@ -109,3 +109,46 @@ def test_from_rows_infers_placement_and_rejects_stage_on_two_ranks():
 def test_mem_costs_in_memory_model():
     sch = Schedule("t", 1, 1, (0,), ((Pass(0, F, 0), Pass(0, B, 0), Pass(0, W, 0)),))
     assert peak_by_order(sch, MemCosts(2.0, 0.5)) == [2.0]
+
+
+def test_pass_provides_and_completes_its_results():
+    assert Pass(2, F, 5).provides() == (F,)
+    assert Pass(2, B, 5).provides() == (B,)
+    assert Pass(2, W, 5).provides() == (W,)
+    assert Pass(2, BW, 5).provides() == (B, W)  # a full backward completes both halves
+    assert Pass(2, BW, 5).completes() == (Done(2, B, 5), Done(2, W, 5))
+    assert str(Done(1, B, 0)) == "B(stage 1, mb 0)"
+
+
+def test_pass_needs_follow_the_pipeline_dependencies():
+    assert Pass(0, F, 3).needs(4) == ()
+    assert Pass(2, F, 3).needs(4) == (Done(1, F, 3),)
+    assert Pass(3, B, 3).needs(4) == (Done(3, F, 3),)  # the last stage starts the backward
+    assert Pass(1, BW, 3).needs(4) == (Done(1, F, 3), Done(2, B, 3))
+    assert Pass(1, W, 3).needs(4) == (Done(1, B, 3),)
+    # a BW satisfies what a W or a later B waits for
+    done = set(Pass(2, BW, 3).completes())
+    assert all(d in done for d in Pass(2, W, 3).needs(4) + Pass(1, B, 3).needs(4)[1:])
+
+
+@pytest.mark.parametrize("chunk", [-1, 2])
+def test_offload_chunk_must_name_a_chunk(chunk):
+    acts = ((Pass(0, F, 0), Pass(3, F, 0), Pass(3, BW, 0), Pass(0, BW, 0)),
+            (Pass(1, F, 0), Pass(2, F, 0), Pass(2, BW, 0), Pass(1, BW, 0)))
+    assert Schedule("t", 2, 1, v_placement(2), acts, offload_chunk=1).offload_chunk == 1
+    with pytest.raises(ValueError, match=rf"offload_chunk={chunk} is not a chunk index; "
+                                         r"accepted are 0\.\.1"):
+        Schedule("t", 2, 1, v_placement(2), acts, offload_chunk=chunk)
+
+
+def test_offload_chunk_is_part_of_the_schedule_and_of_its_json():
+    from dataclasses import replace
+
+    from stp.schedule import generate, io
+
+    s = generate("zb-v", 2, 4)
+    moved = replace(s, offload_chunk=1)
+    assert moved != s  # a different offload choice is a different schedule
+    back = io.load_json(io.dump_json(moved))
+    assert back == moved and back.offload_chunk == 1
+    assert generate("stp", 2, 4).offload_chunk == 0

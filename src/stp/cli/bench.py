@@ -5,8 +5,8 @@
 
 overlap: the all-reduce time left on the compute stream when F and B of two
 microbatches run one after the other, and when they run as one braided block
-(seed 000, Fig. 3); hidden_fraction = 1 - exposed(braided) / exposed(sequential),
-in emulated compute (stp.runtime.emulate) and in real compute.
+(STP paper arXiv 2510.27257, Fig. 3); hidden_fraction = 1 - exposed(braided) / exposed(sequential),
+in emulated compute (stp.models.emulated) and in real compute.
 
 fidelity: the all-reduce of one unit's partial sum and the point-to-point
 time are measured first; then each schedule runs on emulated stages with
@@ -28,14 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from stp.cli.common import positive_int
+from stp.cli.flags import add_flags
 from stp.sim.costs import Costs
+from stp.train.config import ModelShape
 
 __all__ = ["register"]
 
 
 def _unit_ms(text: str) -> tuple[float, float, float]:
     """`f=4,b=4,w=3` (ms per unit) -> seconds; ValueError names the bad item."""
-    from stp.runtime.emulate import parse_times
+    from stp.models.emulated import parse_times
 
     f, b, w = parse_times(text, "--unit-ms")
     return f / 1e3, b / 1e3, w / 1e3
@@ -49,10 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     bs = p.add_subparsers(dest="bench", metavar="BENCH", parser_class=type(p))
     bs.required = True
     o = bs.add_parser("overlap", help="TP all-reduce hidden by a braided block (tp=2)")
-    o.add_argument("--layers", type=positive_int, default=8, help="layers (default 8)")
-    o.add_argument("--hidden", type=positive_int, default=256, help="width (default 256)")
-    o.add_argument("--heads", type=positive_int, default=4, help="heads (default 4)")
-    o.add_argument("--seq-len", type=positive_int, default=128, help="tokens (default 128)")
+    add_flags(o, ModelShape, ModelShape(layers=8, hidden=256, heads=4, seq_len=128),
+              only=("layers", "hidden", "heads", "seq_len"))
     o.add_argument("--microbatch-size", type=positive_int, default=4,
                    help="sequences per microbatch (default 4)")
     o.add_argument("--unit-ms", default="f=6,b=6,w=6", metavar="f=..,b=..,w=..",
@@ -68,10 +68,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated (default 1f1b-interleaved,zb-v,stp)")
     f.add_argument("--microbatches", "-m", type=positive_int, default=8,
                    help="microbatches (default 8)")
-    f.add_argument("--layers", type=positive_int, default=2,
-                   help="layers per chunk, two units each (default 2)")
-    f.add_argument("--hidden", type=positive_int, default=256, help="width h (default 256)")
-    f.add_argument("--seq-len", type=positive_int, default=128, help="tokens s (default 128)")
+    add_flags(f, ModelShape, ModelShape(layers=2, hidden=256, seq_len=128),
+              only=("layers", "hidden", "seq_len"))  # layers per chunk here
     f.add_argument("--microbatch-size", type=positive_int, default=4,
                    help="sequences b (default 4); all-reduces move [b, s, h] floats")
     f.add_argument("--unit-ms", default="f=6,b=6,w=4", metavar="f=..,b=..,w=..",
@@ -87,8 +85,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _launch(kind: str, settings: Any, nprocs: int) -> dict[str, Any]:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see stp.cli.train
-    from stp.runtime.bench import entry
     from stp.runtime.launch import launch_local
+    from stp.train.bench import entry
 
     result = launch_local(entry, (kind, settings), nprocs)
     if result.exitcode:
@@ -98,8 +96,8 @@ def _launch(kind: str, settings: Any, nprocs: int) -> dict[str, Any]:
 
 
 def run_overlap(args: argparse.Namespace) -> int:
-    from stp.runtime.bench import OverlapSettings
-    from stp.runtime.emulate import UnitTimes
+    from stp.models.emulated import UnitTimes
+    from stp.train.bench import OverlapSettings
 
     modes = ("emulated", "real") if args.mode == "both" else (args.mode,)
     s = OverlapSettings(
@@ -131,11 +129,11 @@ def run_overlap(args: argparse.Namespace) -> int:
 
 
 def run_fidelity(args: argparse.Namespace) -> int:
-    from stp.runtime.bench import FidelitySettings
-    from stp.runtime.emulate import UnitTimes
+    from stp.models.emulated import UnitTimes
     from stp.schedule.registry import get
+    from stp.schedule.registry import make as make_schedule
     from stp.sim import simulate
-    from stp.trainer import make_schedule
+    from stp.train.bench import FidelitySettings
 
     names = tuple(n.strip() for n in args.schedules.split(",") if n.strip())
     for n in names:

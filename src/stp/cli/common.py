@@ -1,51 +1,122 @@
-"""Options shared by the schedule/simulator subcommands (simulate, compare, draw, ...)."""
+"""Options shared by the schedule/simulator subcommands (simulate, compare, draw, ...).
+
+Every number a flag takes is checked as an argparse argument, so a bad one
+exits 2 with one line naming the flag: integers and numbers are ASCII (Python
+would read full-width digits), finite and within the limits below. The limits
+bound the work a command does before it starts: simulating a schedule costs
+about 15 us per pass plus 1.3 us per pass and layer on one core, and a
+schedule of S stages and m microbatches has up to 3 S m passes.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
+from collections.abc import Callable
 
 from stp.schedule import Schedule, generate
+from stp.schedule.limits import MAX_MICROBATCHES, MAX_RANKS
 from stp.sim.costs import Costs, MemCosts, parse_costs, parse_mem
 
-__all__ = ["add_schedule_args", "add_cost_args", "schedule_from_args", "costs_from_args"]
+__all__ = [
+    "add_schedule_args", "add_size_args", "add_cost_args", "schedule_from_args",
+    "costs_from_args", "check_work", "generated_stages", "int_in", "number_in",
+    "positive_int", "positive_float", "pp_count", "microbatch_count", "chunk_count",
+    "layer_count", "MAX_CHUNKS", "MAX_LAYERS", "MAX_STAGE_MICROBATCHES",
+    "MAX_STAGE_MICROBATCH_LAYERS", "MAX_VALUE",
+]
+
+MAX_CHUNKS = 16
+"""Most chunks per rank (--chunks): with 64 ranks, the 1024 stages a file may name."""
+MAX_LAYERS = 64
+"""Most transformer layers per chunk (--layers)."""
+MAX_STAGE_MICROBATCHES = 32768
+"""Most stages x microbatches simulated: up to 98304 passes, about 3 s for
+one schedule (compare: each of nine) on a 2-core VM."""
+MAX_STAGE_MICROBATCH_LAYERS = 262144
+"""Most stages x microbatches x layers per chunk simulated (the units)."""
+MAX_VALUE = 1e12
+"""Largest cost, memory, bandwidth or limit value: far above any real one, and
+small enough that sums over every pass of a schedule stay finite (1e308
+values overflow)."""
 
 
-def positive_int(text: str) -> int:
+def _ascii_number(text: str, kind: type) -> float | int:
+    what = "an integer" if kind is int else "a number"
+    if not text.isascii():
+        raise argparse.ArgumentTypeError(f"{ascii(text)} is not {what} (ASCII digits expected)")
     try:
-        val = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if val < 1:
-        raise argparse.ArgumentTypeError(f"{val} must be >= 1")
-    return val
+        return kind(text)
+    except ValueError:  # also an integer of more than 4300 digits
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not {what}") from None
 
 
-def positive_float(text: str) -> float:
-    try:
-        val = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not val > 0 or val == float("inf"):
-        raise argparse.ArgumentTypeError(f"{val:g} must be a finite number > 0")
-    return val
+def int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an ASCII integer in lo..hi."""
+
+    def parse(text: str) -> int:
+        val = int(_ascii_number(text, int))
+        shown = str(val) if len(text) <= 20 else text[:20] + "..."
+        if val < lo:
+            raise argparse.ArgumentTypeError(f"{shown} must be >= {lo}")
+        if hi is not None and val > hi:
+            raise argparse.ArgumentTypeError(f"{shown} is beyond {hi}, the most accepted")
+        return val
+
+    return parse
+
+
+def number_in(lo: float, hi: float, *, lo_open: bool = True) -> Callable[[str], float]:
+    """An argparse type: a finite ASCII number in (lo, hi] (or [lo, hi])."""
+
+    def parse(text: str) -> float:
+        val = float(_ascii_number(text, float))
+        low_ok = val > lo if lo_open else val >= lo
+        if not (math.isfinite(val) and low_ok and val <= hi):
+            side = ">" if lo_open else ">="
+            raise argparse.ArgumentTypeError(
+                f"{text[:40]!r}: accepted are finite numbers {side} {lo:g} and <= {hi:g}"
+            )
+        return val
+
+    return parse
+
+
+positive_int = int_in(1)
+"""An integer >= 1 (no upper bound: for counts whose work another limit bounds)."""
+positive_float = number_in(0.0, MAX_VALUE)
+"""A finite number > 0 and <= MAX_VALUE."""
+pp_count = int_in(1, MAX_RANKS)
+microbatch_count = int_in(1, MAX_MICROBATCHES)
+chunk_count = int_in(1, MAX_CHUNKS)
+layer_count = int_in(1, MAX_LAYERS)
 
 
 def add_schedule_args(p: argparse.ArgumentParser, *, schedule_required: bool = True) -> None:
     p.add_argument(
         "--schedule", required=schedule_required, help="schedule name (see `stp schedules`)"
     )
-    p.add_argument("--pp", type=positive_int, required=True, help="pipeline ranks p")
-    p.add_argument("--microbatches", "-m", type=positive_int, required=True, help="microbatches m")
+    add_size_args(p)
+
+
+def add_size_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
+    """--pp, --microbatches/-m and --chunks, each with its maximum."""
+    p.add_argument("--pp", type=pp_count, required=required,
+                   help=f"pipeline ranks p (at most {MAX_RANKS})")
+    p.add_argument("--microbatches", "-m", type=microbatch_count, required=required,
+                   help=f"microbatches m (at most {MAX_MICROBATCHES})")
     p.add_argument(
-        "--chunks", type=positive_int, default=None,
-        help="chunks per rank for 1f1b-interleaved (default 2)",
+        "--chunks", type=chunk_count, default=None,
+        help=f"chunks per rank for 1f1b-interleaved (default 2, at most {MAX_CHUNKS})",
     )
 
 
 def add_cost_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cost", default=None, metavar="f=..,b=..,w=..,ar=..,comm=..",
-        help="times of one microbatch through one rank's share (default f=b=w=1, ar=comm=0)",
+        help="times of one microbatch through one rank's share (default f=b=w=1, ar=comm=0; "
+        f"each a number 0..{MAX_VALUE:g})",
     )
     p.add_argument(
         "--mem", default=None, metavar="b=..,w=..",
@@ -53,8 +124,9 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
         "until W (default b=1,w=0)",
     )
     p.add_argument(
-        "--layers", type=positive_int, default=1,
-        help="transformer layers per model chunk; each gives two units (attention, MLP)",
+        "--layers", type=layer_count, default=1,
+        help="transformer layers per model chunk; each gives two units (attention, MLP); "
+        f"at most {MAX_LAYERS}",
     )
     p.add_argument(
         "--model", default=None, metavar="NAME[,key=val..]",
@@ -70,6 +142,29 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def check_work(stages: int, microbatches: int, layers: int, what: str) -> None:
+    """Refuse, before generating or simulating, a schedule past the work limits.
+    `what` names the flags the sizes came from."""
+    sm = stages * microbatches
+    if sm > MAX_STAGE_MICROBATCHES:
+        raise ValueError(
+            f"{what}: {stages} stages x {microbatches} microbatches = {sm}; at most "
+            f"{MAX_STAGE_MICROBATCHES} are simulated (about 3 s per schedule at that size)"
+        )
+    if sm * layers > MAX_STAGE_MICROBATCH_LAYERS:
+        raise ValueError(
+            f"{what}, --layers {layers}: {stages} stages x {microbatches} microbatches x "
+            f"{layers} layers = {sm * layers}; at most {MAX_STAGE_MICROBATCH_LAYERS} are "
+            "simulated"
+        )
+
+
+def generated_stages(args: argparse.Namespace) -> int:
+    """Stages of a generated schedule, counted before generating: --chunks when
+    given, else two per rank (the V schedules' and 1f1b-interleaved's default)."""
+    return args.pp * max(2, getattr(args, "chunks", None) or 2)
+
+
 def schedule_from_args(args: argparse.Namespace, name: str | None = None) -> Schedule:
     name = name or args.schedule
     opts: dict[str, object] = {}
@@ -77,11 +172,52 @@ def schedule_from_args(args: argparse.Namespace, name: str | None = None) -> Sch
         if name != "1f1b-interleaved":
             raise ValueError(f"--chunks applies to 1f1b-interleaved only, not {name}")
         opts["chunks"] = args.chunks
+    check_work(generated_stages(args), args.microbatches, getattr(args, "layers", 1),
+               f"--pp {args.pp} -m {args.microbatches}")
     return generate(name, args.pp, args.microbatches, **opts)
+
+
+def _check_kv(text: str | None, flag: str, keys: tuple[str, ...]) -> None:
+    """Refuse what parse_costs/parse_mem would let through: a repeated key (the
+    last would win silently), NaN, infinities, values past MAX_VALUE (their sums
+    overflow) and non-ASCII digits; and name a malformed item, briefly."""
+    if text is None:
+        return
+    if not text.isascii():
+        raise ValueError(f"{flag} {ascii(text[:60])}: ASCII KEY=VALUE items expected")
+    seen: set[str] = set()
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        key, sep, val = (s.strip() for s in item.partition("="))
+        if not sep:
+            raise ValueError(f"{flag} item {item[:40]!r} is not KEY=VALUE (keys: "
+                             f"{', '.join(keys)})")
+        if key not in keys:
+            raise ValueError(f"{flag}: unknown key {key[:20]!r}; accepted: {', '.join(keys)}")
+        if key in seen:
+            raise ValueError(f"{flag} gives {key} twice; give each key once")
+        seen.add(key)
+        try:
+            num = float(val)
+        except ValueError:
+            raise ValueError(f"{flag} {key}={val[:40]!r} is not a number") from None
+        if not (math.isfinite(num) and 0 <= num <= MAX_VALUE):
+            raise ValueError(f"{flag} {key}={val[:40]}: accepted are finite numbers "
+                             f"0..{MAX_VALUE:g}")
+
+
+def _check_derived(costs: Costs, mem: MemCosts) -> None:
+    values = {**{f"cost {k}": v for k, v in dataclasses.asdict(costs).items()},
+              "memory b": mem.m_b, "memory w": mem.m_w}
+    for what, val in values.items():
+        if not (math.isfinite(val) and val <= MAX_VALUE):
+            raise ValueError(f"--model/--hardware give {what}={val:g}, beyond {MAX_VALUE:g}; "
+                             "check the fields' units")
 
 
 def costs_from_args(args: argparse.Namespace) -> tuple[Costs, MemCosts]:
     """--cost/--mem, on top of what --model/--hardware derive (stp.costmodel) if given."""
+    _check_kv(args.cost, "--cost", tuple(f.name for f in dataclasses.fields(Costs)))
+    _check_kv(args.mem, "--mem", ("b", "w"))
     model = getattr(args, "model", None)
     hardware = getattr(args, "hardware", None)
     if model is None:
@@ -90,8 +226,12 @@ def costs_from_args(args: argparse.Namespace) -> tuple[Costs, MemCosts]:
         return parse_costs(args.cost), parse_mem(args.mem)
     from stp.costmodel import derive, parse_hardware, parse_model
 
+    for flag, text in (("--model", model), ("--hardware", hardware or "")):
+        if not text.isascii():
+            raise ValueError(f"{flag} {ascii(text)}: ASCII NAME[,key=val..] expected")
     pp = getattr(args, "pp", None)
     if pp is None:
         raise ValueError("--model needs --pp: costs are per pipeline rank's share of the model")
     derived = derive(parse_model(model), parse_hardware(hardware or "a100-80g"), pp)
+    _check_derived(derived.costs, derived.mem)
     return parse_costs(args.cost, derived.costs), parse_mem(args.mem, derived.mem)

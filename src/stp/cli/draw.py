@@ -12,6 +12,7 @@ import sys
 from stp.cli.common import add_cost_args, costs_from_args
 from stp.cli.offload_opts import add_offload_args, offload_from_args
 from stp.cli.source import add_source_args, load_schedule
+from stp.cli.stage_opts import add_stage_args, check_table_work, describe, stage_inputs
 from stp.schedule import validate
 from stp.sim import simulate
 
@@ -28,6 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_source_args(p)
     add_cost_args(p)
+    add_stage_args(p)
     add_offload_args(p)
     p.add_argument("--out", metavar="FILE.svg|FILE.png", default=None,
                    help="picture to write; the suffix picks the format")
@@ -43,11 +45,18 @@ def run(args: argparse.Namespace) -> int:
     if args.out and not args.out.lower().endswith((".svg", ".png")):
         raise ValueError(f"--out {args.out!r}: the picture must end in .svg or .png")
     sch = load_schedule(args)
-    if args.from_csv is None and args.from_json is None:
-        validate(sch)  # files are validated as they are read
+    if (args.from_csv, args.from_json, args.schedule_text) == (None, None, None):
+        validate(sch)  # files and text are validated as they are read
     costs, mem = costs_from_args(args)
-    plan, oc = offload_from_args(args, sch, costs, mem)
-    res = simulate(sch, costs, mem, layers=args.layers, offload=plan, offload_costs=oc)
+    inputs = stage_inputs(args, costs, mem, sch.num_ranks)
+    costs, mem = inputs.reported(costs, mem, sch.num_ranks)
+    stages, auto = inputs.for_schedule(sch)
+    check_table_work(stages, sch, "the stage cost table")
+    plan, oc = offload_from_args(args, sch, costs, mem, stages)
+    res = simulate(sch, costs, mem, layers=args.layers, offload=plan, offload_costs=oc,
+                   stages=stages)
+    for line in describe(stages, auto):
+        print(line, file=sys.stderr)
     from stp import viz
 
     if args.out:

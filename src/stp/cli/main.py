@@ -19,6 +19,7 @@ SUBCOMMANDS = (
     "stp.cli.draw",
     "stp.cli.export",
     "stp.cli.search",
+    "stp.cli.costs",
     "stp.cli.train",
     "stp.cli.bench",
 )

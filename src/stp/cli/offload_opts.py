@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from stp.cli.common import positive_float
+from stp.cli.common import MAX_VALUE, positive_float
 from stp.schedule import Schedule
 from stp.schedule.offload import POLICIES, OffloadPlan
 from stp.sim.costs import Costs, MemCosts, OffloadCosts
 from stp.sim.offload import plan_offload
+from stp.sim.stages import StageCosts
 
 __all__ = ["add_offload_args", "offload_from_args"]
 
@@ -30,8 +31,18 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
 
 
 def offload_from_args(
-    args: argparse.Namespace, schedule: Schedule, costs: Costs, mem: MemCosts
+    args: argparse.Namespace, schedule: Schedule, costs: Costs, mem: MemCosts,
+    stages: StageCosts | None = None,
 ) -> tuple[OffloadPlan | None, OffloadCosts]:
+    if not args.offload.isascii():  # float() would read full-width digits in selective:X
+        raise ValueError(f"--offload {ascii(args.offload)}: ASCII expected, e.g. selective:0.3")
     oc = OffloadCosts(bandwidth=args.offload_bandwidth, act_bytes=args.act_bytes)
-    plan = plan_offload(schedule, args.offload, costs, mem, oc, layers=args.layers)
+    copy = oc.copy_time(mem.m_b)  # each flag is bounded; their ratio may still overflow
+    if not copy <= MAX_VALUE:
+        raise ValueError(
+            f"--act-bytes {args.act_bytes:g} / --offload-bandwidth {args.offload_bandwidth:g}"
+            f" makes a copy of M_B take {copy:g} time units; at most {MAX_VALUE:g} accepted"
+        )
+    plan = plan_offload(schedule, args.offload, costs, mem, oc, layers=args.layers,
+                        stages=stages)
     return (plan if len(plan) else None), oc

@@ -18,18 +18,26 @@ import argparse
 import json
 from pathlib import Path
 
-from stp.cli.common import add_cost_args, costs_from_args, positive_float, positive_int
+from stp.cli.common import (
+    MAX_CHUNKS,
+    MAX_VALUE,
+    add_cost_args,
+    check_work,
+    chunk_count,
+    costs_from_args,
+    microbatch_count,
+    number_in,
+    positive_float,
+    pp_count,
+)
+from stp.cli.stage_opts import StageInputs, add_stage_args, describe, stage_inputs
+from stp.schedule.limits import MAX_MICROBATCHES, MAX_RANKS
 from stp.search import OBJECTIVES, SearchResult, search
 
 __all__ = ["register", "run"]
 
-
-
-def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+MAX_TIME_LIMIT = 86400.0
+"""Longest --time-limit: a day."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,24 +50,29 @@ def register(sub: argparse._SubParsersAction) -> None:
         "after the Zero Bubble heuristic; improvement: per-rank in-flight caps and, with TP "
         "all-reduce (ar > 0), STP braided blocks.",
     )
-    p.add_argument("--pp", type=positive_int, required=True, help="pipeline ranks p")
-    p.add_argument("--microbatches", "-m", type=positive_int, required=True,
-                   help="microbatches m")
+    p.add_argument("--pp", type=pp_count, required=True,
+                   help=f"pipeline ranks p (at most {MAX_RANKS})")
+    p.add_argument("--microbatches", "-m", type=microbatch_count, required=True,
+                   help=f"microbatches m (at most {MAX_MICROBATCHES})")
     add_cost_args(p)
-    p.add_argument("--memory-limit", type=_number, required=True, metavar="X",
-                   help="most activation memory any rank may hold, units of M_B")
+    add_stage_args(p)
+    p.add_argument("--memory-limit", type=positive_float, required=True, metavar="X",
+                   help="most activation memory any rank may hold, units of M_B (a number "
+                   f"> 0 and <= {MAX_VALUE:g})")
     p.add_argument("--placement", choices=("looped", "v", "auto"), default="auto",
                    help="looped (--chunks per rank, default 1), v (two chunks in a V) or "
                    "auto (both, and any handcrafted schedule as a seed; default)")
-    p.add_argument("--chunks", type=positive_int, default=1,
-                   help="chunks per rank of the looped placement (default 1)")
+    p.add_argument("--chunks", type=chunk_count, default=1,
+                   help=f"chunks per rank of the looped placement (default 1, at most "
+                   f"{MAX_CHUNKS})")
     p.add_argument("--braided", choices=("auto", "on", "off"), default="auto",
                    help="allow STP braided blocks: auto = when the all-reduce cost ar > 0")
     p.add_argument("--objective", choices=OBJECTIVES, default="makespan",
                    help="makespan (default) or span: the longest rank span, the Zero "
                    "Bubble paper's cost, which orders schedules by bubble rate")
-    p.add_argument("--time-limit", type=positive_float, default=20.0, metavar="S",
-                   help="stop improving after S seconds (default 20)")
+    p.add_argument("--time-limit", type=number_in(0.0, MAX_TIME_LIMIT), default=20.0,
+                   metavar="S", help="stop improving after S seconds (default 20, at most "
+                   f"{MAX_TIME_LIMIT:g}); the handcrafted baselines are simulated first")
     p.add_argument("--out", metavar="FILE.json|FILE.csv", default=None,
                    help="write the schedule: .json (stp IR) or .csv (PyTorch compute-only)")
     p.add_argument("--json", action="store_true",
@@ -100,14 +113,46 @@ def _table(res: SearchResult) -> str:
     return "\n".join(lines)
 
 
+def _placement(args: argparse.Namespace, inputs: StageInputs) -> tuple[str, int]:
+    """(--placement, --chunks) fitted to a per-stage table or explicit partition
+    of a fixed stage count: p stages are one chunk per rank, 2p also a V."""
+    if inputs.table is not None:
+        n, what = inputs.table.num_stages, inputs.where
+    elif isinstance(inputs.partition, tuple):
+        n, what = len(inputs.partition), "--partition"
+    else:
+        return args.placement, args.chunks
+    p = args.pp
+    if n % p or not 1 <= n // p <= MAX_CHUNKS:
+        raise ValueError(f"{what} has {n} stages; with --pp {p} give {p} (one chunk per rank) "
+                         f"or {2 * p} (two chunks: looped or V) or another multiple of {p}")
+    chunks = n // p
+    if args.placement == "v" and chunks != 2:
+        raise ValueError(f"{what} has {n} stages; the V placement of --pp {p} has {2 * p}")
+    if chunks != 2:
+        return "looped", chunks
+    return args.placement, chunks
+
+
 def run(args: argparse.Namespace) -> int:
+    # the V placement has two chunks per rank, the looped one --chunks
+    check_work(args.pp * max(2, args.chunks), args.microbatches, args.layers,
+               f"--pp {args.pp} -m {args.microbatches}")
     costs, mem = costs_from_args(args)
+    inputs = stage_inputs(args, costs, mem, args.pp, args.memory_limit)
+    placement, chunks = _placement(args, inputs)
+    costs, mem = inputs.reported(costs, mem, args.pp)  # the constructions' guide
     res = search(
         args.pp, args.microbatches, costs, mem,
-        memory_limit=args.memory_limit, placement_kind=args.placement,
-        braided=args.braided, chunks=args.chunks, objective=args.objective,
+        memory_limit=args.memory_limit, placement_kind=placement,
+        braided=args.braided, chunks=chunks, objective=args.objective,
         time_limit=args.time_limit, layers=args.layers,
+        stage_costs=None if inputs.uniform else inputs.for_stages,
     )
+    auto = None
+    if inputs.partition == "auto":  # the found order, its partition judged by the simulator
+        stages, auto = inputs.for_schedule(res.schedule)
+        res.result = auto.result if auto else res.result
     if args.out:
         _write(res, args.out)
     if args.json:
@@ -118,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
           f"f={c.f:g} b={c.b:g} w={c.w:g} ar={c.ar:g} comm={c.comm:g}; mem b={mem.m_b:g} "
           f"w={mem.m_w:g}")
     print(f"found in {res.seconds:.2f} s ({res.evaluated} candidates): {res.origin}")
+    for line in describe(res.result.stages, auto):
+        print(line)
     print(_table(res))
     if args.out:
         print(f"wrote {args.out}")

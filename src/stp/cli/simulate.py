@@ -7,14 +7,26 @@ import json
 import sys
 
 from stp.cli.common import (
+    MAX_VALUE,
     add_cost_args,
     costs_from_args,
-    positive_int,
+    microbatch_count,
+    positive_float,
+    pp_count,
     schedule_from_args,
 )
 from stp.cli.offload_opts import add_offload_args, offload_from_args
 from stp.cli.source import add_source_args, load_schedule
+from stp.cli.stage_opts import (
+    add_stage_args,
+    auto_json,
+    check_table_work,
+    describe,
+    partition_text,
+    stage_inputs,
+)
 from stp.schedule import validate
+from stp.schedule.limits import MAX_MICROBATCHES, MAX_RANKS
 from stp.schedule.registry import SCHEDULES, get
 from stp.sim import SimResult, simulate
 
@@ -23,19 +35,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="simulate one schedule and print its timing and memory")
     add_source_args(p)
     add_cost_args(p)
+    add_stage_args(p)
     add_offload_args(p)
-    p.add_argument("--memory-limit", type=float, default=None,
+    p.add_argument("--memory-limit", type=positive_float, default=None, metavar="X",
                    help="refuse the schedule if a rank's peak activation exceeds this "
-                   "(units of M_B)")
+                   f"(units of M_B; a number > 0 and <= {MAX_VALUE:g})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_simulate)
 
     c = sub.add_parser("compare", help="simulate several schedules side by side")
-    c.add_argument("--pp", type=positive_int, required=True, help="pipeline ranks p")
-    c.add_argument("--microbatches", "-m", type=positive_int, required=True, help="microbatches m")
+    c.add_argument("--pp", type=pp_count, required=True,
+                   help=f"pipeline ranks p (at most {MAX_RANKS})")
+    c.add_argument("--microbatches", "-m", type=microbatch_count, required=True,
+                   help=f"microbatches m (at most {MAX_MICROBATCHES})")
     c.add_argument("--schedules", default=None,
                    help="comma-separated names (default: every schedule that accepts p and m)")
     add_cost_args(c)
+    add_stage_args(c)
     add_offload_args(c)
     c.add_argument("--json", action="store_true", help="print one JSON object")
     c.add_argument("--plot", metavar="FILE.png|FILE.svg", default=None,
@@ -58,19 +74,27 @@ def _fmt(x: float) -> str:
 def run_simulate(args: argparse.Namespace) -> int:
     sch = load_schedule(args)
     costs, mem = costs_from_args(args)
-    validate(sch, memory_limit=None if args.offload != "none" else args.memory_limit, mem=mem)
-    plan, oc = offload_from_args(args, sch, costs, mem)
+    inputs = stage_inputs(args, costs, mem, sch.num_ranks, args.memory_limit)
+    costs, mem = inputs.reported(costs, mem, sch.num_ranks)
+    stages, auto = inputs.for_schedule(sch)
+    check_table_work(stages, sch, "the stage cost table")
+    # per-stage memory is judged by the simulated peak below
+    order_limit = None if args.offload != "none" or stages is not None else args.memory_limit
+    validate(sch, memory_limit=order_limit, mem=mem)
+    plan, oc = offload_from_args(args, sch, costs, mem, stages)
     res = simulate(sch, costs, mem, layers=args.layers, offload=plan, offload_costs=oc,
-                   record_spans=False)
+                   record_spans=False, stages=stages)
     if args.memory_limit is not None and max(res.peak_activation) > args.memory_limit + 1e-9:
         worst = max(res.ranks, key=lambda r: r.peak_activation)
         raise ValueError(f"rank {worst.rank}: peak activation {worst.peak_activation:g} with "
                          f"offload {args.offload} exceeds the limit {args.memory_limit:g}")
     if args.json:
-        print(json.dumps(res.to_json()))
+        print(json.dumps({**res.to_json(), **auto_json(auto)}))
         return 0
     print(f"schedule {sch.name}: p={sch.num_ranks} m={sch.num_microbatches} "
           f"v={sch.chunks} layers/chunk={args.layers}  costs {_costs_text(res)}")
+    for line in describe(stages, auto):
+        print(line)
     print(f"makespan {_fmt(res.makespan)}  bubble_rate {res.bubble_rate:.2%}  "
           f"pp_bubble {_fmt(res.pp_bubble)}  tp_bubble {_fmt(res.tp_bubble)}  "
           f"(critical rank {res.critical_rank.rank})")
@@ -78,7 +102,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     rows = [[str(r.rank), _fmt(r.span), _fmt(r.compute), _fmt(r.exposed_tp), _fmt(r.idle),
              _fmt(r.peak_activation)] for r in res.ranks]
     if plan is not None:
-        base = simulate(sch, costs, mem, layers=args.layers, record_spans=False)
+        base = simulate(sch, costs, mem, layers=args.layers, record_spans=False,
+                        stages=stages)
         print(f"offload {plan.policy}: {len(plan)} activations; peak "
               f"{_fmt(max(base.peak_activation))} -> {_fmt(max(res.peak_activation))}, "
               f"makespan {_fmt(base.makespan)} -> {_fmt(res.makespan)}")
@@ -99,26 +124,30 @@ def compare_results(args: argparse.Namespace) -> tuple[list[SimResult], list[str
     """Simulate the requested schedules; returns results and skipped-name notes."""
     if args.schedules:
         names = [n.strip() for n in args.schedules.split(",") if n.strip()]
-        for n in names:
+        for i, n in enumerate(names):
             get(n)  # unknown name -> ValueError listing choices
-        strict = True
+            if n in names[:i]:
+                raise ValueError(f"--schedules names {n} twice; name each schedule once")
     else:
-        names, strict = list(SCHEDULES), False
+        names = list(SCHEDULES)
     costs, mem = costs_from_args(args)
+    inputs = stage_inputs(args, costs, mem, args.pp)
+    costs, mem = inputs.reported(costs, mem, args.pp)
     results, skipped = [], []
     for name in names:
-        need = get(name).min_microbatches(args.pp)
-        if args.microbatches < need:
-            if strict:
-                raise ValueError(f"{name}: {args.microbatches} microbatches not accepted at "
-                                 f"pp={args.pp}; it needs at least {need}")
-            skipped.append(f"{name} (needs m >= {need})")
-            continue
         sch = schedule_from_args(args, name)
         validate(sch)
-        plan, oc = offload_from_args(args, sch, costs, mem)
+        try:
+            stages, _ = inputs.for_schedule(sch)
+        except ValueError:
+            if not args.schedules:  # a partition or table of another stage count
+                skipped.append(f"{name} ({sch.num_stages} stages)")
+                continue
+            raise
+        check_table_work(stages, sch, "the stage cost table")
+        plan, oc = offload_from_args(args, sch, costs, mem, stages)
         results.append(simulate(sch, costs, mem, layers=args.layers, offload=plan,
-                                offload_costs=oc, record_spans=bool(args.plot)))
+                                offload_costs=oc, record_spans=bool(args.plot), stages=stages))
     if not results:
         raise ValueError("no schedule accepts these settings: " + ", ".join(skipped))
     results.sort(key=lambda r: (r.makespan, r.schedule.name))
@@ -126,7 +155,8 @@ def compare_results(args: argparse.Namespace) -> tuple[list[SimResult], list[str
 
 
 def _without_offload(res: SimResult) -> SimResult:
-    return simulate(res.schedule, res.costs, res.mem, layers=res.layers, record_spans=False)
+    return simulate(res.schedule, res.costs, res.mem, layers=res.layers, record_spans=False,
+                    stages=res.stages)
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -160,6 +190,10 @@ def run_compare(args: argparse.Namespace) -> int:
         rows = [[r.schedule.name, _fmt(r.makespan), f"{slowest / r.makespan:.3f}x",
                  f"{r.bubble_rate:.1%}", _fmt(r.pp_bubble), _fmt(r.tp_bubble),
                  _fmt(max(r.peak_activation))] for r in results]
+        if any(r.stages is not None and r.stages.partition for r in results):
+            header.append("partition")
+            for row, r in zip(rows, results, strict=True):
+                row.append(partition_text(r.stages.partition if r.stages else None))
         if offload:
             header += ["makespan_no_off", "peak_no_off"]
             for row, r in zip(rows, results, strict=True):

@@ -9,11 +9,15 @@
     stp train --tp 2 --emulate-compute f=24,b=24,w=16 --braid off   # timed waits, real comm
 
 Without torchrun the command starts pp x tp x dp local worker processes
-through PyTorch's launcher API (stp.runtime.launch); under torchrun each
-process is one rank. Bad input is refused before any worker starts (under
-torchrun: by every rank, reported once by rank 0), with exit status 2. A
-rank that fails or waits past --timeout prints one line naming itself, the
-action and the peer, and every rank exits non-zero.
+itself (stp.runtime.launch); under torchrun each process is one rank, and
+the nodes' settings are compared before the ranks meet. Bad input is
+refused before any worker starts (under torchrun: by every rank, reported
+once by rank 0), with exit status 2. A rank that fails or waits past
+--timeout prints one line naming itself, the action and the peer, every
+rank exits non-zero, and the last line names the rank the failure started
+at (a killed, failed or frozen one). Ctrl-C (SIGINT) or SIGTERM stops every
+rank at once: `stp: interrupted at step N; last checkpoint: ...`, exit 130
+(SIGTERM: 143). See stp.cli.train_supervise.
 
 Output: a progress bar on stderr (loss, tokens/s, step time), a summary and
 a checkpoint at the end; with --json, one JSON object per step on stdout and
@@ -23,93 +27,39 @@ nothing else there. torch is imported only when the command runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from typing import Any
 
-from stp.cli.common import positive_float, positive_int
+from stp.cli.flags import add_flags, from_args
+from stp.cli.train_supervise import (
+    StepTracker,
+    interrupt_printer,
+    launch_failure_line,
+    rank_failure_line,
+    rank_namer,
+    say,
+    shared_settings,
+)
+from stp.train.config import TrainJob
 
 __all__ = ["register", "run_train"]
 
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from stp.runtime.job import DTYPES, TrainJob
-    from stp.schedule.registry import names
-
-    d = TrainJob()
     p = sub.add_parser(
         "train", help="train a small byte-level language model on a TP x PP x DP mesh",
         description="Train a byte-level decoder on the Python standard library's sources "
         "(or --data) with any schedule. Starts the local workers itself unless run under "
         "torchrun.",
     )
-    p.add_argument("--schedule", default=d.schedule, choices=names(), metavar="NAME",
-                   help=f"pipeline schedule (default {d.schedule}; see `stp schedules`)")
-    p.add_argument("--pp", type=positive_int, default=d.pp, help=f"pipeline ranks (default {d.pp})")
-    p.add_argument("--tp", type=positive_int, default=d.tp,
-                   help=f"tensor-parallel ranks (default {d.tp})")
-    p.add_argument("--dp", type=positive_int, default=d.dp,
-                   help=f"data-parallel replicas (default {d.dp})")
-    p.add_argument("--microbatches", "-m", type=positive_int, default=None,
-                   help="microbatches per step (default 8, more if the schedule or 2 pp "
-                   "needs it); the global batch is dp x m x microbatch size")
-    p.add_argument("--microbatch-size", type=positive_int, default=d.microbatch_size,
-                   help=f"sequences per microbatch (default {d.microbatch_size})")
-    p.add_argument("--layers", type=positive_int, default=d.layers,
-                   help=f"transformer layers (default {d.layers})")
-    p.add_argument("--hidden", type=positive_int, default=d.hidden,
-                   help=f"model width (default {d.hidden})")
-    p.add_argument("--heads", type=positive_int, default=d.heads,
-                   help=f"attention heads (default {d.heads})")
-    p.add_argument("--kv-heads", type=positive_int, default=None,
-                   help="key/value heads (default: as many as --heads)")
-    p.add_argument("--seq-len", type=positive_int, default=d.seq_len,
-                   help=f"tokens (bytes) per sequence (default {d.seq_len})")
-    p.add_argument("--steps", type=int, default=d.steps,
-                   help=f"optimizer steps (default {d.steps})")
-    p.add_argument("--lr", type=positive_float, default=d.lr,
-                   help=f"AdamW learning rate (default {d.lr:g})")
-    p.add_argument("--seed", type=int, default=d.seed, help="init and data seed (default 0)")
-    p.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="parameter dtype")
-    p.add_argument("--data", default=None, metavar="PATH",
-                   help="a text file or a directory (default: the Python standard library)")
-    p.add_argument("--out", default=None, metavar="DIR",
-                   help="checkpoint directory (default runs/train-<time>/)")
-    p.add_argument("--timeout", type=positive_float, default=d.timeout,
-                   help=f"seconds a rank may wait on a peer before all ranks stop "
-                   f"(default {d.timeout:g})")
-    p.add_argument("--offload", default=d.offload, metavar="POLICY",
-                   help="activation offload: none, stp (the seed's: chunk-0 activations), "
-                   "all, selective:X (PipeOffload: cut the peak by about X); default none. "
-                   "Every policy measures resident activation bytes per rank")
-    p.add_argument("--braid", choices=("on", "off"), default="on",
-                   help="run braided blocks unit by unit with the TP all-reduces in flight "
-                   "(default on); off: pass by pass, every all-reduce waited for")
-    p.add_argument("--trace", default=None, metavar="FILE.json",
-                   help="write the last step's measured trace (every unit, all-reduce, send "
-                   "and receive of every rank; open in ui.perfetto.dev)")
-    p.add_argument("--emulate-compute", default=None, metavar="f=..,b=..,w=..",
-                   help="replace each unit's compute by a timed wait: milliseconds of F, B, W "
-                   "per microbatch per rank share, as `stp simulate --cost`; communication "
-                   "stays real (the loss is not computed)")
+    add_flags(p, TrainJob)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per step on stdout and nothing else there")
     p.set_defaults(func=run_train)
-
-
-def _job(args: argparse.Namespace) -> Any:
-    from stp.runtime.job import TrainJob
-
-    return TrainJob(
-        schedule=args.schedule, pp=args.pp, tp=args.tp, dp=args.dp,
-        microbatches=args.microbatches, microbatch_size=args.microbatch_size,
-        layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
-        seq_len=args.seq_len, steps=args.steps, lr=args.lr, seed=args.seed, dtype=args.dtype,
-        data=args.data, out=args.out, timeout=args.timeout, offload=args.offload,
-        braid=args.braid == "on", trace=args.trace, emulate=args.emulate_compute,
-    )
 
 
 class _Progress:
@@ -122,17 +72,27 @@ class _Progress:
 
     def __call__(self, r: Any) -> None:
         if self.as_json:
-            print(json.dumps({"step": r.step, "loss": r.loss, "tokens_per_s": r.tokens_per_s,
-                              "step_time_s": r.step_time_s,
-                              "resident_activation_bytes": r.resident_activation_bytes}),
-                  flush=True)
+            row = {"step": r.step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
+                   "tokens_per_s": r.tokens_per_s, "step_s": r.step_time_s,
+                   "resident_activation_bytes": r.resident_activation_bytes}
+            row.update({"skipped": True} if r.skipped else {})
+            row.update({} if r.eval_loss is None else {"eval_loss": r.eval_loss})
+            print(json.dumps(row), flush=True)
             return
+        if r.skipped:
+            print(f"step {r.step + 1}: gradients hold inf/NaN (norm {r.grad_norm}); update "
+                  "skipped on every rank", file=sys.stderr, flush=True)
         done = r.step + 1
         width = 24
         fill = width * done // max(1, self.total)
         line = (f"step {done:>{len(str(self.total))}}/{self.total} "
                 f"[{'=' * fill}{' ' * (width - fill)}] loss {r.loss:.4f} | "
                 f"{r.tokens_per_s / 1000:.1f}k tok/s | {1000 * r.step_time_s:.0f} ms/step")
+        line += "" if r.grad_norm is None else f" | grad {r.grad_norm:.3g} | lr {r.lr:.3g}"
+        line += "" if r.eval_loss is None else f" | eval {r.eval_loss:.4f}"
+        if r.eval_loss is not None and not self.tty:
+            print(line, file=sys.stderr, flush=True)
+            return
         if self.tty:
             end = "\n" if done == self.total else ""
             print("\r" + line, end=end, file=sys.stderr, flush=True)
@@ -140,51 +100,66 @@ class _Progress:
             print(line, file=sys.stderr, flush=True)
 
 
-def _summary(s: dict[str, Any], as_json: bool) -> None:
+def _summary(s: Any, as_json: bool) -> None:
+    """Rank 0's closing lines (s: stp.train.loop.RunSummary)."""
+    job = s.job
     text = (
-        f"trained {s['steps']} steps of {s['schedule']} on pp={s['pp']} tp={s['tp']} "
-        f"dp={s['dp']} (m={s['microbatches']}, {s['backend']} on {s['device']}, "
-        f"{s['parameters']:,} parameters)"
+        f"trained {job.steps} steps of {job.schedule} on pp={job.pp} tp={job.tp} "
+        f"dp={job.dp} (m={s.microbatches}, {s.backend} on {s.device}, "
+        f"{s.parameters:,} parameters)"
     )
-    if s.get("emulate"):
-        text += f"\nemulated compute ({s['emulate']} ms): the loss is not computed"
-    elif s["first_loss"] is not None:
-        text += (f"\nloss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, "
-                 f"{s['tokens_per_s'] / 1000:.1f}k tokens/s, "
-                 f"{1000 * s['step_time_s']:.0f} ms/step")
-    if s.get("resident_activation_bytes"):
-        peaks = ", ".join(f"{b / 2**20:.2f}" for b in s["resident_activation_bytes"])
-        text += f"\npeak resident activations per rank (offload {s['offload']}): {peaks} MiB"
-    if s.get("trace"):
-        text += f"\ntrace of the last step: {s['trace']}"
-    text += f"\ncheckpoint: {s['checkpoint']}"
+    if job.partition is not None:
+        text += f"\nlayers per global stage: {job.partition}"
+    if job.emulate:
+        text += f"\nemulated compute ({job.emulate} ms): the loss is not computed"
+    elif s.first_loss is not None:
+        text += (f"\nloss {s.first_loss:.4f} -> {s.last_loss:.4f}, "
+                 f"{s.tokens_per_s / 1000:.1f}k tokens/s, "
+                 f"{1000 * s.step_time_s:.0f} ms/step")
+    if s.resident_activation_bytes:
+        peaks = ", ".join(f"{b / 2**20:.2f}" for b in s.resident_activation_bytes)
+        text += f"\npeak resident activations per rank (offload {job.offload}): {peaks} MiB"
+    if job.trace:
+        text += f"\ntrace of the last step: {job.trace}"
+    text += f"\ncheckpoint: {s.checkpoint}"
+    if s.sharded_checkpoint:
+        text += f"\nsharded checkpoint: {s.sharded_checkpoint} (continue with --resume)"
+    if job.save_hf:
+        text += f"\nHugging Face checkpoint: {job.save_hf}"
     print(text, file=sys.stderr if as_json else sys.stdout, flush=True)
 
 
 def _train_here(job: Any, as_json: bool) -> int:
-    """Train as one rank of an initialised (or about to be) world; returns the exit status."""
-    from stp.runtime import job as jobs
-    from stp.runtime.errors import RankError, first_line
+    """Train as one rank of an initialised (or about to be) world; returns the exit
+    status (stp.cli.train_supervise: what a failure or an interrupt prints)."""
+    from stp.runtime.errors import exit_status
     from stp.runtime.launch import init_distributed
+    from stp.runtime.watch import Heartbeat, exit_on_signals
+    from stp.train.loop import run
 
+    tracker = StepTracker(_Progress(job.steps, as_json))
+    if os.environ.get("RANK", "0") == "0":
+        exit_on_signals(interrupt_printer(tracker, bar=not as_json))
+    else:
+        exit_on_signals()
+    heartbeat = None
     try:
         init_distributed(timeout=job.timeout)
-        summary = jobs.run(job, _Progress(job.steps, as_json))
-    except (RankError, ValueError) as e:
-        print(f"stp: error: {e}", file=sys.stderr, flush=True)
-        return 1
-    except RuntimeError as e:
-        rank = os.environ.get("RANK", "0")
-        first = first_line(e)
-        print(f"stp: error: rank {rank}: {first}", file=sys.stderr, flush=True)
-        return 1
+        heartbeat = Heartbeat.from_env(timeout=job.timeout)
+        summary = run(job, tracker)
+    except (ValueError, RuntimeError) as e:  # RankError, a backend's error: one line
+        say(rank_failure_line(e, heartbeat))
+        return exit_status(e)
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
     if summary is not None:
         _summary(summary, as_json)
     return 0
 
 
 def _worker(job: Any, as_json: bool) -> None:
-    """Entry point of a locally launched worker (module level: spawned by name)."""
+    """Entry point of a locally launched worker (module level: started by name)."""
     code = _train_here(job, as_json)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -193,35 +168,58 @@ def _worker(job: Any, as_json: bool) -> None:
         os._exit(code)
 
 
+def _under_torchrun(job: Any, as_json: bool) -> int:
+    """One rank started by torchrun: the nodes' settings compared (rank 0 picks the
+    run directory), every rank checks, rank 0 alone reports, all exit 2 at once."""
+    from stp.runtime.agree import SettingsDiffer, agree
+    from stp.runtime.launch import STARTUP_S
+    from stp.train.job import check
+    from stp.train.plan import with_schedule_file
+
+    try:
+        # The nodes may start seconds apart: wait as long as a start may take.
+        chosen = agree(shared_settings(job), timeout=max(job.timeout, STARTUP_S),
+                       choose=lambda: {"out": str(job.out_dir())})
+        job = dataclasses.replace(job, out=chosen.get("out", job.out))
+        job = with_schedule_file(job)
+        check(job, world_size=int(os.environ["WORLD_SIZE"]))
+    except ValueError as e:
+        # Once: by rank 0; a disagreement also on the other nodes (their first rank).
+        if os.environ.get("RANK") == "0" or (
+                isinstance(e, SettingsDiffer) and os.environ.get("LOCAL_RANK") == "0"):
+            say(f"stp: error: {e}")
+        return 2
+    code = _train_here(job, as_json)
+    if code:
+        sys.stderr.flush()
+        os._exit(code)
+    return 0
+
+
 def run_train(args: argparse.Namespace) -> int:
     # Before torch loads OpenMP (here and in spawned workers): idle intra-op
     # threads sleep instead of spinning. Spinning threads on shared cores
     # (local workers, other jobs) measured 10-100x slower steps on 2 cores.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from stp.runtime.launch import in_torchrun, launch_local
+    from stp.train.job import check
+    from stp.train.plan import with_schedule_file
 
-    job = _job(args)
+    job = from_args(TrainJob, args)
     if in_torchrun():
-        # Every rank checks; rank 0 alone reports, all exit 2 at once.
-        try:
-            job.check(world_size=int(os.environ["WORLD_SIZE"]))
-        except ValueError as e:
-            if os.environ.get("RANK") == "0":
-                print(f"stp: error: {e}", file=sys.stderr, flush=True)
-            return 2
-        code = _train_here(job, args.json)
-        if code:
-            sys.stderr.flush()
-            os._exit(code)
-        return 0
-    job.check()
+        return _under_torchrun(job, args.json)
+    job = with_schedule_file(job)  # -m of a schedule file, before the batch size is fixed
+    check(job)
+    if job.out is None:  # fixed once, after the checks: the default is a new directory
+        job = dataclasses.replace(job, out=str(job.out_dir()))
     if job.world_size == 1:
         return _train_here(job, args.json)
-    result = launch_local(_worker, (job, args.json), job.world_size)
+    result = launch_local(_worker, (job, args.json), job.world_size, describe=rank_namer(job))
+    if result.interrupted is not None:
+        if result.exits[0].returncode < 0:  # rank 0 ended before it could say where it was
+            say("stp: interrupted")
+        return result.exitcode
     if result.exitcode:
-        print(
-            f"stp: error: training stopped: rank(s) {result.failed_ranks} exited with status "
-            f"{result.exitcode}", file=sys.stderr, flush=True,
-        )
+        print(launch_failure_line(result), file=sys.stderr, flush=True)
         return 1
     return 0

@@ -16,7 +16,7 @@ the first and last stage only; the simulator gives every rank the same costs,
 so they are reported (`lm_head_ms`) but not added, as the Zero Bubble and
 STP papers balance them by giving those stages fewer layers.
 
-The offload ratio of REFERENCE section 4 (PipeOffload), `k = T_offload /
+The offload ratio of "PipeOffload" (arXiv 2503.01328), `k = T_offload /
 T_compute`, is `M_B bytes / host bandwidth` over `f + b + w`: k <= 1 means
 every activation can go to host memory and back within its own compute.
 """

@@ -6,7 +6,8 @@ microbatch size, `h` hidden, `a` query heads, `k` key/value heads,
 
 FLOPs count matmuls only, 2 FLOPs per multiply-add (Narayanan et al.,
 "Efficient Large-Scale Language Model Training on GPU Clusters", SC'21,
-section 5.1; Zero Bubble, seed 002, Table 1):
+arXiv 2104.04473, section 5.1; "Zero Bubble Pipeline Parallelism",
+arXiv 2401.10241, Table 1):
 
     linear  L = 2sb (h (h + 2kd) + h h + g h f)     QKV, output projection, MLP
                                                      (g = 3 gated SwiGLU, 2 GELU)

@@ -6,8 +6,8 @@ Models
     layers, heads, hidden, sequence 1024, microbatch size 6/3/1/1). The
     vocabulary is not in the paper; GPT-2's BPE (50257) is assumed.
   * `qwen2-12.1b`, `qwen2-26.3b`: Qwen2-style models (GQA, SwiGLU, vocabulary
-    152064) for the STP paper's LLM experiments (seed 000, section 5:
-    A800-80GB, TP 2-8, PP 2-8, sequence 2048-8192). The paper's model table
+    152064) for the STP paper's LLM experiments (arXiv 2510.27257,
+    experiments: A800-80GB, TP 2-8, PP 2-8, sequence 2048-8192). The paper's model table
     was not available to us; these shapes are ASSUMED: Qwen2 layer shapes
     whose parameter count matches the name (12.0B and 26.3B by
     `num_parameters`) with a layer count of the form k*PP - 2 for PP in
@@ -119,7 +119,7 @@ STP_REPORTED: dict[str, object] = {
     "claim": "up to +12% throughput over 1F1B-I / ZB-V for LLMs",
     "setting": {"model": "qwen2-12.1b", "tp": 8, "pp": 2, "sequence": 6144},
     "gain": 0.12,
-    "source": "STP (seed 000), abstract and section 5; setting as stated in the issue",
+    "source": "STP (arXiv 2510.27257), abstract and experiments; setting as stated in the issue",
 }
 """The STP paper's headline LLM gain, the one the STP benchmark sets beside its
 simulated throughput."""

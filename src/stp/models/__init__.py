@@ -7,24 +7,29 @@ tensor-parallel layers, cut into pipeline stages with a split (B / W) backward.
   drive one all-reduce at a time (stp.models.decoder).
 - `build_reference(config, dtype)`: the whole model in one process, same names
   and initial values, for parity tests.
+- `stp.models.hf`: Hugging Face Llama / Qwen2 checkpoints in and out.
 """
 
-from stp.models.config import ModelConfig
+from stp.models.config import IGNORE_INDEX, ModelConfig, RopeScaling
 from stp.models.decoder import AttentionUnit, EmbedUnit, LossUnit, MLPUnit, Unit
-from stp.models.init import ParamSpec, parameter_specs, stage_layers
+from stp.models.init import ParamSpec, parameter_specs
 from stp.models.reference import ReferenceModel, build_reference
-from stp.models.stage import ModelStage, build_stage, check_tp
+from stp.models.stage import ModelStage, build_stage, check_model, check_tp
+from stp.models.tp.layers import valid_token_ratio
 
 __all__ = [
+    "IGNORE_INDEX",
     "ModelConfig",
+    "RopeScaling",
+    "valid_token_ratio",
     "ModelStage",
     "build_stage",
+    "check_model",
     "check_tp",
     "ReferenceModel",
     "build_reference",
     "ParamSpec",
     "parameter_specs",
-    "stage_layers",
     "Unit",
     "EmbedUnit",
     "AttentionUnit",

@@ -1,5 +1,5 @@
 """The decoder cut into units at its TP all-reduces, the units that braided
-execution blocks interleave (seed 000, Fig. 3).
+execution blocks interleave (STP paper arXiv 2510.27257, Fig. 3).
 
 A unit computes up to a partial sum, the caller all-reduces it over the TP
 group, and a cheap epilogue finishes the unit. Forward of one layer:
@@ -23,7 +23,7 @@ in flight while the other pass computes.
 Unit methods, in the order a pass calls them for microbatch mb:
   F: forward_partial(mb, x[, targets]) -> partial;  forward_finish(mb, reduced) -> y
   B: backward_partial(mb, g) -> partial or None;    backward_finish(mb, reduced) -> dx
-  W: weight(mb)   (the deferred weight gradients into .grad, seed 002)
+  W: weight(mb)   (the deferred weight gradients into .grad, Zero Bubble paper, arXiv 2401.10241)
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stp.runtime.tp.layers import (
+from stp.models.rope import RopeCache, apply_rope
+from stp.models.tp.layers import (
     linear,
     rms_norm,
     vocab_ce_finish,
@@ -42,41 +43,9 @@ from stp.runtime.tp.layers import (
     vocab_ce_stats,
     vocab_embedding_partial,
 )
-from stp.runtime.tp.wgrad import EmbedGrad, WGradEntry, WGradStore
+from stp.models.tp.wgrad import EmbedGrad, WGradEntry, WGradStore
 
 __all__ = ["Unit", "EmbedUnit", "AttentionUnit", "MLPUnit", "LossUnit", "RopeCache", "apply_rope"]
-
-
-class RopeCache:
-    """cos / sin tables of rotary embeddings (Su et al. 2021), rotate-half layout as in
-    Llama / Qwen2, cached per (seq_len, device, dtype)."""
-
-    def __init__(self, head_dim: int, theta: float) -> None:
-        self.head_dim = head_dim
-        self.theta = theta
-        self._tables: dict[tuple[int, str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def get(
-        self, seq_len: int, device: torch.device, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (seq_len, str(device), dtype)
-        if key not in self._tables:
-            half = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
-            inv_freq = 1.0 / self.theta**half
-            angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
-            angles = torch.cat([angles, angles], dim=-1)  # [s, hd]
-            self._tables[key] = (angles.cos().to(device, dtype), angles.sin().to(device, dtype))
-        return self._tables[key]
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every cached table (shared by all microbatches: never offloaded)."""
-        return [t for pair in self._tables.values() for t in pair]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, n, s, hd] rotated by position: x cos + rotate_half(x) sin."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 @dataclass
@@ -137,7 +106,7 @@ class Unit:
         """W: accumulate microbatch mb's weight gradients into `.grad`, free its tensors.
 
         May also run between backward_partial and backward_finish: in a braided
-        full backward (seed 000, Fig. 3) W of a unit runs while the all-reduce of
+        full backward (STP paper arXiv 2510.27257, Fig. 3) W of a unit runs while the all-reduce of
         its B is in flight. The matrices' gradients need only what backward_partial
         recorded; the RMSNorm gain's needs the reduced gradient, so backward_finish
         accumulates it at once (`_close`)."""
@@ -189,18 +158,24 @@ class Unit:
 
 class EmbedUnit(Unit):
     """Vocab-parallel embedding (stage 0): partial rows, all-reduce, identity finish.
-    No input gradient (token ids), so its backward has nothing to reduce."""
+    No input gradient (token ids), so its backward has nothing to reduce. The row of
+    `pad_token_id` gets no gradient (torch.nn.Embedding's padding_idx)."""
 
-    def __init__(self, weight: torch.Tensor, vocab_start: int) -> None:
+    def __init__(
+        self, weight: torch.Tensor, vocab_start: int, pad_token_id: int | None = None
+    ) -> None:
         super().__init__("embed")
         self.w = weight
         self.vocab_start = vocab_start
+        self.pad_token_id = pad_token_id
 
     def forward_partial(
         self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
     ) -> torch.Tensor:
         st = self._enter(mb, None, "F-partial")
         partial, owned, local = vocab_embedding_partial(x, self.w.detach(), self.vocab_start)
+        if self.pad_token_id is not None:
+            owned = owned & (x != self.pad_token_id)  # looked up, never trained
         st.saved.update(owned=owned, local=local)
         return partial
 
@@ -265,7 +240,9 @@ class _ResidualUnit(Unit):
 
 class AttentionUnit(_ResidualUnit):
     """Causal grouped-query attention over this rank's heads (num_heads / tp query heads,
-    num_kv_heads / tp kv heads: a rank's query heads use only its own kv heads)."""
+    num_kv_heads / tp kv heads: a rank's query heads use only its own kv heads; with
+    fewer kv heads than ranks, the one kv head they use, replicated). `biases`: the
+    q, k, v biases (Qwen2), sharded like their matrices' rows."""
 
     def __init__(
         self,
@@ -279,18 +256,20 @@ class AttentionUnit(_ResidualUnit):
         head_dim: int,
         eps: float,
         rope: RopeCache,
+        biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         super().__init__(f"layers.{layer}.attn", norm_weight, eps)
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
+        self.bq, self.bk, self.bv = biases if biases is not None else (None, None, None)
         self.head_dim = head_dim
         self.rope = rope
 
     def _body(self, h: torch.Tensor, sink: list[WGradEntry]) -> torch.Tensor:
         b, s, _ = h.shape
         hd = self.head_dim
-        q = linear(h, self.wq, sink).view(b, s, -1, hd).transpose(1, 2)  # [b, nq, s, hd]
-        k = linear(h, self.wk, sink).view(b, s, -1, hd).transpose(1, 2)  # [b, nkv, s, hd]
-        v = linear(h, self.wv, sink).view(b, s, -1, hd).transpose(1, 2)
+        q = linear(h, self.wq, sink, self.bq).view(b, s, -1, hd).transpose(1, 2)  # [b, nq, s, hd]
+        k = linear(h, self.wk, sink, self.bk).view(b, s, -1, hd).transpose(1, 2)  # [b, nkv, ...]
+        v = linear(h, self.wv, sink, self.bv).view(b, s, -1, hd).transpose(1, 2)
         cos, sin = self.rope.get(s, h.device, h.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -322,8 +301,15 @@ class MLPUnit(_ResidualUnit):
 class LossUnit(Unit):
     """Final RMSNorm, column-parallel head (vocab-sharded logits) and vocab-parallel
     cross-entropy (last stage). Forward reduces the loss statistics
-    (stp.runtime.tp.layers.vocab_ce_stats), backward the head's input gradient.
-    Its backward_partial takes the loss gradient as a 0-dim tensor."""
+    (stp.models.tp.layers.vocab_ce_stats), backward the head's input gradient.
+    Its backward_partial takes the loss gradient as a 0-dim tensor.
+
+    The loss of a microbatch is the sum of its token losses over the number of
+    target positions: targets equal to IGNORE_INDEX add nothing, so the Trainer
+    turns the mean over all positions into the mean over the valid tokens of the
+    global batch with one scale (and without ignored targets it is the plain mean).
+    `vocab_valid`: this rank's real vocabulary rows; the rest are padding whose
+    logits are masked out."""
 
     def __init__(
         self,
@@ -334,11 +320,13 @@ class LossUnit(Unit):
         vocab_start: int,
         tp_size: int,
         tp_rank: int,
+        vocab_valid: int | None = None,
     ) -> None:
         super().__init__("head")
         self.norm_w, self.head_w = norm_weight, head_weight
         self.eps = eps
         self.vocab_start, self.tp_size, self.tp_rank = vocab_start, tp_size, tp_rank
+        self.vocab_valid = head_weight.shape[0] if vocab_valid is None else vocab_valid
 
     def forward_partial(
         self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
@@ -353,19 +341,21 @@ class LossUnit(Unit):
             logits = linear(h_in, self.head_w, st.sink)  # [b, s, V / tp]
         st.saved.update(x_in=x_in, h=h, h_in=h_in, logits=logits, targets=targets)
         return vocab_ce_stats(
-            logits.detach(), targets, self.vocab_start, self.tp_size, self.tp_rank
+            logits.detach(), targets, self.vocab_start, self.tp_size, self.tp_rank,
+            self.vocab_valid,
         )
 
     def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
         st = self._enter(mb, "F-partial", "F")
-        loss, st.saved["lse"] = vocab_ce_finish(reduced)
+        loss, st.saved["lse"] = vocab_ce_finish(reduced, st.saved["targets"])
         return loss.detach()
 
     def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
         st = self._enter(mb, "F", "B-partial")
         logits = st.saved.pop("logits")
         grad_logits = vocab_ce_grad(
-            logits.detach(), st.saved.pop("targets"), st.saved.pop("lse"), self.vocab_start, grad
+            logits.detach(), st.saved.pop("targets"), st.saved.pop("lse"), self.vocab_start, grad,
+            self.vocab_valid,
         )
         (grad_h,) = torch.autograd.grad(logits, st.saved.pop("h_in"), grad_logits)
         return grad_h

@@ -3,8 +3,16 @@
 Every parameter has one global name shared by the reference model and every
 stage (`embed.weight`, `layers.3.attn.wq.weight`, `norm.weight`, ...). Its full
 value is drawn from a generator seeded by (config.seed, name), then a TP rank
-keeps its slice along `shard_dim`: the same seed gives the same full model
-whatever pp and tp are, and a rank only creates the layers of its stages.
+keeps its slice along `shard_dim` (`tp_slice`): the same seed gives the same
+full model whatever pp and tp are, and a rank only creates the layers of its
+stages. A checkpoint loader (stp.models.hf) reads the same slices from disk.
+
+Two splits are not equal cuts of the full tensor:
+- the vocabulary (embedding, head) is padded to a multiple of tp: a rank's
+  slice may end in zero rows past vocab_size;
+- with fewer kv heads than TP ranks, each rank holds the whole kv head its
+  query heads use, so tp / num_kv_heads ranks hold a copy of each (Megatron-LM
+  style replication of query groups instead of refusing the mesh).
 """
 
 from __future__ import annotations
@@ -20,14 +28,17 @@ from stp.models.config import ModelConfig
 
 __all__ = [
     "ParamSpec",
+    "ShardSlice",
+    "tp_slice",
+    "pad_shard",
     "parameter_specs",
-    "stage_layers",
     "init_full",
     "init_shard",
     "shard_range",
 ]
 
-InitKind = Literal["normal", "normal_out", "ones"]
+InitKind = Literal["normal", "normal_out", "ones", "zeros"]
+TPSplit = Literal["even", "vocab", "kv_heads"]
 
 
 @dataclass(frozen=True)
@@ -39,22 +50,34 @@ class ParamSpec:
     shard_dim: int | None
     """Tensor dim split over TP ranks; None when replicated (RMSNorm weights)."""
     init: InitKind
-    """normal: N(0, init_std); normal_out: N(0, init_std / sqrt(2 L)); ones."""
+    """normal: N(0, init_std); normal_out: N(0, init_std / sqrt(2 L)); ones; zeros."""
+    tp_split: TPSplit = "even"
+    """How shard_dim is cut: equal parts, the padded vocabulary, or whole kv heads."""
+    tied_to: str | None = None
+    """The parameter this one is a copy of (a tied head: embed.weight): initialised,
+    loaded and saved as that one, its gradient summed with it every step."""
 
 
 def layer_specs(config: ModelConfig, layer: int) -> list[ParamSpec]:
-    """The nine parameters of one decoder layer. Column-parallel matrices (wq, wk, wv,
-    w1, w3: [out, in]) shard dim 0, row-parallel ones (wo, w2) dim 1 (seed 000 Fig. 2,
-    Megatron-LM section 3)."""
+    """The nine parameters of one decoder layer (twelve with q/k/v biases).
+    Column-parallel matrices (wq, wk, wv, w1, w3: [out, in]) and the biases shard
+    dim 0, row-parallel ones (wo, w2) dim 1 (STP paper, arXiv 2510.27257, Fig. 2;
+    Megatron-LM, arXiv 1909.08053, section 3)."""
     h, f = config.hidden, config.ffn
     q_out = config.num_heads * config.head_dim
     kv_out = config.num_kv_heads * config.head_dim
     p = f"layers.{layer}."
+    biases = [
+        ParamSpec(p + "attn.wq.bias", (q_out,), 0, "zeros"),
+        ParamSpec(p + "attn.wk.bias", (kv_out,), 0, "zeros", "kv_heads"),
+        ParamSpec(p + "attn.wv.bias", (kv_out,), 0, "zeros", "kv_heads"),
+    ] if config.qkv_bias else []
     return [
         ParamSpec(p + "attn_norm.weight", (h,), None, "ones"),
         ParamSpec(p + "attn.wq.weight", (q_out, h), 0, "normal"),
-        ParamSpec(p + "attn.wk.weight", (kv_out, h), 0, "normal"),
-        ParamSpec(p + "attn.wv.weight", (kv_out, h), 0, "normal"),
+        ParamSpec(p + "attn.wk.weight", (kv_out, h), 0, "normal", "kv_heads"),
+        ParamSpec(p + "attn.wv.weight", (kv_out, h), 0, "normal", "kv_heads"),
+        *biases,
         ParamSpec(p + "attn.wo.weight", (h, q_out), 1, "normal_out"),
         ParamSpec(p + "mlp_norm.weight", (h,), None, "ones"),
         ParamSpec(p + "mlp.w1.weight", (f, h), 0, "normal"),
@@ -70,30 +93,16 @@ def parameter_specs(
     head if `last`, in model order. Defaults: the whole model."""
     layers = range(config.num_layers) if layers is None else layers
     specs: list[ParamSpec] = []
+    vocab = (config.vocab_size, config.hidden)
     if first:
-        specs.append(ParamSpec("embed.weight", (config.vocab_size, config.hidden), 0, "normal"))
+        specs.append(ParamSpec("embed.weight", vocab, 0, "normal", "vocab"))
     for i in layers:
         specs.extend(layer_specs(config, i))
     if last:
         specs.append(ParamSpec("norm.weight", (config.hidden,), None, "ones"))
-        specs.append(ParamSpec("head.weight", (config.vocab_size, config.hidden), 0, "normal"))
+        tied = "embed.weight" if config.tie_embeddings else None
+        specs.append(ParamSpec("head.weight", vocab, 0, "normal", "vocab", tied))
     return specs
-
-
-def stage_layers(num_layers: int, stage: int, num_stages: int) -> range:
-    """Contiguous layer split. When num_layers % num_stages = r > 0, the FIRST r stages
-    get one extra layer: the last stage already carries the final norm, the head
-    matmul (h x V) and the loss, so it should not also get the longer share."""
-    if not 1 <= num_stages <= num_layers:
-        raise ValueError(
-            f"num_stages={num_stages} must be between 1 and num_layers={num_layers} "
-            "(every stage needs at least one layer)"
-        )
-    if not 0 <= stage < num_stages:
-        raise ValueError(f"stage={stage} must be in [0, num_stages={num_stages})")
-    base, extra = divmod(num_layers, num_stages)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -107,10 +116,13 @@ def init_full(config: ModelConfig, spec: ParamSpec, dtype: torch.dtype) -> torch
     float64 model holds exactly the values of a float32 one."""
     if spec.init == "ones":
         return torch.ones(spec.shape, dtype=dtype)
+    if spec.init == "zeros":
+        return torch.zeros(spec.shape, dtype=dtype)
     std = config.init_std
     if spec.init == "normal_out":
         std = std / math.sqrt(2 * config.num_layers)
-    full = torch.randn(spec.shape, generator=_generator(config.seed, spec.name))
+    name = spec.tied_to or spec.name
+    full = torch.randn(spec.shape, generator=_generator(config.seed, name))
     return (full * std).to(dtype)
 
 
@@ -119,6 +131,46 @@ def shard_range(size: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
     assert size % tp_size == 0, (size, tp_size)
     part = size // tp_size
     return tp_rank * part, (tp_rank + 1) * part
+
+
+@dataclass(frozen=True)
+class ShardSlice:
+    """What one TP rank holds of a parameter: rows [start, stop) of the full tensor
+    along `dim` (None: the whole tensor), then `pad` rows of zeros (vocabulary
+    padding)."""
+
+    dim: int | None
+    start: int = 0
+    stop: int = 0
+    pad: int = 0
+
+
+def tp_slice(config: ModelConfig, spec: ParamSpec, tp_size: int, tp_rank: int) -> ShardSlice:
+    """The slice of `spec` that TP rank tp_rank of tp_size holds."""
+    if spec.shard_dim is None or tp_size == 1:
+        return ShardSlice(None)
+    size = spec.shape[spec.shard_dim]
+    if spec.tp_split == "vocab":
+        part = config.padded_vocab(tp_size) // tp_size
+        start = min(tp_rank * part, size)
+        stop = min(start + part, size)
+        return ShardSlice(spec.shard_dim, start, stop, part - (stop - start))
+    replicas = config.kv_replicas(tp_size)
+    if spec.tp_split == "kv_heads" and replicas > 1:
+        head = tp_rank // replicas
+        return ShardSlice(spec.shard_dim, head * config.head_dim, (head + 1) * config.head_dim)
+    start, stop = shard_range(size, tp_size, tp_rank)
+    return ShardSlice(spec.shard_dim, start, stop)
+
+
+def pad_shard(t: torch.Tensor, where: ShardSlice) -> torch.Tensor:
+    """`t` (rows [start, stop) of a full tensor) with where.pad zero rows appended."""
+    if not where.pad:
+        return t
+    assert where.dim is not None
+    shape = list(t.shape)
+    shape[where.dim] = where.pad
+    return torch.cat([t, t.new_zeros(shape)], dim=where.dim)
 
 
 def init_shard(
@@ -132,7 +184,7 @@ def init_shard(
 ) -> torch.Tensor:
     """This TP rank's slice of the full parameter (the whole tensor if replicated)."""
     full = init_full(config, spec, dtype)
-    if spec.shard_dim is not None and tp_size > 1:
-        start, end = shard_range(spec.shape[spec.shard_dim], tp_size, tp_rank)
-        full = full.narrow(spec.shard_dim, start, end - start)
+    where = tp_slice(config, spec, tp_size, tp_rank)
+    if where.dim is not None:
+        full = pad_shard(full.narrow(where.dim, where.start, where.stop - where.start), where)
     return full.contiguous().to(device)

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stp.models.config import ModelConfig
-from stp.models.decoder import RopeCache, apply_rope
+from stp.models.config import IGNORE_INDEX, ModelConfig
 from stp.models.init import init_full, parameter_specs
+from stp.models.rope import RopeCache, apply_rope
 
 __all__ = ["ReferenceModel", "build_reference"]
 
@@ -27,13 +27,22 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 class ReferenceModel(nn.Module):
     """Llama / Qwen2-style decoder: embed, L x (x += attn(norm(x)); x += mlp(norm(x))),
-    norm, head, mean cross-entropy."""
+    norm, head, mean cross-entropy over the targets that are not IGNORE_INDEX.
+    A tied head is the embedding matrix itself (one parameter, `embed.weight`).
+    `tensors`: the full parameters by name (a checkpoint); default the seeded init."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        tensors: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
-        self.specs = parameter_specs(config)
-        self._params = {s.name: nn.Parameter(init_full(config, s, dtype)) for s in self.specs}
+        self.specs = [s for s in parameter_specs(config) if s.tied_to is None]
+        if tensors is None:
+            tensors = {s.name: init_full(config, s, dtype) for s in self.specs}
+        self._params = {s.name: nn.Parameter(tensors[s.name].to(dtype)) for s in self.specs}
         for name, p in self._params.items():
             # Same dotted names as the stages, via plain container modules.
             *path, leaf = name.split(".")
@@ -43,7 +52,7 @@ class ReferenceModel(nn.Module):
                     module.add_module(part, nn.Module())
                 module = module._modules[part]  # type: ignore[assignment]
             module.register_parameter(leaf, p)
-        self.rope = RopeCache(config.head_dim, config.rope_theta)
+        self.rope = RopeCache(config.head_dim, config.rope_theta, config.rope_scaling)
 
     def shard_dim(self, name: str) -> int | None:
         """The dim a TP stage splits parameter `name` on (None: replicated)."""
@@ -52,13 +61,17 @@ class ReferenceModel(nn.Module):
                 return s.shard_dim
         raise ValueError(f"no parameter {name!r}")
 
+    def _proj(self, i: int, which: str, h: torch.Tensor) -> torch.Tensor:
+        p, name = self._params, f"layers.{i}.attn.{which}"
+        return F.linear(h, p[f"{name}.weight"], p.get(f"{name}.bias"))
+
     def _attention(self, i: int, h: torch.Tensor) -> torch.Tensor:
         c, p = self.config, self._params
         b, s, _ = h.shape
         hd, group = c.head_dim, c.num_heads // c.num_kv_heads
-        q = F.linear(h, p[f"layers.{i}.attn.wq.weight"]).view(b, s, c.num_heads, hd).transpose(1, 2)
-        k = F.linear(h, p[f"layers.{i}.attn.wk.weight"]).view(b, s, -1, hd).transpose(1, 2)
-        v = F.linear(h, p[f"layers.{i}.attn.wv.weight"]).view(b, s, -1, hd).transpose(1, 2)
+        q = self._proj(i, "wq", h).view(b, s, c.num_heads, hd).transpose(1, 2)
+        k = self._proj(i, "wk", h).view(b, s, -1, hd).transpose(1, 2)
+        v = self._proj(i, "wv", h).view(b, s, -1, hd).transpose(1, 2)
         cos, sin = self.rope.get(s, h.device, h.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -81,24 +94,30 @@ class ReferenceModel(nn.Module):
             raise ValueError(
                 f"sequence length {tokens.shape[1]} exceeds max_seq_len={c.max_seq_len}"
             )
-        x = F.embedding(tokens, p["embed.weight"])
+        x = F.embedding(tokens, p["embed.weight"], padding_idx=c.pad_token_id)
         for i in range(c.num_layers):
             x = x + self._attention(i, _rms_norm(x, p[f"layers.{i}.attn_norm.weight"], c.norm_eps))
             x = x + self._mlp(i, _rms_norm(x, p[f"layers.{i}.mlp_norm.weight"], c.norm_eps))
-        return F.linear(_rms_norm(x, p["norm.weight"], c.norm_eps), p["head.weight"])
+        head = p["embed.weight"] if c.tie_embeddings else p["head.weight"]
+        return F.linear(_rms_norm(x, p["norm.weight"], c.norm_eps), head)
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over all b * s tokens."""
+        """Mean cross-entropy over the targets that are not IGNORE_INDEX (-100)."""
         logits = self.logits(tokens)
         logits = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(logits, targets.flatten())
+        return F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE_INDEX)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.loss(tokens, targets)
 
 
-def build_reference(config: ModelConfig, dtype: torch.dtype = torch.float32) -> ReferenceModel:
-    """The full model with the stages' names and initial values (any pp / tp)."""
+def build_reference(
+    config: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    tensors: dict[str, torch.Tensor] | None = None,
+) -> ReferenceModel:
+    """The full model with the stages' names and initial values (any pp / tp), or
+    with the full `tensors` given by name."""
     if not isinstance(config, ModelConfig):
         raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
-    return ReferenceModel(config, dtype)
+    return ReferenceModel(config, dtype, tensors)

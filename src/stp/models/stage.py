@@ -2,7 +2,7 @@
 reference model's global names, and the PipelineStage protocol
 (stp.runtime.stage_api) run as "units in order, a synchronous all-reduce between".
 
-A braiding executor (seed 000, Fig. 3: braided execution blocks) can instead
+A braiding executor (STP paper arXiv 2510.27257, Fig. 3: braided execution blocks) can instead
 drive `stage.units` itself, one unit of each of two passes at a time, with the
 all-reduces in flight (`launch_allreduce`; stp.runtime.braid).
 """
@@ -13,25 +13,44 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stp.models.config import ModelConfig
+from stp.models.config import IGNORE_INDEX, ModelConfig
 from stp.models.decoder import AttentionUnit, EmbedUnit, LossUnit, MLPUnit, RopeCache, Unit
-from stp.models.init import ParamSpec, init_shard, parameter_specs, shard_range, stage_layers
-from stp.runtime.braid import launch_sum
-from stp.runtime.tp.comm import AllReduce, make_allreduce
+from stp.models.init import ParamSpec, ShardSlice, init_shard, parameter_specs, tp_slice
+from stp.models.stage_shards import ShardSource, unshard
+from stp.models.tp.comm import AllReduce, launch_sum, make_allreduce
+from stp.schedule.placement import partition_layers
 
-__all__ = ["ModelStage", "build_stage", "check_tp"]
+__all__ = ["ModelStage", "ShardSource", "build_stage", "check_tp"]
 
 
 def check_tp(config: ModelConfig, tp_size: int, tp_rank: int) -> None:
-    """ValueError unless every TP-sharded size divides by tp_size."""
+    """ValueError unless the heads and the MLP width split over tp_size ranks (the
+    vocabulary is padded to a multiple of tp_size; fewer kv heads than ranks are
+    replicated when tp_size is a multiple of num_kv_heads)."""
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
     if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank must be an int in [0, tp_size={tp_size}), got {tp_rank!r}")
-    for field in ("num_heads", "num_kv_heads", "vocab_size", "ffn_hidden"):
+    for field in ("num_heads", "ffn_hidden"):
         value = getattr(config, field)
         if value % tp_size:
             raise ValueError(f"{field}={value} must be divisible by tp_size={tp_size}")
+    kv = config.num_kv_heads
+    if kv % tp_size and tp_size % kv:
+        raise ValueError(
+            f"num_kv_heads={kv} must be divisible by tp_size={tp_size}, or divide it (each kv "
+            "head is then replicated on tp_size / num_kv_heads ranks)"
+        )
+
+
+def check_model(config: ModelConfig, tp: int, num_stages: int) -> None:
+    """ValueError unless the model splits into num_stages stages of tp shards."""
+    if config.num_layers < num_stages:
+        raise ValueError(
+            f"--layers {config.num_layers} is fewer than the schedule's {num_stages} stages; "
+            f"every stage needs a layer, so use at least {num_stages} layers"
+        )
+    check_tp(config, tp, 0)
 
 
 def _register(root: nn.Module, name: str, param: nn.Parameter) -> None:
@@ -73,6 +92,7 @@ class ModelStage(nn.Module):
         allreduce: AllReduce,
         tp_group: dist.ProcessGroup | None = None,
         async_allreduce: bool = False,
+        partition: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -80,38 +100,48 @@ class ModelStage(nn.Module):
         self.num_stages = num_stages
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
-        self.layer_ids = stage_layers(config.num_layers, stage, num_stages)
+        self.layer_ids = partition_layers(config.num_layers, num_stages, partition)[stage]
         self.tp_size, self.tp_rank = tp_size, tp_rank
         self.allreduce = allreduce
         self.tp_group = tp_group
         self._async = async_allreduce and tp_size > 1
+        self.specs = {s.name: s for s in specs}
         self._shard_dims = {s.name: s.shard_dim for s in specs}
+        self._slices = {s.name: tp_slice(config, s, tp_size, tp_rank) for s in specs}
         for spec in specs:
             _register(self, spec.name, nn.Parameter(tensors[spec.name]))
-        p = dict(self.named_parameters())
-        vocab_start = shard_range(config.vocab_size, tp_size, tp_rank)[0]
+        # A tuple, not a ModuleList: units reference the parameters registered above.
+        self.units: tuple[Unit, ...] = tuple(self._make_units(dict(self.named_parameters())))
+
+    def _make_units(self, p: dict[str, nn.Parameter]) -> list[Unit]:
+        config, tp_size, tp_rank = self.config, self.tp_size, self.tp_rank
+        vocab_part = config.padded_vocab(tp_size) // tp_size
+        vocab_start = tp_rank * vocab_part
         units: list[Unit] = []
         if self.is_first:
-            units.append(EmbedUnit(p["embed.weight"], vocab_start))
-        rope = RopeCache(config.head_dim, config.rope_theta)
+            units.append(EmbedUnit(p["embed.weight"], vocab_start, config.pad_token_id))
+        rope = RopeCache(config.head_dim, config.rope_theta, config.rope_scaling)
         for i in self.layer_ids:
             a, m = f"layers.{i}.attn", f"layers.{i}.mlp"
+            biases = (p[f"{a}.wq.bias"], p[f"{a}.wk.bias"], p[f"{a}.wv.bias"]) if (
+                config.qkv_bias) else None
             units.append(AttentionUnit(
                 i, p[f"layers.{i}.attn_norm.weight"], p[f"{a}.wq.weight"], p[f"{a}.wk.weight"],
                 p[f"{a}.wv.weight"], p[f"{a}.wo.weight"],
-                head_dim=config.head_dim, eps=config.norm_eps, rope=rope,
+                head_dim=config.head_dim, eps=config.norm_eps, rope=rope, biases=biases,
             ))
             units.append(MLPUnit(
                 i, p[f"layers.{i}.mlp_norm.weight"], p[f"{m}.w1.weight"], p[f"{m}.w3.weight"],
                 p[f"{m}.w2.weight"], eps=config.norm_eps,
             ))
         if self.is_last:
+            head = self._slices["head.weight"]
+            valid = vocab_part if head.dim is None else head.stop - head.start
             units.append(LossUnit(
                 p["norm.weight"], p["head.weight"], eps=config.norm_eps,
-                vocab_start=vocab_start, tp_size=tp_size, tp_rank=tp_rank,
+                vocab_start=vocab_start, tp_size=tp_size, tp_rank=tp_rank, vocab_valid=valid,
             ))
-        # A tuple, not a ModuleList: units reference the parameters registered above.
-        self.units: tuple[Unit, ...] = tuple(units)
+        return units
 
     def shard_dim(self, name: str) -> int | None:
         """The tensor dim of parameter `name` split over TP ranks; None if replicated."""
@@ -121,11 +151,21 @@ class ModelStage(nn.Module):
             )
         return self._shard_dims[name]
 
+    def shard_slice(self, name: str) -> ShardSlice:
+        """Which rows of the full parameter `name` this rank holds (and its padding)."""
+        self.shard_dim(name)  # ValueError for an unknown name
+        return self._slices[name]
+
+    def unshard(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The full parameter from every TP rank's shard (in TP rank order): padding
+        dropped, replicated kv heads taken once."""
+        return unshard(self.config, self.specs[name], parts)
+
     # -- PipelineStage ---------------------------------------------------------
 
     def launch_allreduce(self, partial: torch.Tensor) -> tuple[torch.Tensor, dist.Work | None]:
         """Start the TP all-reduce of a unit's partial sum and return at once (braided
-        execution, seed 000 Fig. 3): (the tensor, reduced in place when `work`
+        execution, STP paper arXiv 2510.27257, Fig. 3): (the tensor, reduced in place when `work`
         completes; work). Work is None when the result is already there: one TP rank,
         or the synchronous `allreduce` build_stage was given."""
         if not self._async:
@@ -158,10 +198,11 @@ class ModelStage(nn.Module):
                 raise ValueError(
                     f"the last stage needs targets of shape {tuple(x.shape[:2])}, got {got}"
                 )
-            if targets.device.type == "cpu" and targets.numel() and (
-                targets.min() < 0 or targets.max() >= c.vocab_size
-            ):
-                raise ValueError(f"targets must be in [0, vocab_size={c.vocab_size})")
+            outside = None if targets.device.type != "cpu" else (
+                (targets < 0) & (targets != IGNORE_INDEX) | (targets >= c.vocab_size))
+            if outside is not None and bool(outside.any()):
+                raise ValueError(f"targets must be in [0, vocab_size={c.vocab_size}) or "
+                                 f"{IGNORE_INDEX} (left out of the loss)")
         elif targets is not None:
             raise ValueError(f"stage {self.stage} is not the last stage; it takes no targets")
 
@@ -244,15 +285,21 @@ def build_stage(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     allreduce: AllReduce | None = None,
+    weights: ShardSource = init_shard,
+    partition: tuple[int, ...] | None = None,
 ) -> ModelStage:
     """Materialise only stage `stage` of `num_stages` on TP rank tp_rank of tp_size.
 
-    Layers are split contiguously (stp.models.init.stage_layers: the first
-    num_layers % num_stages stages get one extra). Stage 0 also holds the
-    vocab-parallel embedding; the last stage the final RMSNorm, the vocab-sharded
-    head and the vocab-parallel cross-entropy. `allreduce` (default: a sum
-    all-reduce on tp_group, identity when tp_size == 1) runs between units. With
-    tp_size > 1 and no tp_group, the default group is used if its size is tp_size."""
+    Layers are split contiguously: `partition` gives the layers of each global
+    stage (uneven stages), else the even split (stp.schedule.placement.
+    partition_layers: the first num_layers % num_stages stages get one extra).
+    Stage 0 also holds the vocab-parallel embedding; the last stage the final
+    RMSNorm, the vocab-sharded head and the vocab-parallel cross-entropy.
+    `allreduce` (default: a sum all-reduce on tp_group, identity when
+    tp_size == 1) runs between units. With tp_size > 1 and no tp_group, the
+    default group is used if its size is tp_size.
+    `weights(config, spec, tp_size, tp_rank, device=, dtype=)` gives each parameter's
+    shard: the seeded init by default, or a checkpoint's slice (stp.models.hf)."""
     if not isinstance(config, ModelConfig):
         raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
@@ -278,13 +325,13 @@ def build_stage(
                     f"(size {size}, this rank {rank})"
                 )
         allreduce = make_allreduce(tp_group, tp_size)
-    layers = stage_layers(config.num_layers, stage, num_stages)
+    layers = partition_layers(config.num_layers, num_stages, partition)[stage]
     specs = parameter_specs(config, layers, first=stage == 0, last=stage == num_stages - 1)
     tensors = {
-        s.name: init_shard(config, s, tp_size, tp_rank, device=device, dtype=dtype) for s in specs
+        s.name: weights(config, s, tp_size, tp_rank, device=device, dtype=dtype) for s in specs
     }
     return ModelStage(
         config, stage, num_stages, specs, tensors,
         tp_size=tp_size, tp_rank=tp_rank, allreduce=allreduce,
-        tp_group=tp_group, async_allreduce=not custom,
+        tp_group=tp_group, async_allreduce=not custom, partition=partition,
     )

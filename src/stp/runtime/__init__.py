@@ -4,45 +4,33 @@
 - `launch`: torchrun environment or local workers via PyTorch's launcher API.
 - `p2p`: batched point-to-point transfers with timeouts.
 - `executor`: the one interpreter of lowered per-rank programs.
-- `data`: the byte-level corpus and deterministic batches.
-- `job`: the settings and loop of one `stp train` run.
+- `braid`: compute actions run unit by unit, braided blocks interleaved.
+- `offload`, `offload_copy`: activation offload to the host and back.
+- `trace`: measured traces in the simulator's shape.
 - `errors`: RankError / CommTimeout, messages naming rank, action and peer.
-- `stage_api`: the PipelineStage contract the model side implements.
+- `stage_api`: the contracts the model side implements (PipelineStage,
+  UnitStage, Unit).
 
-The Trainer that ties them together is `stp.trainer.Trainer`. Names below
-are loaded on first use, so `stp.runtime.job` (read by `stp train --help`)
-does not import torch.
+The runtime knows neither the models nor the trainer: `stp.models` implements
+`stage_api`, and `stp.train.trainer.Trainer` ties the two together.
 """
 
-from __future__ import annotations
-
-from importlib import import_module
-from typing import Any
+from stp.runtime.errors import CommTimeout, RankError
+from stp.runtime.executor import Executor, ExecutorOptions
+from stp.runtime.mesh import Coord, Mesh, ParallelDims
+from stp.runtime.p2p import P2P
+from stp.runtime.stage_api import PipelineStage, Unit, UnitStage
 
 __all__ = [
     "CommTimeout",
     "Coord",
     "Executor",
+    "ExecutorOptions",
     "Mesh",
     "P2P",
     "ParallelDims",
     "PipelineStage",
     "RankError",
+    "Unit",
+    "UnitStage",
 ]
-
-_WHERE = {
-    "CommTimeout": "errors",
-    "RankError": "errors",
-    "Coord": "mesh",
-    "Mesh": "mesh",
-    "ParallelDims": "mesh",
-    "Executor": "executor",
-    "P2P": "p2p",
-    "PipelineStage": "stage_api",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        return getattr(import_module(f"stp.runtime.{_WHERE[name]}"), name)
-    raise AttributeError(f"module 'stp.runtime' has no attribute {name!r}")

@@ -2,9 +2,10 @@
 
 A pass through a stage is a chain of units (stp.models.decoder: attention, MLP,
 plus the embedding / loss units of the first / last stage); each F or B unit
-ends in a TP all-reduce of its partial sum (seed 000, Fig. 2). `UnitRunner`
+ends in a TP all-reduce of its partial sum (STP paper, arXiv
+2510.27257, Fig. 2). `UnitRunner`
 runs a compute action (a lone pass or a braided `Block`) on the compute stream
-in the simulator's braid order (stp.sim.units.braid, seed 000 Fig. 3):
+in the simulator's braid order (stp.sim.units.braid; the paper's Fig. 3):
 
     compute:  Attn F(i) | MLP B(j) | MLP W(j) | MLP F(i) | Attn B(j) | Attn W(j)
     TP:                 [AR Attn F(i)]     [AR MLP B(j)]      [AR MLP F(i)] ...
@@ -37,74 +38,22 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from stp.runtime.stage_api import UnitStage
 from stp.schedule.ir import Action, Kind, Pass, passes_of
-from stp.sim.units import Item, braid_counts
+from stp.schedule.lower import Message
+from stp.sim.units import Item, UnitKind, braid_counts, sequential_order
 
-__all__ = ["UnitStage", "has_units", "launch_sum", "stream_order", "sequential_order",
-           "RunnerStats", "UnitRunner"]
-
-Key = tuple[str, int, int]
-"""(direction F or B, stage, mb): a pass's output, the executor's message key."""
-
-
-@runtime_checkable
-class UnitStage(Protocol):
-    """A pipeline stage cut into units (stp.models.ModelStage, stp.runtime.emulate)."""
-
-    stage: int
-    is_first: bool
-    is_last: bool
-    units: tuple[Any, ...]
-
-    def launch_allreduce(self, partial: torch.Tensor) -> tuple[torch.Tensor, Any]: ...
-
-    def check_input(self, x: torch.Tensor, targets: torch.Tensor | None) -> None: ...
-
-
-def has_units(stage: object) -> bool:
-    return isinstance(stage, UnitStage)
-
-
-def launch_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> Any:
-    """Start a sum all-reduce of `tensor`, in place, on `group` (None: the default
-    group); returns its work. It calls the process group as torch.distributed.
-    all_reduce does, without that function's per-call Python checks: on a 2-core
-    VM those cost 40-60 us a launch (stp bench overlap), and every F and B unit
-    launches one on the compute stream."""
-    pg = group if group is not None else dist.group.WORLD
-    assert pg is not None, "torch.distributed is not initialised"
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM
-    opts.asyncOp = True
-    return pg.allreduce([tensor], opts)
-
+__all__ = ["stream_order", "RunnerStats", "UnitRunner"]
 
 def stream_order(action: Action, counts: Sequence[int]) -> tuple[Item, ...]:
     """Items of `action` in stream order; counts[c] = units of pass c's stage.
     The simulator's rule (`stp.sim.units.braid_counts`), so a measured trace
     lines up with the simulated one unit for unit."""
     return braid_counts(action, tuple(counts))
-
-
-def sequential_order(action: Action, counts: Sequence[int]) -> tuple[Item, ...]:
-    """The unbraided order: pass after pass; a full backward is all its B units,
-    then all its W units (ModelStage.backward_full)."""
-    order: list[Item] = []
-    for c, (p, n) in enumerate(zip(passes_of(action), counts, strict=True)):
-        down = range(n - 1, -1, -1)
-        if p.kind is Kind.F:
-            order += [Item(c, "F", u, u == 0, True, u > 0) for u in range(n)]
-        if p.kind in (Kind.B, Kind.BW):
-            order += [Item(c, "B", u, u == n - 1, True, u < n - 1) for u in down]
-        if p.kind in (Kind.W, Kind.BW):
-            order += [Item(c, "W", u, p.kind is Kind.W and u == n - 1, False, False)
-                      for u in down]
-    return tuple(order)
 
 
 @dataclass
@@ -146,14 +95,14 @@ class _Chain:
     """A pass being run: its stage, current tensor and the all-reduce it waits on."""
 
     p: Pass
-    stage: Any
+    stage: UnitStage
     value: Any = None
     ar: _AR | None = None
     finished: bool = False
 
     @property
-    def key(self) -> Key:
-        return ("F" if self.p.kind is Kind.F else "B", self.p.stage, self.p.mb)
+    def key(self) -> Message:
+        return Message.output_of(self.p)
 
 
 Hook = Callable[[Pass], None]
@@ -173,7 +122,7 @@ class UnitRunner:
 
     def __init__(
         self,
-        stages: Mapping[int, Any],
+        stages: Mapping[int, UnitStage],
         *,
         braid: bool = True,
         take: Callable[[Pass], Any],
@@ -189,7 +138,7 @@ class UnitRunner:
         self.recorder = recorder
         self.scale = 1.0
         self.stats = RunnerStats()
-        self._held: dict[Key, _Chain] = {}
+        self._held: dict[Message, _Chain] = {}
         self._where = (-1, False)  # (action index, braided) of the running action
         self._seq = 0  # all-reduces launched
 
@@ -209,24 +158,24 @@ class UnitRunner:
             if it.first:
                 self._begin(ch)
             # the previous unit of this chain: its all-reduce, then its finish
-            reduced = self._reduced(ch) if it.kind != "W" and not it.first else None
+            reduced = self._reduced(ch) if it.kind is not UnitKind.W and not it.first else None
             start = time.perf_counter()
             units, mb, u = ch.stage.units, ch.p.mb, it.unit
-            if it.kind == "F":
+            if it.kind is UnitKind.F:
                 if not it.first:
                     ch.value = units[u - 1].forward_finish(mb, reduced)
                 last_unit = u == counts[it.chain] - 1 and ch.stage.is_last
                 partial = units[u].forward_partial(
                     mb, ch.value, self.targets(mb) if last_unit else None)
                 self._launch(ch, partial, u)
-            elif it.kind == "B":
+            elif it.kind is UnitKind.B:
                 if not it.first:
                     ch.value = units[u + 1].backward_finish(mb, reduced)
                 self._launch(ch, units[u].backward_partial(mb, ch.value), u)
             else:
                 units[u].weight(mb)
             if self.recorder is not None:
-                self.recorder.unit(ch.p, it.kind, ch.stage, u, start, time.perf_counter(),
+                self.recorder.unit(ch.p, it.kind.value, ch.stage, u, start, time.perf_counter(),
                                    *self._where)
             if not self.braid and ch.ar is not None:
                 self._wait(ch.ar)  # unbraided: every all-reduce at once
@@ -242,10 +191,10 @@ class UnitRunner:
         for key in [k for k, ch in self._held.items() if ch.ar is None or ch.ar.completed()]:
             self._finish(self._held.pop(key))
 
-    def holds(self, key: Key) -> bool:
+    def holds(self, key: Message) -> bool:
         return key in self._held
 
-    def release(self, key: Key | None = None, before: int | None = None) -> None:
+    def release(self, key: Message | None = None, before: int | None = None) -> None:
         """Finish held tail `key` (None: all of them, oldest first; `before`: those
         whose all-reduce was launched before launch number `before`)."""
         if key is not None:
@@ -266,7 +215,8 @@ class UnitRunner:
     def _begin(self, ch: _Chain) -> None:
         p, st = ch.p, ch.stage
         if p.kind is not Kind.F:  # its own forward (or B, for a W) must be finished
-            self.release(("B" if p.kind is Kind.W else "F", p.stage, p.mb))
+            self.release(Message.output_of(Pass(p.stage, Kind.B if p.kind is Kind.W else Kind.F,
+                                                p.mb)))
         if self.before_pass is not None:
             self.before_pass(p)
         if p.kind is Kind.F:

@@ -1,17 +1,37 @@
-"""Errors the runtime raises, worded for people.
+"""Errors the runtime raises, worded for people, and the exit statuses they map to.
 
 A distributed failure is only useful if it says who was waiting for whom: a
 rank that blocks on a receive or a collective past the timeout raises
 `CommTimeout` naming itself (global rank and mesh coordinates), the action
-it was executing and the peer (or group) it was waiting for. Every other
-failure inside an action is re-raised as `RankError` with the same context.
+it was executing and the peer (or group) it was waiting for; a rank whose
+peer closed the connection (the peer crashed, was killed or left) raises
+`PeerLost`, saying how long it had waited. Every other failure inside an
+action is re-raised as `RankError` with the same context.
+
+Exit statuses let a launcher tell a cause from its consequences: a rank
+that failed by itself exits `EXIT_FAILED`; a rank that only waited on a
+peer that timed out or went away exits `EXIT_PEER`, so the launcher looks
+for the rank those were waiting on.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Literal
 
-__all__ = ["RankError", "CommTimeout", "is_timeout", "first_line"]
+import torch.distributed as dist
+
+__all__ = [
+    "RankError", "CommTimeout", "PeerLost", "FailureKind", "failure_kind", "is_timeout",
+    "first_line", "exit_status", "EXIT_FAILED", "EXIT_USAGE", "EXIT_PEER",
+]
+
+EXIT_FAILED = 1
+"""This rank failed by itself (an error in its own work)."""
+EXIT_USAGE = 2
+"""Bad input, refused before any work (the CLI's convention)."""
+EXIT_PEER = 3
+"""This rank stopped because a peer timed out or went away: a consequence, not a cause."""
 
 
 class RankError(RuntimeError):
@@ -28,25 +48,66 @@ class RankError(RuntimeError):
 
 
 class CommTimeout(RankError):
-    """A rank waited on a receive or a collective longer than the timeout."""
+    """A rank waited on a receive or a collective longer than the timeout (or,
+    where the backend cannot tell, until the peer went away)."""
 
 
-# Messages torch's backends use for a timed-out or torn-down operation.
-_TIMEOUT_MARKERS = ("timed out", "timeout", "pair closure", "connection closed", "connection reset")
+class PeerLost(CommTimeout):
+    """A peer closed the connection while this rank waited on it: the peer's
+    process ended (crashed, killed, or stopped after its own failure)."""
+
+
+FailureKind = Literal["timeout", "peer_lost", "other"]
+
+# Messages torch's backends use (gloo's tcp transport, NCCL's watchdog, the store).
+_PEER_LOST_MARKERS = ("connection closed", "connection reset", "pair closure", "broken pipe",
+                      "connection refused", "socket closed", "communicator was aborted")
+_TIMEOUT_MARKERS = ("timed out", "timeout")
+
+
+def failure_kind(err: BaseException) -> FailureKind:
+    """Whether a backend error is a timeout, a peer that went away, or neither.
+
+    torch's typed errors come first (a `DistNetworkError` is a broken
+    connection); the backends raise plain RuntimeErrors for both cases, so
+    their message text decides after that.
+    """
+    if isinstance(err, dist.DistNetworkError):
+        return "peer_lost"
+    text = str(err).lower()
+    if any(m in text for m in _PEER_LOST_MARKERS):
+        return "peer_lost"
+    if any(m in text for m in _TIMEOUT_MARKERS):
+        return "timeout"
+    return "other"
 
 
 def is_timeout(err: BaseException) -> bool:
     """True if `err` looks like a backend timeout or a peer that went away."""
-    text = str(err).lower()
-    return any(m in text for m in _TIMEOUT_MARKERS)
+    return failure_kind(err) != "other"
 
 
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*")
+# gloo appends advice (and an emoji) to "Connection closed by peer [addr]:port.".
+_ADVICE = re.compile(r"\.?\s+This is typically caused by.*$")
 
 
 def first_line(err: BaseException) -> str:
-    """The first line of a backend error, without gloo's `[file.cc:123]` prefix."""
+    """The first line of a backend error, without gloo's `[file.cc:123]` prefix,
+    its advice trailer, or characters outside ASCII."""
     text = str(err).strip()
     if not text:
         return type(err).__name__
-    return _SOURCE_PREFIX.sub("", text.splitlines()[0]) or type(err).__name__
+    line = _SOURCE_PREFIX.sub("", text.splitlines()[0])
+    line = _ADVICE.sub("", line).encode("ascii", "ignore").decode().strip()
+    return line or type(err).__name__
+
+
+def exit_status(err: BaseException) -> int:
+    """The exit status of a rank that stops on `err` (see the module doc): a raw
+    backend error counts as waiting on a peer when it is a timeout or a lost peer."""
+    if isinstance(err, CommTimeout):
+        return EXIT_PEER
+    if isinstance(err, RankError) or not isinstance(err, RuntimeError):
+        return EXIT_FAILED
+    return EXIT_PEER if failure_kind(err) != "other" else EXIT_FAILED

@@ -2,8 +2,8 @@
 
 A lowered program (stp.schedule.lower) is a list of compute actions (a
 `Pass` or a braided `Block`) and communication actions (`Comm`). The
-executor knows six primitives and nothing about schedules (STYLE.md: "one
-interpreter"; DualPipe's forward / backward / weight chunk + commit comm):
+executor knows six primitives and nothing about schedules (one interpreter,
+as DualPipe's forward / backward / weight chunk + commit comm):
 
     forward unit      F   stage.forward(mb, x, targets)
     backward unit     B   stage.backward_input(mb, grad, scale)
@@ -15,15 +15,17 @@ interpreter"; DualPipe's forward / backward / weight chunk + commit comm):
 Hand-offs between two stages on this rank (the V tip) go through a local
 inbox: the producer's output is the consumer's input, no copy, no send.
 
-Stages cut into units (stp.models.ModelStage, stp.runtime.emulate) run
-through `stp.runtime.braid.UnitRunner`: a braided block interleaves its
-passes unit by unit with every TP all-reduce in flight under the other
-pass's compute (seed 000, Fig. 3), in the simulator's order. A block's last
-all-reduces may still be in flight when the block ends; a send of an output
-not finished yet is posted as soon as it is (the rest of its batch goes out
-at once), and before this rank blocks on anything. Other stages run pass by
-pass through the four primitives above; `braid=False` runs units pass by
-pass with every all-reduce waited for at once (the unbraided baseline).
+Every compute action runs through `stp.runtime.braid.UnitRunner`, unit by
+unit: a stage cut into units (stp.runtime.stage_api.UnitStage) interleaves
+the passes of a braided block with every TP all-reduce in flight under the
+other pass's compute ("Synergistic Tensor and Pipeline Parallelism", arXiv
+2510.27257, Fig. 3), in the simulator's order; a stage that is not cut runs
+as one unit per pass (`as_unit_stage`), so there is one path. A block's
+last all-reduces may still be in flight when the block ends; a send of an
+output not finished yet is posted as soon as it is (the rest of its batch
+goes out at once), and before this rank blocks on anything. `braid=False`
+runs units pass by pass with every all-reduce waited for at once (the
+unbraided baseline).
 
 Scaling: the last stage's backward seeds the loss gradient with `scale`,
 1/m by default, so weight gradients are the sum over microbatches of each
@@ -36,36 +38,50 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
-from stp.runtime.braid import UnitRunner, has_units
+from stp.runtime.braid import UnitRunner
 from stp.runtime.errors import CommTimeout, RankError, first_line, is_timeout
 from stp.runtime.offload import ActivationOffloader
 from stp.runtime.p2p import P2P, Transfer
-from stp.runtime.stage_api import PipelineStage
+from stp.runtime.stage_api import PipelineStage, as_unit_stage
 from stp.runtime.trace import Recorder
-from stp.schedule.ir import Action, Kind, Pass, passes_of
-from stp.schedule.lower import Comm, LoweredSchedule
+from stp.schedule.ir import Action, Kind, Pass
+from stp.schedule.lower import Comm, LoweredSchedule, Message
 
-__all__ = ["Executor"]
+__all__ = ["Executor", "ExecutorOptions"]
 
-Message = tuple[str, int, int]
+
+@dataclass(frozen=True)
+class ExecutorOptions:
+    """How an Executor runs its program (what it runs: the program and stages)."""
+
+    boundary_shape: tuple[int, ...] = (1, 1, 1)
+    """Shape of the tensors crossing stage boundaries (hidden states [b, s, h] and
+    their gradients), for receive buffers; `run` may replace it."""
+    dtype: torch.dtype = torch.float32
+    device: torch.device | str = "cpu"
+    where: str = ""
+    """This rank as error messages name it (stp.runtime.mesh.Mesh.describe)."""
+    collective_peers: str = ""
+    """The group a stage's own collectives wait on, for timeout messages."""
+    braid: bool = True
+    """Run braided blocks braided (False: the unbraided baseline)."""
 
 
 class Executor:
     """Runs pipeline rank `pp_rank`'s program of `lowered` on its local stages.
 
     `stages` maps each global stage this rank holds (schedule.stage_to_rank)
-    to its PipelineStage. `boundary_shape`/`dtype`/`device` describe the
-    tensors crossing stage boundaries (hidden states [b, s, h] and their
-    gradients), used to allocate receive buffers. `p2p` may be None when no
-    action sends or receives (one pipeline rank). `collective_peers` names
-    the group a stage's own collectives wait on (for timeout messages).
-    `offload` (stp.runtime.offload) measures resident activations and moves
-    them to the host and back as its plan says. `braid` (default on) runs
-    blocks braided; `recorder` (stp.runtime.trace) records every unit,
-    all-reduce, send and receive of each run.
+    to its PipelineStage. `p2p` may be None when no action sends or receives
+    (one pipeline rank). `options` (ExecutorOptions), or any of its fields as
+    keywords. `offload` (stp.runtime.offload) measures resident activations
+    and moves them to the host and back as its plan says; `recorder`
+    (stp.runtime.trace) records every unit, all-reduce, send and receive of
+    each run.
     """
 
     def __init__(
@@ -74,17 +90,15 @@ class Executor:
         pp_rank: int,
         stages: Mapping[int, PipelineStage],
         p2p: P2P | None,
+        options: ExecutorOptions | None = None,
         *,
-        boundary_shape: Sequence[int],
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-        where: str = "",
-        collective_peers: str = "",
-        trace: bool = False,
         offload: ActivationOffloader | None = None,
-        braid: bool = True,
         recorder: Recorder | None = None,
+        **option_overrides: Any,
     ) -> None:
+        if "boundary_shape" in option_overrides:
+            option_overrides["boundary_shape"] = tuple(option_overrides["boundary_shape"])
+        opts = replace(options or ExecutorOptions(), **option_overrides)
         sch = lowered.schedule
         mine = set(sch.stages_of(pp_rank))
         if set(stages) != mine:
@@ -95,32 +109,23 @@ class Executor:
         self.program = lowered.actions[pp_rank]
         if p2p is None and any(isinstance(a, Comm) for a in self.program):
             raise ValueError(f"pipeline rank {pp_rank}'s program communicates but p2p is None")
-        self.schedule = sch
-        self.pp_rank = pp_rank
+        self.schedule, self.pp_rank, self.p2p = sch, pp_rank, p2p
         self.stages = dict(stages)
-        self.p2p = p2p
-        self.boundary_shape = tuple(boundary_shape)
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.where = where or f"pipeline rank {pp_rank}"
-        self.collective_peers = collective_peers
-        self.trace_enabled = trace
-        self.trace: list[tuple[str, float, float]] = []
-        """(action, start, end) of every compute action of the last run, seconds."""
-        self.offload = offload
-        self.recorder = recorder
+        self.boundary_shape = opts.boundary_shape
+        self.dtype, self.device = opts.dtype, torch.device(opts.device)
+        self.where = opts.where or f"pipeline rank {pp_rank}"
+        self.collective_peers = opts.collective_peers
+        self.offload, self.recorder = offload, recorder
         self._open: list[tuple[Transfer, float]] = []  # posted, not yet seen complete
         self.sends_deferred = 0
         """Sends posted after their batch, their all-reduce held (all runs so far)."""
-        self.runner: UnitRunner | None = None
-        if all(has_units(st) for st in self.stages.values()):
-            self.runner = UnitRunner(
-                self.stages, braid=braid, take=self._input, give=self._output,
-                targets=lambda mb: self._targets[mb],
-                before_pass=offload.before_pass if offload is not None else None,
-                after_pass=offload.after_pass if offload is not None else None,
-                recorder=recorder,
-            )
+        self.runner = UnitRunner(
+            {s: as_unit_stage(st) for s, st in self.stages.items()}, braid=opts.braid,
+            take=self._input, give=self._output, targets=lambda mb: self._targets[mb],
+            before_pass=offload.before_pass if offload is not None else None,
+            after_pass=offload.after_pass if offload is not None else None,
+            recorder=recorder,
+        )
 
     # -- the run loop ------------------------------------------------------------
 
@@ -153,12 +158,10 @@ class Executor:
         self._inbox: dict[Message, torch.Tensor | Transfer] = {}
         self._outbox: dict[Message, torch.Tensor] = {}
         self._losses: dict[int, torch.Tensor] = {}
-        self.trace = []
         self._deferred: dict[Message, Comm] = {}  # sends waiting for a held all-reduce
         self._index = 0  # compute actions run so far
-        if self.runner is not None:
-            self.runner.reset()
-            self.runner.scale = self._scale
+        self.runner.reset()
+        self.runner.scale = self._scale
         if self.recorder is not None:
             self.recorder.start()
             self._open = []
@@ -176,8 +179,7 @@ class Executor:
             else:
                 self._compute(action)
                 i += 1
-        if self.runner is not None:  # the last block's held all-reduces
-            self._guard("end of step", self.runner.release)
+        self._guard("end of step", self.runner.release)  # the last block's held all-reduces
         assert not self._deferred, f"{self.where}: sends never posted {sorted(self._deferred)}"
         if self.p2p is not None:
             self.p2p.drain()
@@ -195,13 +197,13 @@ class Executor:
         for c in comms:
             if c.op.is_send:
                 if c.message not in self._outbox:  # its all-reduce is still in flight
-                    assert self.runner is not None and self.runner.holds(c.message), c
+                    assert self.runner.holds(c.message), c
                     self._deferred[c.message] = c
                     self.sends_deferred += 1
                     continue
                 # keep each channel's send order (NCCL matches by order)
                 for msg in [m for m, d in self._deferred.items() if d.peer == c.peer]:
-                    self._guard(str(c), self.runner.release, msg)  # type: ignore[union-attr]
+                    self._guard(str(c), self.runner.release, msg)
                 batch.append((c, self._outbox.pop(c.message).contiguous()))
             else:
                 buf = torch.empty(self.boundary_shape, dtype=self.dtype, device=self.device)
@@ -251,55 +253,25 @@ class Executor:
         return RankError(first, where=self.where, action=action)
 
     def _compute(self, action: Action) -> None:
-        start = time.perf_counter()
         off = self.offload
         index, self._index = self._index, self._index + 1
         try:
             if off is not None:
                 off.before_action(action)  # issues the reloads planned here
-            if self.runner is not None:
-                self.runner.run(action, index)  # unit by unit, braided
-            else:
-                for p in passes_of(action):  # a braided block: passes in order
-                    if off is not None:
-                        off.before_pass(p)  # a backward waits for its reload
-                    self._run_pass(p)
-                    if off is not None:
-                        off.after_pass(p)  # a forward's activations: count, offload
+            self.runner.run(action, index)  # unit by unit, braided
         except RankError:
             raise
         except RuntimeError as e:
             raise self._failure(e, str(action)) from e
-        if self.trace_enabled:
-            self.trace.append((str(action), start, time.perf_counter()))
 
-    # -- primitives ---------------------------------------------------------------
-
-    def _run_pass(self, p: Pass) -> None:
-        st = self.stages[p.stage]
-        if p.kind is Kind.F:
-            x = self._inputs[p.mb] if st.is_first else self._take(("F", p.stage - 1, p.mb), p)
-            y = st.forward(p.mb, x, self._targets[p.mb] if st.is_last else None)
-            if st.is_last:
-                self._losses[p.mb] = y
-            else:
-                self._give(("F", p.stage, p.mb), y)
-        elif p.kind in (Kind.B, Kind.BW):
-            grad = None if st.is_last else self._take(("B", p.stage + 1, p.mb), p)
-            run = st.backward_input if p.kind is Kind.B else st.backward_full
-            grad_in = run(p.mb, grad, self._scale)
-            if not st.is_first:
-                assert grad_in is not None, f"stage {p.stage} returned no input gradient"
-                self._give(("B", p.stage, p.mb), grad_in)
-        else:
-            st.backward_weight(p.mb)
+    # -- the runner's inputs and outputs --------------------------------------------
 
     def _input(self, p: Pass) -> torch.Tensor | None:
         """The runner's `take`: pass p's input (None: the last stage's backward)."""
         st = self.stages[p.stage]
         if p.kind is Kind.F:
-            return self._inputs[p.mb] if st.is_first else self._take(("F", p.stage - 1, p.mb), p)
-        return None if st.is_last else self._take(("B", p.stage + 1, p.mb), p)
+            return self._inputs[p.mb] if st.is_first else self._take(Message.input_of(p), p)
+        return None if st.is_last else self._take(Message.input_of(p), p)
 
     def _output(self, p: Pass, out: torch.Tensor | None) -> None:
         """The runner's `give`: a finished pass's output."""
@@ -308,14 +280,13 @@ class Executor:
             if st.is_last:
                 self._losses[p.mb] = out  # type: ignore[assignment]
             else:
-                self._give(("F", p.stage, p.mb), out)  # type: ignore[arg-type]
+                self._give(Message.output_of(p), out)  # type: ignore[arg-type]
         elif not st.is_first:
             assert out is not None, f"stage {p.stage} returned no input gradient"
-            self._give(("B", p.stage, p.mb), out)
+            self._give(Message.output_of(p), out)
 
     def _give(self, msg: Message, tensor: torch.Tensor) -> None:
-        consumer = msg[1] + 1 if msg[0] == "F" else msg[1] - 1
-        if consumer in self.stages:
+        if msg.consumer in self.stages:
             self._inbox[msg] = tensor  # local hand-off (V tip)
         else:
             self._outbox[msg] = tensor
@@ -324,7 +295,7 @@ class Executor:
                 self._post([(send, self._outbox.pop(msg).contiguous())])
 
     def _take(self, msg: Message, p: Pass) -> torch.Tensor:
-        if msg not in self._inbox and self.runner is not None:
+        if msg not in self._inbox:
             self.runner.release(msg)  # produced here, its all-reduce held
         item = self._inbox.pop(msg, None)
         if item is None:
@@ -334,7 +305,7 @@ class Executor:
             )
         if isinstance(item, Transfer):
             assert self.p2p is not None
-            if self.runner is not None and not item.is_completed():
+            if not item.is_completed():
                 self.runner.release()  # about to block: let held sends go first
             tensor = self.p2p.wait(item, needed_by=str(p))
             self._record_transfers(item)

@@ -1,14 +1,20 @@
-"""Starting the ranks: under torchrun, or locally through PyTorch's launcher API.
+"""Starting the ranks: under torchrun, or locally by stp's own launcher.
 
 * Under `torchrun` (one node or many) every process already has RANK,
   WORLD_SIZE, MASTER_ADDR, ... in its environment; `init_distributed` reads
   them (the env:// method).
-* Without torchrun, `launch_local` starts the workers itself with
-  `torch.distributed.launcher.api.elastic_launch` (the engine behind
-  torchrun --standalone: a c10d rendezvous on a free local port, no
-  restarts), so one command trains on a laptop. When one worker fails the
-  launcher stops the others; `launch_local` returns the failure instead of
-  raising.
+* Without torchrun, `launch_local` starts one process per rank itself
+  (stp.runtime.worker), so one command trains on a laptop. It hosts the
+  job's store (a TCPStore on a free port it holds, the way torchrun's agent
+  does: no port race), watches every worker's exit and heartbeat
+  (stp.runtime.watch), and when one fails, freezes or the launcher is
+  interrupted, stops the rest and returns what happened: each rank's exit
+  status or signal, and which rank failed first and why. (torch's
+  elastic_launch, used before, reported a killed rank as "exit status 1",
+  blamed whichever rank exited first, and printed tracebacks on Ctrl-C.)
+* Ranks that start seconds apart meet first in the launcher's store
+  (`wait_for_every_rank`, up to STARTUP_S), so a short --timeout bounds
+  waits between running ranks, not the start.
 * A world of one process needs no launcher: `init_distributed` makes a
   single-rank group in memory.
 
@@ -17,17 +23,39 @@ Backend: NCCL when every local rank gets its own CUDA device, gloo on CPU.
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import os
-import uuid
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+from multiprocessing import spawn
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["in_torchrun", "pick_device", "init_distributed", "LaunchResult", "launch_local"]
+from stp.runtime import worker
+from stp.runtime.errors import EXIT_PEER, CommTimeout
+from stp.runtime.store import shared_store
+from stp.runtime.watch import LAUNCHER_PID_ENV, STOP_SIGNALS, BeatMonitor
+
+__all__ = [
+    "in_torchrun", "pick_device", "init_distributed", "WorkerExit", "LaunchResult",
+    "launch_local", "wait_for_every_rank", "diagnose", "GRACE_S", "STARTUP_S",
+]
+
+GRACE_S = 3.0
+"""Seconds stopped workers get to exit before SIGKILL."""
+STARTUP_S = 300.0
+"""Seconds the ranks may take to start (import torch, read settings) before they
+meet; apart from the job's timeout, which bounds waits between running ranks."""
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -47,7 +75,9 @@ def pick_device(local_world: int, local_rank: int) -> torch.device:
 def init_distributed(*, timeout: float, device: torch.device | None = None) -> torch.device:
     """Initialise the default process group from the environment (or a
     single in-memory rank when there is no launcher) and return this rank's
-    device. `timeout` (seconds) bounds every collective and the rendezvous."""
+    device. `timeout` (seconds) bounds every collective and the rendezvous;
+    ranks that start at different times first wait for each other up to
+    STARTUP_S (under a launcher that shares its store)."""
     if dist.is_initialized():
         if device is not None:
             return device
@@ -65,10 +95,65 @@ def init_distributed(*, timeout: float, device: torch.device | None = None) -> t
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     td = timedelta(seconds=timeout)
     if in_torchrun():
+        wait_for_every_rank()
         dist.init_process_group(backend, timeout=td)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
     return device
+
+
+def wait_for_every_rank(startup: float = STARTUP_S) -> None:
+    """Block until every rank got here (at most `startup` seconds), through the
+    launcher's store when the workers share it (torchrun's agent store, or
+    launch_local's): a rank that imports torch seconds after the others then
+    does not count against the short timeout of the rendezvous that follows.
+    CommTimeout naming the ranks that did not arrive."""
+    shared = shared_store(startup)
+    if shared is None:
+        return
+    store, rank, world = shared.store, shared.rank, shared.world_size
+    prefix = shared.key("up")
+    store.set(f"{prefix}/{rank}", "1")
+    keys = [f"{prefix}/{r}" for r in range(world)]
+    try:
+        store.wait(keys, timedelta(seconds=startup))
+    except RuntimeError:
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise CommTimeout(f"rank(s) {missing} did not start within {startup:g} s",
+                          where=f"rank {rank}", action="start-up") from None
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """How one local worker ended."""
+
+    rank: int
+    returncode: int
+    """The process's status; negative: killed by that signal (subprocess's convention)."""
+    after_s: float
+    """Seconds after the launch."""
+    stopped: bool = False
+    """The launcher had told it to stop (another rank failed, or an interrupt)."""
+
+    @property
+    def status(self) -> int:
+        """The shell's exit status: 128 + the signal for a killed process."""
+        return 128 - self.returncode if self.returncode < 0 else self.returncode
+
+    def how(self) -> str:
+        """`was killed by SIGKILL`, `exited on SIGTERM (status 143)`, `exited with status 1`."""
+        if self.returncode < 0:
+            return f"was killed by {_signal_name(-self.returncode)}"
+        if self.returncode > 128 and _signal_name(self.returncode - 128) != "":
+            return f"exited on {_signal_name(self.returncode - 128)} (status {self.returncode})"
+        return f"exited with status {self.returncode}"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return ""
 
 
 @dataclass
@@ -78,44 +163,198 @@ class LaunchResult:
     returns: dict[int, object]
     """Return value of each local rank that finished (all of them on success)."""
     exitcode: int
-    """0 on success, else the first failed rank's exit status (1 if unknown)."""
+    """0 on success; else the failed rank's exit status (128 + signal for a killed
+    rank), or 128 + the signal that interrupted the launcher."""
     failed_ranks: list[int]
+    """Ranks that failed by themselves (not stopped by the launcher), in the order seen."""
+    exits: dict[int, WorkerExit] = field(default_factory=dict)
+    culprit: int | None = None
+    """The rank the failure started at (None on success or an interrupt)."""
+    cause: str = ""
+    """One line: which rank failed first and why ("" on success or an interrupt)."""
+    interrupted: int | None = None
+    """SIGINT or SIGTERM when the launcher was interrupted, else None."""
+
+
+def diagnose(
+    exits: dict[int, WorkerExit], silences: dict[int, float],
+    describe: Callable[[int], str] = lambda r: f"rank {r}",
+) -> tuple[int | None, str]:
+    """(culprit, one line) for a failed launch.
+
+    A rank that failed by itself (an error, a signal) is a cause; a rank
+    that exited EXIT_PEER only waited on a peer that timed out or went
+    away. Without a cause among the exits, the rank whose heartbeat stopped
+    longest ago (`silences`: seconds) is the one the others waited on.
+    """
+    # Seen in the same poll, a killed rank goes first: its peers' errors follow from it.
+    by_time = sorted(exits.values(), key=lambda e: (e.after_s, e.returncode >= 0))
+    own = [e for e in by_time if not e.stopped and e.returncode not in (0, EXIT_PEER)]
+    if own:
+        first = own[0]
+        return first.rank, f"{describe(first.rank)} {first.how()}"
+    if silences:
+        r = max(silences, key=lambda k: silences[k])
+        return r, (f"{describe(r)} stopped responding: no heartbeat for {silences[r]:.1f} s "
+                   "(frozen or stopped); the ranks waiting on it timed out")
+    waited = [e for e in by_time if e.returncode == EXIT_PEER]
+    if waited:
+        r = waited[0].rank
+        return r, f"{describe(r)} timed out waiting on a peer; no rank was seen frozen or failed"
+    return None, "the workers were stopped"
+
+
+class _Workers:
+    """The worker processes of one launch, their exits and their heartbeats."""
+
+    def __init__(self, procs: dict[int, subprocess.Popen[bytes]], store: dist.Store) -> None:
+        self.procs = procs
+        self.start = time.monotonic()
+        self.exits: dict[int, WorkerExit] = {}
+        self.beats = BeatMonitor(store, len(procs))
+        self._stopping = False
+        self.silences_at_stop: dict[int, float] = {}
+        """Seconds since each live, silent rank last beat, when the stop began."""
+
+    def alive(self) -> list[int]:
+        return [r for r in self.procs if r not in self.exits]
+
+    def poll(self) -> list[WorkerExit]:
+        """Record the workers that ended since the last poll; read the heartbeats."""
+        now = time.monotonic()
+        ended = []
+        for r in self.alive():
+            code = self.procs[r].poll()
+            if code is not None:
+                self.exits[r] = WorkerExit(r, code, now - self.start, self._stopping)
+                ended.append(self.exits[r])
+        with contextlib.suppress(Exception):  # heartbeats only sharpen the diagnosis
+            self.beats.poll(now)
+        return ended
+
+    def stop(self, signum: int, grace: float) -> None:
+        """Send `signum` (and SIGCONT, so a stopped process can act on it) to every
+        live worker; SIGKILL those still there after `grace` seconds."""
+        self._stopping = True
+        self.silences_at_stop = self.beats.silences(time.monotonic(), self.alive())
+        for r in self.alive():
+            for sig in (signum, signal.SIGCONT):
+                _signal(self.procs[r], sig)
+        deadline = time.monotonic() + grace
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+            self.poll()
+        for r in self.alive():
+            _signal(self.procs[r], signal.SIGKILL)
+        for r in self.alive():
+            self.procs[r].wait()
+        self.poll()
+
+
+def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(sig)
+
+
+class _Interrupts:
+    """SIGINT/SIGTERM to the launcher, recorded instead of raised (the main loop
+    stops the workers); the previous handlers come back on exit."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> _Interrupts:
+        if threading.current_thread() is threading.main_thread():  # else: signals stay as they are
+            for sig in STOP_SIGNALS:
+                self._old[sig] = signal.signal(sig, self._record)
+        return self
+
+    def _record(self, signum: int, frame: object) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)  # type: ignore[arg-type]
+
+
+def _start(directory: Path, nprocs: int, port: int) -> dict[int, subprocess.Popen[bytes]]:
+    base = {**os.environ, "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
+            "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            # every rank is a client of the launcher's store, as under torchrun
+            "TORCHELASTIC_USE_AGENT_STORE": "True", LAUNCHER_PID_ENV: str(os.getpid())}
+    return {
+        r: subprocess.Popen(
+            [sys.executable, "-c", worker.COMMAND, str(directory)],
+            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, stdin=subprocess.DEVNULL,
+        )
+        for r in range(nprocs)
+    }
+
+
+def _write_call(directory: Path, entry: Callable[..., object], args: tuple[object, ...]) -> None:
+    prep = spawn.get_preparation_data("stp-worker")
+    prep.pop("authkey", None)  # multiprocessing refuses to pickle it outside its own spawn
+    for name, value in ((worker.PREPARATION, prep), (worker.CALL, (entry, args))):
+        with open(directory / name, "wb") as f:
+            pickle.dump(value, f)
+
+
+def _supervise(workers: _Workers, interrupts: _Interrupts, grace: float) -> None:
+    """Wait until every worker ended; on the first failure or an interrupt, stop the rest."""
+    while workers.alive():
+        ended = workers.poll()
+        if interrupts.signum is not None:
+            workers.stop(interrupts.signum, grace)
+        elif any(e.returncode != 0 for e in ended):
+            workers.stop(signal.SIGTERM, grace)
+        else:
+            time.sleep(0.05)
 
 
 def launch_local(
-    entry: Callable[..., object], args: tuple[object, ...], nprocs: int, *, quiet: bool = True
+    entry: Callable[..., object], args: tuple[object, ...], nprocs: int, *,
+    describe: Callable[[int], str] = lambda r: f"rank {r}", grace: float = GRACE_S,
 ) -> LaunchResult:
-    """Run `entry(*args)` in `nprocs` local worker processes (spawned, so
-    `entry` must be a module-level function) with RANK/WORLD_SIZE/... set.
+    """Run `entry(*args)` in `nprocs` local worker processes with RANK, WORLD_SIZE,
+    MASTER_ADDR, ... set (`entry` must be importable by name: a module-level
+    function) and return what happened; never raises for a worker's failure.
 
-    `quiet` silences the launcher's own log lines (the workers print their
-    own diagnoses).
-    """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    `describe(rank)` names a rank in `LaunchResult.cause` (e.g. with its mesh
+    coordinates). Called from the main thread, it handles SIGINT and SIGTERM:
+    they stop every worker, and the result says so."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    with tempfile.TemporaryDirectory(prefix="stp-launch-") as tmp, _Interrupts() as interrupts:
+        directory = Path(tmp)
+        _write_call(directory, entry, args)
+        workers = _Workers(_start(directory, nprocs, store.port), store)
+        try:
+            _supervise(workers, interrupts, grace)
+        finally:  # an exception here (a bug) must not leave workers behind
+            if workers.alive():
+                workers.stop(signal.SIGKILL, 0.0)
+        returns = {}
+        for r in range(nprocs):
+            path = worker.return_path(directory, r)
+            if workers.exits[r].returncode == 0 and path.exists():
+                with open(path, "rb") as f:
+                    returns[r] = pickle.load(f)
+    return _result(workers, returns, interrupts.signum, describe)
 
-    if quiet:
-        for name in ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nprocs,
-        run_id=f"stp-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-        # After one worker fails the others get SIGTERM, then SIGKILL this many
-        # seconds later (a frozen worker must not hold the command for long).
-        shutdown_timeout=5,
-    )
-    try:
-        returns = elastic_launch(config, entry)(*args)
-    except ChildFailedError as e:
-        failures = sorted(e.failures.items())
-        first = failures[0][1]
-        code = first.exitcode if first.exitcode and first.exitcode > 0 else 1
-        return LaunchResult({}, code, [r for r, _ in failures])
-    return LaunchResult(dict(returns), 0, [])
+
+def _result(
+    workers: _Workers, returns: dict[int, object], interrupted: int | None,
+    describe: Callable[[int], str],
+) -> LaunchResult:
+    exits = workers.exits
+    failed = [e.rank for e in sorted(exits.values(), key=lambda e: e.after_s)
+              if e.returncode != 0 and not e.stopped]
+    if interrupted is not None:
+        return LaunchResult(returns, 128 + interrupted, failed, exits, interrupted=interrupted)
+    if not failed:
+        return LaunchResult(returns, 0, [], exits)
+    culprit, cause = diagnose(exits, workers.silences_at_stop, describe)
+    status = exits[culprit].status if culprit is not None else 1
+    return LaunchResult(returns, status or 1, failed, exits, culprit, cause)

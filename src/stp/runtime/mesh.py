@@ -8,8 +8,8 @@ so the ranks of one TP group are consecutive (one node, the fastest links:
 TP all-reduces run twice per layer per pass, Megatron-LM's placement), the
 DP replicas of a stage come next and pipeline stages are farthest apart
 (point-to-point only). Everything is an object passed in; no module globals,
-so several meshes can live in one test process (STYLE.md, "topology is
-explicit and injected", torchtitan's ParallelDims).
+so several meshes can live in one test process (topology explicit and
+injected, as torchtitan's ParallelDims).
 """
 
 from __future__ import annotations
@@ -153,6 +153,11 @@ class Mesh:
         """`rank 3 (pp 1, tp 1, dp 0)`: used in every runtime message."""
         c = self.coord
         return f"rank {self.rank} (pp {c.pp}, tp {c.tp}, dp {c.dp})"
+
+    def describe_group(self, axis: str) -> str:
+        """This rank's group along `axis` as error messages name it."""
+        names = {"pp": "pipeline", "tp": "TP", "dp": "DP"}
+        return f"the {names[axis]} group (global ranks {self.ranks[axis]})"
 
     def pp_peer_rank(self, pp_rank: int) -> int:
         """Global rank of pipeline rank `pp_rank` in this rank's pipeline."""

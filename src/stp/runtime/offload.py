@@ -1,5 +1,7 @@
-"""Activation offload in the runtime: STP's offload variant (seed 000) and
-PipeOffload's selective offload (seed 004, REFERENCE section 4), run as the
+"""Activation offload in the runtime: STP's offload variant ("Synergistic Tensor
+and Pipeline Parallelism", arXiv 2510.27257) and PipeOffload's selective
+offload ("PipeOffload", arXiv 2503.01328: offload the longest-lived
+activations first; skip those living shorter than about three round trips), run as the
 schedule's `OffloadPlan` says (stp.schedule.offload: `0OFFLOAD3` right after
 `0F3`, `0RELOAD3` before the action at `reload_at`).
 
@@ -20,8 +22,8 @@ ended, the device storage is resized to 0 bytes. Every tensor and view over it
 shape and version counter, so autograd never notices. The reload resizes it
 back and copies the bytes in.
 
-Stream safety, the two traps of REFERENCE section 4 (timeline and stream
-rules in stp.runtime.offload_copy):
+Stream safety, the two traps seen in published offload code (timeline and
+stream rules in stp.runtime.offload_copy):
   * reload waited before use: the compute stream waits on the copy in's
     event before the backward runs (`before_pass`);
   * nothing freed early: the device storage is freed only after the copy
@@ -49,6 +51,8 @@ import torch
 from stp.runtime.offload_copy import Copier, CopyEvent, CudaCopier, HostCopier, byte_view
 from stp.schedule.ir import Action, Kind, Pass, Schedule
 from stp.schedule.offload import OffloadPlan
+from stp.sim.costs import Costs, MemCosts, OffloadCosts
+from stp.sim.offload import plan_offload
 
 __all__ = [
     "ActivationOffloader",
@@ -70,9 +74,6 @@ def runtime_plan(schedule: Schedule, policy: str | None) -> OffloadPlan:
     simulator's default costs (f = b = w = 1, a copy of one M_B in one time
     unit), not with measured times. Raises ValueError on an unknown policy.
     """
-    from stp.sim.costs import Costs, MemCosts, OffloadCosts
-    from stp.sim.offload import plan_offload
-
     return plan_offload(schedule, policy, Costs(), MemCosts(), OffloadCosts())
 
 

@@ -21,13 +21,14 @@ reasoned about, not run.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from stp.runtime.errors import CommTimeout, RankError, first_line, is_timeout
+from stp.runtime.errors import CommTimeout, PeerLost, RankError, failure_kind, first_line
 from stp.schedule.lower import Comm
 
 __all__ = ["P2P", "Transfer", "message_tag"]
@@ -94,7 +95,9 @@ class P2P:
                 f"pipeline rank {r} (global rank {self.peers[r]})"
                 for r in sorted({c.peer for c, _ in batch})
             )
-            raise RankError(
+            # A peer that already ended is a consequence, not this rank's failure.
+            cls = PeerLost if failure_kind(e) == "peer_lost" else RankError
+            raise cls(
                 f"posting transfers with {peers} failed: {first_line(e)}",
                 where=self.where, action=names,
             ) from e
@@ -114,11 +117,12 @@ class P2P:
     def wait(self, t: Transfer, *, needed_by: str = "") -> torch.Tensor:
         """Block until transfer `t` completes, at most `timeout` seconds."""
         if not t.done:
+            start = time.monotonic()
             for work in t.works:
                 try:
                     work.wait(timedelta(seconds=self.timeout))
                 except RuntimeError as e:
-                    raise self._failure(t, e, needed_by) from e
+                    raise self._failure(t, e, needed_by, time.monotonic() - start) from e
             t.done = True
         return t.tensor
 
@@ -128,14 +132,28 @@ class P2P:
         for t in sends:
             self.wait(t)
 
-    def _failure(self, t: Transfer, err: RuntimeError, needed_by: str) -> RankError:
-        what = "data from" if not t.comm.op.is_send else "the receiver,"
+    def _failure(
+        self, t: Transfer, err: RuntimeError, needed_by: str, waited: float
+    ) -> RankError:
+        """The error to raise: a timeout, a peer that closed the connection (it
+        ended: crashed, killed, or stopped after its own failure), or another
+        backend failure; each says how long this rank actually waited."""
+        sending = t.comm.op.is_send
         peer = f"pipeline rank {t.comm.peer} (global rank {t.peer_rank}, stage {t.comm.peer_stage})"
         action = str(t.comm) + (f" before {needed_by}" if needed_by else "")
         first = first_line(err)
-        if is_timeout(err):
+        kind = failure_kind(err)
+        if kind == "peer_lost":
+            waiting = "it to receive" if sending else "data"
+            return PeerLost(
+                f"{peer} closed the connection after {waited:.1f} s of waiting for {waiting}: "
+                f"that process ended ({first})", where=self.where, action=action,
+            )
+        if kind == "timeout":
+            what = "the receiver," if sending else "data from"
             return CommTimeout(
                 f"waited more than {self.timeout:g} s for {what} {peer} ({first})",
                 where=self.where, action=action,
             )
-        return RankError(f"transfer with {peer} failed: {first}", where=self.where, action=action)
+        return RankError(f"transfer with {peer} failed after {waited:.1f} s: {first}",
+                         where=self.where, action=action)

@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 import torch.distributed as dist
 
 from stp.schedule.ir import Pass, Schedule
+from stp.schedule.lower import Message
 from stp.sim.result import Span
 from stp.viz.trace import trace_events
 
@@ -64,7 +65,7 @@ class TransferRecord(NamedTuple):
     """When this rank saw it complete."""
     peer: int
     """Global rank at the other end."""
-    message: tuple[str, int, int]
+    message: Message
     """(direction, producing stage, mb): the same on both ends."""
 
 
@@ -118,7 +119,7 @@ class Recorder:
         fut.then(stamp)
 
     def transfer(self, name: str, kind: str, stage: int, mb: int, start: float, end: float,
-                 peer: int, message: tuple[str, int, int]) -> None:
+                 peer: int, message: Message) -> None:
         """A send or receive (kind SEND / RECV) of `message` with global rank `peer`."""
         self._xfers.append(TransferRecord(kind, name, stage, mb, self.chunk_of[stage], start, end,
                                     peer, message))

@@ -3,6 +3,7 @@
 from stp.schedule.ir import (
     Action,
     Block,
+    Done,
     Kind,
     Pass,
     Schedule,
@@ -13,12 +14,14 @@ from stp.schedule.ir import (
     v_placement,
 )
 from stp.schedule.memory import MemCosts, peak_by_order
-from stp.schedule.registry import SCHEDULES, generate, names
+from stp.schedule.placement import partition_layers, stage_layers
+from stp.schedule.registry import SCHEDULES, generate, make, names
 from stp.schedule.validate import ScheduleError, validate
 
 __all__ = [
     "Action",
     "Block",
+    "Done",
     "Kind",
     "MemCosts",
     "Pass",
@@ -28,10 +31,13 @@ __all__ = [
     "format_action",
     "generate",
     "looped_placement",
+    "make",
     "names",
     "parse_action",
+    "partition_layers",
     "passes_of",
     "peak_by_order",
+    "stage_layers",
     "v_placement",
     "validate",
 ]

@@ -1,6 +1,6 @@
-"""Schedules built by repeating one building block, then squeezing
-(Qi et al., "Pipeline Parallelism with Controllable Memory", NeurIPS 2024,
-seed 003, section 3).
+"""Schedules built by repeating one building block, squeezing and reordering
+("Pipeline Parallelism with Controllable Memory", Qi, Wan, Amar, Lin,
+NeurIPS 2024, arXiv 2405.15362, sections 3 and 4).
 
 A building block is the set of passes of one microbatch on all ranks, each
 at a fixed slot offset (unit slots: every pass, F, B or W of one chunk,
@@ -12,23 +12,41 @@ that rank (the slots from a forward to the backward that frees it, summed
 over chunks) divided by `T`; `block_peak` counts it exactly.
 
 The repetition alone wastes time in the warm-up and the cool-down (the
-block's slots were laid out for the steady state). `squeeze` moves each
-warm-up and cool-down pass, in time order, to the earliest free slot its
-dependencies allow, unless that would raise the rank's peak above the
-repeated block's; the steady state keeps the block's order. Rank 0 of
-V-Half, p=4, m=6, as the simulator runs it with unit passes (F f: forward
-of chunk 0 / 1; B b: backward of chunk 1 / 0; W w: their weight passes):
+block's slots were laid out for the steady state). `settle` removes that
+waste in four steps, the paper's squeeze and the reordering of its
+published scheduler, none of which raises the schedule's peak (the largest
+over its ranks) above the repeated block's:
 
-    repeated   FF.....fFB.fWFB.fWFbBwfWFbBwfW.bBwfW    (bubble 12, makespan 48)
-    squeezed   FFFF...fBfWBfWFBbw.fWFbBwfWBbwWfBWbw    (bubble  9, makespan 45)
+1. `squeeze`: each warm-up and cool-down pass, in time order, moves to the
+   earliest free slot its dependencies allow; the steady state keeps the
+   block's slots.
+2. `compact`: every pass as early as its dependencies and the previous
+   pass of its rank allow, each rank's order kept (this closes the gaps
+   step 1 leaves, and cannot change any peak: memory depends on the order).
+3. `settle_cooldown`: without the W, the passes after the last microbatch
+   entered the pipeline move to the earliest free slot again; a W is
+   assumed to run in every free slot where one is pending, and a move is
+   kept only if that estimate of its rank's peak stays within the
+   schedule's.
+4. `fill_w`: the W go back into the free slots, oldest first, the later
+   chunk's first (its B heads the backward), then `compact` again.
 
-Only forwards can raise memory, so only their moves are checked. The peak
-is held both when an activation is freed at its B (M_W = 0) and when it is
-kept until its W (M_W = M_B), so it holds for any M_W in between.
+Rank 0 of V-Half, p=4, m=6, the slots each step returns (F f: forward of
+chunk 0 / 1; B b: backward of chunk 1 / 0; W w: their weight passes; rank 0
+ends last, so its length is the makespan in slots):
 
-Dependencies come from `stp.schedule.validate.dependencies`, the same rule
-the validator checks; a pass also stays after the same pass of the previous
-microbatch, so every rank runs microbatches in order.
+    repeat     F.....F...f.F.B.fWF.B.fWFbBwfWFbBwfW.bBwfW.bBw.W.b.w...b.w  58
+    squeeze    FFFF...fBfWBfWFBbw..........fWFbBwfWBbwWfBWbw..bw...bw      54
+    compact    FFFF...fBfWBfWFBbw.fWFbBwfWBbwWfBWbw..bw...bw               45
+    settle     FFFF...fBfWBfWFBbWwfBFbWwfBWbw.fBbWbww.bw                   41
+
+Only forwards raise memory and only W (or B) lower it. The peak is held
+both when an activation is freed at its B (M_W = 0) and when it is kept
+until its W (M_W = M_B), so it holds for any M_W in between.
+
+Dependencies come from `Pass.needs`, the same rule the validator checks;
+a pass also stays after the same pass of the previous microbatch, so every
+rank runs microbatches in order.
 """
 
 from __future__ import annotations
@@ -37,7 +55,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from stp.schedule.ir import Kind, Pass
-from stp.schedule.validate import dependencies
 
 __all__ = [
     "BuildingBlock",
@@ -46,11 +63,12 @@ __all__ = [
     "block_peak",
     "steady_window",
     "squeeze",
+    "compact",
+    "settle_cooldown",
+    "fill_w",
+    "settle",
     "rank_orders",
 ]
-
-_KIND = {"F": Kind.F, "B": Kind.B, "W": Kind.W}
-
 
 @dataclass(frozen=True)
 class BuildingBlock:
@@ -207,10 +225,7 @@ def squeeze(block: BuildingBlock, num_microbatches: int) -> dict[Pass, int]:
         if lo <= old <= hi:
             taken[r].add(old)
             continue
-        earliest = max(
-            [slots[Pass(s, _KIND[k], i)] + 1 for s, k, i in dependencies(p, num_stages)]
-            + ([slots[Pass(p.stage, p.kind, p.mb - 1)] + 1] if p.mb > 0 else [0])
-        )
+        earliest = _earliest(p, slots, num_stages)
         for t in range(earliest, old):
             if t in taken[r] or not _fits(p, t, old, live, budget, r):
                 continue
@@ -240,6 +255,116 @@ def _move(p: Pass, t: int, old: int, live: dict[Kind, list[list[int]]], r: int) 
     elif p.kind in live:  # a B (or W) frees its activation in slot t instead of old
         for u in range(t + 1, old + 1):
             live[p.kind][r][u] -= 1
+
+
+def _earliest(p: Pass, slots: Mapping[Pass, int], num_stages: int) -> int:
+    """First slot p may take: after its inputs and after the same pass of the
+    previous microbatch."""
+    after = [slots[Pass(d.stage, d.kind, d.mb)] for d in p.needs(num_stages)]
+    if p.mb > 0:
+        after.append(slots[Pass(p.stage, p.kind, p.mb - 1)])
+    return max(after, default=-1) + 1
+
+
+def compact(slots: Mapping[Pass, int], stage_to_rank: Sequence[int]) -> dict[Pass, int]:
+    """Every pass as early as its inputs and the previous pass of its rank
+    allow, each rank's order kept. Passes are taken in slot order, so a
+    pass's inputs (earlier slots in a valid timeline) are placed first."""
+    num_stages = len(stage_to_rank)
+    free = [0] * (max(stage_to_rank) + 1)
+    out: dict[Pass, int] = {}
+    for p in sorted(slots, key=lambda q: (slots[q], stage_to_rank[q.stage])):
+        r = stage_to_rank[p.stage]
+        t = max([free[r]] + [out[Pass(d.stage, d.kind, d.mb)] + 1
+                             for d in p.needs(num_stages)])
+        out[p] = t
+        free[r] = t + 1
+    return out
+
+
+def _peaks_without_w(rank_slots: Mapping[Pass, int]) -> tuple[int, int]:
+    """(peak freed at B, peak freed at W) in chunk activations of one rank's
+    passes without their W, a pending W assumed to run in each free slot."""
+    by_slot = {t: q for q, t in rank_slots.items()}
+    live_b = live_w = peak_b = peak_w = pending = 0
+    for t in range(max(by_slot, default=-1) + 1):
+        q = by_slot.get(t)
+        if q is None:
+            if pending:
+                pending -= 1
+                live_w -= 1
+        elif q.kind is Kind.F:
+            live_b += 1
+            live_w += 1
+        else:
+            live_b -= 1
+            pending += 1
+        peak_b, peak_w = max(peak_b, live_b), max(peak_w, live_w)
+    return peak_b, peak_w
+
+
+def settle_cooldown(
+    slots: Mapping[Pass, int], stage_to_rank: Sequence[int], after: int
+) -> dict[Pass, int]:
+    """Drop the W and move every pass after slot `after` to the earliest
+    free slot its inputs allow, unless that raises its rank's peak (counted
+    by `_peaks_without_w`) above the schedule's."""
+    num_stages = len(stage_to_rank)
+    out = {q: t for q, t in slots.items() if q.kind is not Kind.W}
+    ranks: list[dict[Pass, int]] = [{} for _ in range(max(stage_to_rank) + 1)]
+    for q, t in out.items():
+        ranks[stage_to_rank[q.stage]][q] = t
+    budget = [max(v) for v in zip(*map(_peaks_without_w, ranks), strict=True)]
+    taken = [set(rs.values()) for rs in ranks]
+    for p in sorted(out, key=lambda q: (out[q], stage_to_rank[q.stage])):
+        old = out[p]
+        if old <= after:
+            continue
+        r = stage_to_rank[p.stage]
+        for t in range(_earliest(p, out, num_stages), old):
+            if t in taken[r]:
+                continue
+            ranks[r][p] = t
+            if all(got <= cap for got, cap in zip(_peaks_without_w(ranks[r]), budget,
+                                                  strict=True)):
+                taken[r].discard(old)
+                taken[r].add(t)
+                out[p] = t
+                break
+            ranks[r][p] = old
+    return out
+
+
+def fill_w(slots: Mapping[Pass, int], stage_to_rank: Sequence[int]) -> dict[Pass, int]:
+    """Put every W into the first free slot of its rank after its B, oldest
+    first, the higher stage's (the later chunk, first on the backward's way)
+    before the lower's; the W left at the end follow the rank's last pass."""
+    out = {q: t for q, t in slots.items() if q.kind is not Kind.W}
+    for r in range(max(stage_to_rank) + 1):
+        mine = {t: q for q, t in out.items() if stage_to_rank[q.stage] == r}
+        queues: dict[int, list[Pass]] = {}
+        t = 0
+        end = max(mine, default=-1)
+        while t <= end or any(queues.values()):
+            q = mine.get(t)
+            if q is not None and q.kind is Kind.B:
+                queues.setdefault(q.stage, []).append(Pass(q.stage, Kind.W, q.mb))
+            elif q is None:
+                ready = [s for s in sorted(queues, reverse=True) if queues[s]]
+                if ready:
+                    out[queues[ready[0]].pop(0)] = t
+            t += 1
+    return out
+
+
+def settle(block: BuildingBlock, num_microbatches: int) -> dict[Pass, int]:
+    """The slots of every pass after the four steps of the module docstring."""
+    owner = block.stage_to_rank
+    slots = compact(squeeze(block, num_microbatches), owner)
+    first = min(s for s in range(len(owner)) if owner[s] == 0)
+    last_entry = slots[Pass(first, Kind.F, num_microbatches - 1)]
+    slots = settle_cooldown(slots, owner, last_entry)
+    return compact(fill_w(slots, owner), owner)
 
 
 def rank_orders(slots: Mapping[Pass, int], stage_to_rank: Sequence[int]) -> list[list[Pass]]:

@@ -1,7 +1,7 @@
 """Classic schedules with full backwards: GPipe, 1F1B, interleaved 1F1B.
 
 Each generator is a pure function `(num_ranks, num_microbatches, ...) ->
-Schedule` (STYLE.md: the schedule is data). Orders are per rank; the
+Schedule`: the schedule is data, never control flow. Orders are per rank; the
 validator decides whether they deadlock, the simulator times them.
 
 Notation: p ranks, m microbatches, v chunks per rank, T_F / T_B / T_W the
@@ -37,11 +37,11 @@ def check_sizes(name: str, num_ranks: object, num_microbatches: object) -> None:
 
 
 def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
-    """GPipe (Huang et al. 2019): every rank runs all m forwards, then all m
+    """GPipe (Huang et al. 2019, arXiv 1811.06965): every rank runs all m forwards, then all m
     full backwards in microbatch order.
 
-    Bubble `(p-1)(T_F+T_B+T_W)`; every rank holds all `m M_B` at its peak
-    (REFERENCE.md section 1).
+    Bubble `(p-1)(T_F+T_B+T_W)`: the p-1 forward slots of the fill and the
+    p-1 backward slots of the drain; every rank holds all `m M_B` at its peak.
     """
     check_sizes("gpipe", num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
@@ -79,13 +79,15 @@ def _one_f_one_b_order(
 
 
 def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
-    """1F1B (PipeDream-Flush, Narayanan et al. 2021; Megatron-LM's default).
+    """1F1B (PipeDream, arXiv 1806.03377; PipeDream-Flush, Narayanan et al.
+    2021; Megatron-LM's default, arXiv 2104.04473).
 
     Rank s runs `min(p-s-1, m)` warm-up forwards, then alternates one
     forward and one full backward, then drains the remaining backwards.
 
     Bubble `(p-1)(T_F+T_B+T_W)`, as GPipe, but rank s holds at most
-    `min(p-s, m) M_B`: `min(p, m) M_B` on rank 0 (REFERENCE.md section 1).
+    `min(p-s, m) M_B`: `min(p, m) M_B` on rank 0, its p-1 warm-up
+    forwards plus the one of the first steady pair.
     """
     check_sizes("1f1b", num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches

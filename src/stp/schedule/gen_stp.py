@@ -1,18 +1,18 @@
-"""The STP schedule: V placement with braided blocks (seed 000, section 3).
+"""The STP schedule: V placement with braided blocks.
 
 STP (Qi, Peng et al., NeurIPS 2025, "Synergistic Tensor and Pipeline
-Parallelism") runs two chunks per rank on the V placement (rank r holds stage
-r = chunk 0 and stage 2p-1-r = chunk 1, `v_placement`) and pairs passes of
-different microbatches into braided blocks, so one pass computes while the
-other's TP all-reduce is in flight:
+Parallelism", arXiv 2510.27257, Fig. 5) runs two chunks per rank on the V
+placement (rank r holds stage r = chunk 0 and stage 2p-1-r = chunk 1,
+`v_placement`) and pairs passes of different microbatches into braided
+blocks, so one pass computes while the other's TP all-reduce is in flight:
 
     alone:    [Attn F]..AR..[MLP F]..AR..            AR exposed
     braided:  [Attn F][MLP dB][MLP dW][MLP F][Attn dB][Attn dW]
                       \\_AR(Attn F) hidden under MLP dB, and so on
 
-Per-rank order (REFERENCE.md section 3, as the authors' code emits it; rank r,
-p ranks, m microbatches; F0/F1 forward of chunk 0/1, B1/B0 backward of
-chunk 1/0):
+Per-rank order (as the authors' published code emits it; for p=4, m=12 it
+matches the paper's Fig. 5 cell for cell; rank r, p ranks, m microbatches;
+F0/F1 forward of chunk 0/1, B1/B0 backward of chunk 1/0):
 
     1. 2(p-r-1) x F0
     2. r+1 x (F0, F1)
@@ -32,8 +32,8 @@ Blocks in the IR (`Block`, forward first):
 Each of F0, F1, B1, B0 takes the next microbatch of its own counter.
 
 Interpretations (each forced by validity, by the counts m F / m B / m W per
-chunk, and by REFERENCE's TP-bubble statement that only warm-up forwards run
-alone):
+chunk, and by the paper's TP-bubble count, which holds only if nothing but
+warm-up forwards runs alone with an exposed all-reduce):
 
   a. Phases 7-8's B0 and B1 are full backwards (Kind.BW), like phase 6's
      "B0 with its W". Counting the FIFO: phases 4-6 defer (p-r-1) + r +
@@ -67,8 +67,8 @@ a cycle through the same passes in the m0 schedule, which validates.
 Braiding then thins out (fewer partners exist), as it must with so few
 microbatches; the phase counts above hold only from m = 3p-1.
 
-Peak activation (REFERENCE's table: 3p M_a on rank 0, M_a = one microbatch
-in one chunk = 1/2 of our M_B unit). Rank r holds 2p chunk-0 and r+1 chunk-1
+Peak activation (the paper's comparison table: 3p M_a on rank 0, M_a = one
+microbatch in one chunk = 1/2 of our M_B unit). Rank r holds 2p chunk-0 and r+1 chunk-1
 activations after phases 1-3; each of the p-r-1 phase-4 pairs adds one net
 (FB1 allocates one and frees one, FW0 allocates one), so every rank holds
 2p + (r+1) + (p-r-1) = 3p M_a between blocks: the paper's figure, balanced
@@ -185,7 +185,7 @@ def _truncate(actions: list[Action], m: int) -> list[Action]:
 
 
 def stp(num_ranks: int, num_microbatches: int) -> Schedule:
-    """The STP schedule (seed 000, section 3) for `num_ranks` ranks on the V
+    """The STP schedule (arXiv 2510.27257, Fig. 5) for `num_ranks` ranks on the V
     placement and `num_microbatches` microbatches (any m >= 1; the paper's
     nine phases hold exactly from m = 3p-1, see the module docstring).
 
@@ -208,10 +208,10 @@ def stp(num_ranks: int, num_microbatches: int) -> Schedule:
         num_microbatches=m,
         stage_to_rank=v_placement(p),
         actions=tuple(tuple(row) for row in rows),
+        offload_chunk=0,  # chunk-0 activations live longest (see Schedule.offload_chunk)
         meta={
             "chunks": 2,
             "placement": "v",
-            "offload_chunk": 0,  # chunk-0 activations live longest (offload variant)
             "braided": True,
             "full_phase_min_microbatches": full_phase_min_microbatches(p),
             "truncated_from": m0 if m0 > m else None,

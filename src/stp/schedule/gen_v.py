@@ -4,7 +4,8 @@ All three use the V placement (`v_placement`): rank r holds stage r (its
 chunk 0) and stage 2p-1-r (its chunk 1), so a microbatch runs down the ranks
 and back up, the hand-off between stages p-1 and p stays on rank p-1, and
 the loss is on rank 0. The backward is split into B (input gradient) and W
-(weight gradient), as in Zero Bubble (seed 002).
+(weight gradient), as in "Zero Bubble Pipeline Parallelism" (Qi, Wan, Huang,
+Lin, ICLR 2024, arXiv 2401.10241).
 
 Memory is counted in M_B, one microbatch through a rank's whole share, so a
 forward of one chunk adds M_B / 2 (`stp.schedule.memory`). Bubbles below
@@ -12,16 +13,21 @@ are in unit slots: every chunk pass (F, B or W of one chunk) takes one
 slot, the papers' T_F = T_B = T_W; 1F1B's bubble is then
 (p-1)(T_F+T_B+T_W) = 6(p-1) slots.
 
-* ZB-V (Zero Bubble, seed 002, section 6): a per-rank rule, zero bubble and
-  1F1B's peak `p M_B` on every rank.
-* V-Half, V-Min (Pipeline Parallelism with Controllable Memory, seed 003):
-  one building block repeated every 6 slots and squeezed
-  (`stp.schedule.building_block`), at about 1/2 and 1/3 of 1F1B's memory.
+* ZB-V (Zero Bubble, section 6): a per-rank rule, zero bubble and 1F1B's
+  peak `p M_B` on every rank.
+* V-Half, V-Min ("Pipeline Parallelism with Controllable Memory", Qi, Wan,
+  Amar, Lin, NeurIPS 2024, arXiv 2405.15362): one building block repeated
+  every 6 slots, squeezed and reordered (`stp.schedule.building_block`), at
+  about 1/2 and 1/3 of 1F1B's memory. A V-shape block whose peak is `l`
+  chunk activations (`l M_B / 2`, counted until the W) leaves, once
+  squeezed, a bubble of `6p - 1 - 3l` slots on its longest rank (the count
+  the paper's published scheduler expects, for `l <= 2p - 2`; ZB-V's
+  `l = 2p` has none).
 """
 
 from __future__ import annotations
 
-from stp.schedule.building_block import BuildingBlock, block_peak, place_w, rank_orders, squeeze
+from stp.schedule.building_block import BuildingBlock, block_peak, place_w, rank_orders, settle
 from stp.schedule.gen_classic import check_sizes
 from stp.schedule.ir import Kind, Pass, Schedule, v_placement
 
@@ -33,6 +39,7 @@ __all__ = [
     "v_min_offsets",
     "v_half_offsets",
     "controllable_memory_block",
+    "from_offsets",
 ]
 
 
@@ -92,8 +99,8 @@ def _zb_v_rank(p: int, n: int, r: int) -> list[Pass]:
 
 
 def zb_v(num_ranks: int, num_microbatches: int) -> Schedule:
-    """ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, seed 002,
-    section 6; PyTorch's `ScheduleZBVZeroBubble` follows the same rule).
+    """ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, arXiv
+    2401.10241, section 6; PyTorch's `ScheduleZBVZeroBubble` follows the same rule).
 
     Rank r (worker i = r+1 of the paper):
 
@@ -145,7 +152,8 @@ PERIOD = 6
 
 
 def v_min_offsets(num_ranks: int) -> list[tuple[int, int, int, int]]:
-    """V-Min block (seed 003, section 4): slots of (F, f, B, b) on rank i.
+    """V-Min block (controllable-memory paper, section 4): slots of
+    (F, f, B, b) on rank i.
 
     F is chunk 0's forward, f chunk 1's, B chunk 1's backward, b chunk 0's
     (the letters follow the V: forwards go down F then up f, backwards go
@@ -157,7 +165,8 @@ def v_min_offsets(num_ranks: int) -> list[tuple[int, int, int, int]]:
 
 
 def v_half_offsets(num_ranks: int) -> list[tuple[int, int, int, int]]:
-    """V-Half block (seed 003, section 4): slots of (F, f, B, b) on rank i,
+    """V-Half block (controllable-memory paper, section 4): slots of
+    (F, f, B, b) on rank i,
     letters as in `v_min_offsets`; d = 3 when p is even."""
     p = num_ranks
     d = 3 if p % 2 == 0 else 0
@@ -183,9 +192,13 @@ def controllable_memory_block(
     return BuildingBlock(v_placement(p), tuple(offsets), PERIOD)
 
 
-def _from_block(name: str, p: int, m: int, fbfb: list[tuple[int, int, int, int]]) -> Schedule:
+def from_offsets(
+    name: str, p: int, m: int, fbfb: list[tuple[int, int, int, int]]
+) -> Schedule:
+    """The schedule of the block with per-rank (F, f, B, b) slots `fbfb`
+    (`controllable_memory_block`), settled (`building_block.settle`)."""
     block = controllable_memory_block(p, fbfb)
-    slots = squeeze(block, m)
+    slots = settle(block, m)
     orders = rank_orders(slots, block.stage_to_rank)
     # Chunk activations -> M_B (two chunks per rank).
     peak = max(block_peak(block, r, Kind.B) for r in range(p)) / 2
@@ -213,8 +226,9 @@ def _from_block(name: str, p: int, m: int, fbfb: list[tuple[int, int, int, int]]
 
 def v_half(num_ranks: int, num_microbatches: int) -> Schedule:
     """V-Half (Qi et al., "Pipeline Parallelism with Controllable Memory",
-    NeurIPS 2024, seed 003, section 4): the `v_half_offsets` block repeated
-    every 6 slots, then squeezed (`stp.schedule.building_block`).
+    NeurIPS 2024, arXiv 2405.15362, section 4): the `v_half_offsets` block
+    repeated every 6 slots, squeezed and reordered
+    (`stp.schedule.building_block.settle`).
 
     Peak activation `(p+2)//2 M_B` per rank, about half of 1F1B's `p M_B`
     (a rank's lifespan in the block, summed over its two chunks, is about
@@ -222,25 +236,30 @@ def v_half(num_ranks: int, num_microbatches: int) -> Schedule:
     M_B / 2 each). Reached from
     m >= (p+2)//2 (fewer microbatches cannot fill it); it holds whether an
     activation is freed at its B or kept until its W (any M_W <= M_B).
-    Bubble about half of 1F1B's `(p-1)(T_F+T_B+T_W)`: at T_F = T_B = T_W it
-    is 6(p-1)/2 plus a few slots, e.g. 9 slots at p=4, 23 at p=8, and does
-    not grow with m. Accepted for every p >= 1 and m >= 1.
+
+    Bubble at T_F = T_B = T_W (unit chunk passes; the longest rank span
+    minus its 6m busy slots), the paper's `6p - 1 - 3l` with the block's
+    peak `l = 2 ((p+2)//2)` chunk activations: `3p - 7` slots for even p,
+    `3p - 4` for odd p >= 3 (1 at p = 2), about half of 1F1B's `6(p-1)`;
+    e.g. 5 at p=4 (makespan 53 at m=8), 17 at p=8. It does not grow with m
+    (reached from m = 2p at the latest). Accepted for every p >= 1, m >= 1.
 
     The order is laid out for equal unit passes. Run with other times it
     stays dense in the steady state (the bubble does not grow with m) when
     `T_W + 2T_B >= 2T_F` and `T_W + 2T_F >= 2T_B`, the paper's condition
     for V-Half, with some margin to spare for send latency; otherwise it
     grows with m (simulated at p=4, f=1, b=1.5, w=0.7: about 0.15 per
-    microbatch, above 1F1B's from m=24).
+    microbatch, above 1F1B's from m=33).
     """
     check_sizes("v-half", num_ranks, num_microbatches)
-    return _from_block("v-half", num_ranks, num_microbatches, v_half_offsets(num_ranks))
+    return from_offsets("v-half", num_ranks, num_microbatches, v_half_offsets(num_ranks))
 
 
 def v_min(num_ranks: int, num_microbatches: int) -> Schedule:
     """V-Min (Qi et al., "Pipeline Parallelism with Controllable Memory",
-    NeurIPS 2024, seed 003, section 4): the `v_min_offsets` block repeated
-    every 6 slots, then squeezed (`stp.schedule.building_block`).
+    NeurIPS 2024, arXiv 2405.15362, section 4): the `v_min_offsets` block
+    repeated every 6 slots, squeezed and reordered
+    (`stp.schedule.building_block.settle`).
 
     Peak activation `(p+4)//3 M_B`, about a third of 1F1B's `p M_B` (a
     rank's lifespan in the block is about 4p slots; over the period 6 that
@@ -249,14 +268,19 @@ def v_min(num_ranks: int, num_microbatches: int) -> Schedule:
     (M_W = 0, our default) the peak is the same except when p % 3 == 2, where
     it is one lower, `(p+1)//3`: the extra activation the paper counts is
     then one whose B has run and whose W has not. Reached from m >= that peak.
-    Bubble about 2/3 of 1F1B's `(p-1)(T_F+T_B+T_W)`: at T_F = T_B = T_W it
-    is 4(p-1) slots or a few less, e.g. 11 slots at p=4, 27 at p=8, and does
-    not grow with m. Accepted for every p >= 1 and m >= 1.
+
+    Bubble at T_F = T_B = T_W (as for `v_half`), the paper's `6p - 1 - 3l`
+    with `l = 2 ((p+4)//3)`: `4p - 7` slots when 3 divides p, `4p - 5` when
+    p % 3 == 1; when p % 3 == 2 it is `4p - 5` too, 4 slots above the count,
+    as the block's extra activation there (above) is one the count assumes
+    busy (3 at p = 2). About 2/3 of 1F1B's `6(p-1)`: e.g. 11 at p=4, 27 at
+    p=8. It does not grow with m (reached from m = 2p at the latest).
+    Accepted for every p >= 1 and m >= 1.
 
     The order is laid out for equal unit passes (the paper's "ideal
     conditions" for V-Min). With unequal times its bubble grows with m:
     simulated at p=4, about 0.2 per microbatch for f=1, b=1.1, w=1 (above
-    1F1B's from m=19) and 1.3 for f=1, b=1.5, w=0.7 (above it at m=8).
+    1F1B's from m=19) and 1.3 for f=1, b=1.5, w=0.7 (above it at m=3).
     """
     check_sizes("v-min", num_ranks, num_microbatches)
-    return _from_block("v-min", num_ranks, num_microbatches, v_min_offsets(num_ranks))
+    return from_offsets("v-min", num_ranks, num_microbatches, v_min_offsets(num_ranks))

@@ -1,5 +1,5 @@
 """Zero Bubble handcrafted schedules ZB-H1 and ZB-H2 (Qi et al., "Zero Bubble
-Pipeline Parallelism", ICLR 2024, seed 002, section 2).
+Pipeline Parallelism", ICLR 2024, arXiv 2401.10241, section 2).
 
 Both split the full backward into B (input gradient, on the critical path
 between ranks) and W (weight gradient, needed by no other rank), so a rank
@@ -63,8 +63,8 @@ def _build(
 
 
 def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
-    """ZB-H1, the memory-efficient handcrafted schedule (Zero Bubble, seed 002,
-    section 2.1, Fig. 3 top).
+    """ZB-H1, the memory-efficient handcrafted schedule (Zero Bubble,
+    arXiv 2401.10241, section 2.1, Fig. 3 top).
 
     Rank s runs `min(p-s, m)` forwards before its first B, as many as 1F1B
     has in flight, and delays its W by s places: the W then fill the tail
@@ -89,8 +89,8 @@ def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
 
 
 def zb_h2(num_ranks: int, num_microbatches: int) -> Schedule:
-    """ZB-H2, the zero-bubble handcrafted schedule (Zero Bubble, seed 002,
-    section 2.2, Fig. 3 bottom).
+    """ZB-H2, the zero-bubble handcrafted schedule (Zero Bubble,
+    arXiv 2401.10241, section 2.2, Fig. 3 bottom).
 
     Rank s runs `min(2(p-s)-1, m)` warm-up forwards, filling the whole gap
     before its first B arrives, and delays its W by 2s places, which turns

@@ -19,6 +19,12 @@ JSON is our IR written out: name, placement, microbatch count and the same
 action strings per rank, one rank per line so a person can edit a schedule by
 hand and run it. `load_json(dump_json(s)) == s` exactly, `meta` included as
 long as it holds JSON values (lists come back as tuples, as generators store them).
+
+Both readers take hostile input: the bounds of `stp.schedule.limits` (file
+size, action count, rank count, stage and microbatch indices, JSON nesting)
+are checked before the work or memory they bound is spent. A UTF-8 byte
+order mark (as spreadsheets save CSV) and CRLF line ends are accepted; action
+cells must be ASCII (`int` would read full-width digits as numbers).
 """
 
 from __future__ import annotations
@@ -30,12 +36,25 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 
 from stp.schedule.ir import Action, Kind, Schedule, parse_action, passes_of
+from stp.schedule.limits import (
+    MAX_MICROBATCHES,
+    MAX_RANKS,
+    MAX_STAGES,
+    bounded_text,
+    brief,
+    check_count,
+    check_indices,
+    json_value,
+    read_source,
+    shown,
+)
 from stp.schedule.validate import ScheduleError, validate
 
-__all__ = ["load_csv", "dump_csv", "load_json", "dump_json", "JSON_FORMAT"]
+__all__ = [
+    "load_csv", "parse_csv", "dump_csv", "load_json", "parse_json", "dump_json", "JSON_FORMAT",
+]
 
 JSON_FORMAT = "stp-schedule"
 """Value of the `format` key of our JSON files."""
@@ -45,28 +64,38 @@ _JSON_VERSION = 1
 _COMM_RE = re.compile(r"^\s*\d+(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)\d*\s*$")
 
 
-def _read_source(source: str | os.PathLike[str], suffix: str) -> tuple[str, str | None]:
-    """(text, file stem or None). A Path, or a str naming an existing file, is
-    read; any other str is the content itself, except that a single word
-    ending in `suffix` is taken for a path that does not exist."""
-    if isinstance(source, os.PathLike):
-        path = Path(source)
-    elif "\n" in source or "," in source or "{" in source:
-        return source, None
-    elif os.path.isfile(source) or source.strip().lower().endswith(suffix):
-        path = Path(source)
-    else:
-        return source, None
-    try:
-        return path.read_text(encoding="utf-8"), path.stem
-    except FileNotFoundError:
-        raise ValueError(f"no such file: {str(path)!r}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read {str(path)!r}: {e}") from None
-
-
 def _where(row: int, cell: int) -> str:
     return f"row {row} (rank {row}), cell {cell}"
+
+
+def _csv_rows(text: str) -> list[list[str]]:
+    """The CSV's rows of stripped cells, trailing blank lines dropped."""
+    try:
+        rows = [[cell.strip() for cell in row] for row in csv.reader(io.StringIO(text))]
+    except csv.Error as e:  # a NUL byte, a cell over the csv module's field limit
+        raise ValueError(f"not a readable CSV: {e}") from None
+    while rows and not any(rows[-1]):
+        rows.pop()  # trailing blank lines are not ranks
+    if not rows:
+        raise ValueError("the CSV holds no rows; expected one row of actions per rank")
+    if len(rows) > MAX_RANKS:
+        raise ValueError(f"the CSV holds {len(rows)} rows (ranks); at most {MAX_RANKS} are read")
+    check_count(sum(1 for row in rows for cell in row if cell))
+    return rows
+
+
+def _check_cell(r: int, c: int, cell: str) -> None:
+    """Refuse, before anything is parsed or allocated, a communication action,
+    a non-ASCII cell and a stage or microbatch index beyond the limits."""
+    if not cell.isascii():
+        raise ValueError(f"{_where(r, c)}: {shown(cell)} holds a non-ASCII character; "
+                         "actions are ASCII, e.g. '0F3' or '(0F7;7I3)OVERLAP_F_B'")
+    if _COMM_RE.match(cell):
+        raise ValueError(
+            f"{_where(r, c)}: {shown(cell)} is a communication/FSDP action; only a "
+            "compute-only CSV is accepted (actions F, I, W, B and (a;b)OVERLAP_F_B)"
+        )
+    check_indices(f"{_where(r, c)}: {shown(cell)}", cell)
 
 
 _LABEL = {"F": "forward (F)", "B": "backward (I or B)", "W": "weight gradient (W or B)"}
@@ -111,17 +140,31 @@ def _check_rows(cells: Sequence[Sequence[tuple[int, Action]]], num_microbatches:
                             f"microbatch {p.mb}, already run at cell {ran[(p.stage, k, p.mb)]}"
                         )
                     ran[(p.stage, k, p.mb)] = c
+    runs: dict[tuple[int, str], int] = {}
+    for s, k, _ in ran:
+        runs[(s, k)] = runs.get((s, k), 0) + 1
     for s in sorted(stage_row):
         r = stage_row[s]
         for k in ("F", "B", "W"):
-            missing = [i for i in range(m) if (s, k, i) not in ran]
-            if missing:
-                shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+            count = runs.get((s, k), 0)
+            if count != m:
                 raise ValueError(
                     f"row {r} (rank {r}): inconsistent microbatch counts: stage {s} runs "
-                    f"{m - len(missing)} {_LABEL[k]} passes, expected {m} (microbatches "
-                    f"0..{m - 1}); missing microbatch {shown}"
+                    f"{count} {_LABEL[k]} passes, expected {m} (microbatches "
+                    f"0..{m - 1}); missing microbatch {_first_missing(ran, s, k, m)}"
                 )
+
+
+def _first_missing(ran: dict[tuple[int, str, int], int], stage: int, k: str, m: int) -> str:
+    """Up to eight missing microbatches, in bounded time: the search stops
+    after them, and the first is at most the number of passes present."""
+    missing: list[int] = []
+    for i in range(m):
+        if (stage, k, i) not in ran:
+            missing.append(i)
+            if len(missing) > 8:
+                break
+    return ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
 
 
 def load_csv(
@@ -136,24 +179,34 @@ def load_csv(
     `num_microbatches`, when given, must match the file; otherwise it is one
     more than the largest microbatch index. With `check` (default) the result
     is also run through `validate`. Raises ValueError naming row and cell.
+    A str naming no existing file is taken for the text itself when it holds
+    `,` or a newline; pass a Path to mean a file whatever its name, or call
+    `parse_csv` to mean text.
     """
-    text, stem = _read_source(source, ".csv")
-    rows = [[cell.strip() for cell in row] for row in csv.reader(io.StringIO(text))]
-    while rows and not any(rows[-1]):
-        rows.pop()  # trailing blank lines are not ranks
-    if not rows:
-        raise ValueError("the CSV holds no rows; expected one row of actions per rank")
+    text, stem = read_source(source, ".csv")
+    return parse_csv(text, num_microbatches=num_microbatches, name=name or stem, check=check)
+
+
+def parse_csv(
+    text: str,
+    *,
+    num_microbatches: int | None = None,
+    name: str | None = None,
+    check: bool = True,
+) -> Schedule:
+    """`load_csv` of the CSV text itself (never a path)."""
+    text = bounded_text(text)
+    if num_microbatches is not None and not 1 <= num_microbatches <= MAX_MICROBATCHES:
+        raise ValueError(f"num_microbatches={num_microbatches!r}: accepted are 1.."
+                         f"{MAX_MICROBATCHES}")
+    rows = _csv_rows(text)
     for r, row in enumerate(rows):
         for c, cell in enumerate(row):
-            if _COMM_RE.match(cell):
-                raise ValueError(
-                    f"{_where(r, c)}: {cell!r} is a communication/FSDP action; only a "
-                    "compute-only CSV is accepted (actions F, I, W, B and (a;b)OVERLAP_F_B)"
-                )
+            _check_cell(r, c, cell)
         if not any(row):
             raise ValueError(f"row {r} (rank {r}) holds no actions; every rank needs a stage")
     # parses cells, infers the placement, refuses a stage on two ranks
-    sch = Schedule.from_rows(rows, name=name or stem or "csv", num_microbatches=num_microbatches)
+    sch = Schedule.from_rows(rows, name=name or "csv", num_microbatches=num_microbatches)
     cell_of = [[c for c, cell in enumerate(row) if cell] for row in rows]
     located = [
         list(zip(cols, acts, strict=True))
@@ -218,6 +271,7 @@ def dump_json(schedule: Schedule) -> str:
         "num_ranks": schedule.num_ranks,
         "num_microbatches": schedule.num_microbatches,
         "stage_to_rank": list(schedule.stage_to_rank),
+        "offload_chunk": schedule.offload_chunk,
         "meta": _json_meta(schedule.meta),
     }
     lines = ["{"]
@@ -235,7 +289,7 @@ def _need(obj: dict[str, object], key: str, kind: type, what: str) -> object:
         raise ValueError(f"JSON schedule lacks {key!r} ({what})")
     val = obj[key]
     if not isinstance(val, kind) or (kind is int and isinstance(val, bool)):
-        raise ValueError(f"JSON schedule: {key}={val!r} must be {what}")
+        raise ValueError(f"JSON schedule: {key}={brief(val)} must be {what}")
     return val
 
 
@@ -243,37 +297,62 @@ def load_json(source: str | os.PathLike[str], *, check: bool = True) -> Schedule
     """Read a schedule written by `dump_json` (a path, or the text itself).
 
     With `check` (default) the schedule is validated; errors name the rank and
-    the index in its action list.
+    the index in its action list. A str naming no existing file is the text
+    itself when it holds `{`; pass a Path to mean a file, or call
+    `parse_json` to mean text.
     """
-    text, _ = _read_source(source, ".json")
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON: {e}") from None
+    text, _ = read_source(source, ".json")
+    return parse_json(text, check=check)
+
+
+def parse_json(text: str, *, check: bool = True) -> Schedule:
+    """`load_json` of the JSON text itself (never a path)."""
+    obj = json_value(bounded_text(text))
     if not isinstance(obj, dict) or obj.get("format") != JSON_FORMAT:
         raise ValueError(f'not an stp schedule: expected an object with "format": "{JSON_FORMAT}"')
     if obj.get("version") != _JSON_VERSION:
-        raise ValueError(f"unsupported version {obj.get('version')!r}; this stp reads version 1")
+        raise ValueError(f"unsupported version {brief(obj.get('version'))}; this stp reads "
+                         "version 1")
     name = _need(obj, "name", str, "a string")
     p = _need(obj, "num_ranks", int, "an integer >= 1")
     m = _need(obj, "num_microbatches", int, "an integer >= 1")
     placement = _need(obj, "stage_to_rank", list, "a list of ranks, one per stage")
     rows = _need(obj, "actions", list, "a list of per-rank action lists")
+    for key, val, limit in (("num_ranks", p, MAX_RANKS),
+                            ("num_microbatches", m, MAX_MICROBATCHES)):
+        if val > limit:  # type: ignore[operator]
+            raise ValueError(f"JSON schedule: {key}={val} is beyond {limit}, the most read")
+    if len(rows) > MAX_RANKS:  # type: ignore[arg-type]
+        raise ValueError(f"JSON schedule: actions holds {len(rows)} ranks' lists; at most "  # type: ignore[arg-type]
+                         f"{MAX_RANKS} are read")
+    check_count(sum(len(r) if isinstance(r, list) else 1 for r in rows))  # type: ignore[union-attr]
+    if len(placement) > MAX_STAGES:  # type: ignore[arg-type]
+        raise ValueError(f"JSON schedule: stage_to_rank lists {len(placement)} stages; "  # type: ignore[arg-type]
+                         f"at most {MAX_STAGES} are read")
+    offload_chunk = obj.get("offload_chunk", 0)  # optional: a hand-written file may omit it
+    if not isinstance(offload_chunk, int) or isinstance(offload_chunk, bool):
+        raise ValueError(f"JSON schedule: offload_chunk={brief(offload_chunk)} must be a chunk "
+                         "index")
     meta = obj.get("meta", {})
     if not isinstance(meta, dict):
-        raise ValueError(f"JSON schedule: meta={meta!r} must be an object")
+        raise ValueError(f"JSON schedule: meta={brief(meta)} must be an object")
     if not all(isinstance(s, int) and not isinstance(s, bool) for s in placement):  # type: ignore[union-attr]
-        raise ValueError(f"JSON schedule: stage_to_rank={placement!r} must list integers")
+        raise ValueError(f"JSON schedule: stage_to_rank={brief(placement)} must list integers")
     actions: list[tuple[Action, ...]] = []
     for r, row in enumerate(rows):  # type: ignore[arg-type]
         if not isinstance(row, list) or not all(isinstance(a, str) for a in row):
             raise ValueError(f"JSON schedule: actions[{r}] must be a list of action strings")
         acts = []
         for i, a in enumerate(row):
+            where = f"actions[{r}][{i}] (rank {r})"
+            if not a.isascii():
+                raise ValueError(f"{where}: {shown(a)} holds a non-ASCII character; actions "
+                                 "are ASCII, e.g. '0F3' or '(0F7;7I3)OVERLAP_F_B'")
+            check_indices(f"{where}: {shown(a)}", a)
             try:
                 acts.append(parse_action(a))
             except ValueError as e:
-                raise ValueError(f"actions[{r}][{i}] (rank {r}): {e}") from None
+                raise ValueError(f"{where}: {e}") from None
         actions.append(tuple(acts))
     sch = Schedule(
         name=name,  # type: ignore[arg-type]
@@ -282,6 +361,7 @@ def load_json(source: str | os.PathLike[str], *, check: bool = True) -> Schedule
         stage_to_rank=tuple(placement),  # type: ignore[arg-type]
         actions=tuple(actions),
         meta={k: _tuples(v) for k, v in meta.items()},
+        offload_chunk=offload_chunk,
     )
     if check:
         validate(sch)  # ScheduleError names rank and position (= index in actions[rank])

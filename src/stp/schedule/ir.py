@@ -2,7 +2,8 @@
 
 Every layer of stp reads the same `Schedule` object: the validator, the
 simulator, the pictures, the exporters and the runtime. Nothing schedules by
-control flow elsewhere (STYLE.md, "the schedule is data").
+control flow elsewhere: a schedule that exists only as control flow inside a
+runtime cannot be simulated, validated or drawn before it runs.
 
 Text form follows `torch.distributed.pipelining` action strings so a schedule
 can be exchanged with PyTorch:
@@ -11,7 +12,8 @@ can be exchanged with PyTorch:
     2I1                      input-gradient backward (our B) of stage 2, mb 1
     2W1                      weight-gradient backward (W)
     1B0                      full backward (our BW: B then W)
-    (0F7;7I3)OVERLAP_F_B     a braided block (STP, seed 000 section 3)
+    (0F7;7I3)OVERLAP_F_B     a braided block ("Synergistic Tensor and
+                             Pipeline Parallelism", arXiv 2510.27257)
 
 Stages are global (virtual) stage indices; which rank holds a stage is the
 schedule's placement (`stage_to_rank`).
@@ -23,9 +25,11 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import NamedTuple
 
 __all__ = [
     "Kind",
+    "Done",
     "Pass",
     "Block",
     "Action",
@@ -52,6 +56,28 @@ class Kind(StrEnum):
         return self.name
 
 
+class Done(NamedTuple):
+    """One result a pass completes: the forward output (`Kind.F`), the input
+    gradient (`Kind.B`) or the weight gradient (`Kind.W`) of microbatch `mb`
+    at global stage `stage`. A full backward (`Kind.BW`) completes two, B and
+    W, so `kind` is never `Kind.BW`; a hashable key for "has this run yet"."""
+
+    stage: int
+    kind: Kind
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.kind.label}(stage {self.stage}, mb {self.mb})"
+
+
+_PROVIDES: dict[Kind, tuple[Kind, ...]] = {
+    Kind.F: (Kind.F,),
+    Kind.B: (Kind.B,),
+    Kind.W: (Kind.W,),
+    Kind.BW: (Kind.B, Kind.W),
+}
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class Pass:
     """One pass of one microbatch through one stage (a model chunk)."""
@@ -62,6 +88,29 @@ class Pass:
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind.value}{self.mb}"
+
+    def provides(self) -> tuple[Kind, ...]:
+        """The kinds of result this pass completes: F, B or W; (B, W) for BW."""
+        return _PROVIDES[self.kind]
+
+    def completes(self) -> tuple[Done, ...]:
+        """The results this pass completes, as `Done` keys."""
+        return tuple(Done(self.stage, k, self.mb) for k in _PROVIDES[self.kind])
+
+    def needs(self, num_stages: int) -> tuple[Done, ...]:
+        """The results this pass waits for, on a pipeline of `num_stages`
+        global stages ("Zero Bubble Pipeline Parallelism", arXiv 2401.10241,
+        section 2): F(s) after F(s-1); B or BW(s) after F(s) and after the
+        input gradient of s+1; W(s) after B(s). The first forward and the
+        last stage's backward start the chains."""
+        s, i = self.stage, self.mb
+        if self.kind is Kind.F:
+            return (Done(s - 1, Kind.F, i),) if s > 0 else ()
+        if self.kind is Kind.W:
+            return (Done(s, Kind.B, i),)
+        if s < num_stages - 1:
+            return (Done(s, Kind.F, i), Done(s + 1, Kind.B, i))
+        return (Done(s, Kind.F, i),)
 
     @property
     def is_forward(self) -> bool:
@@ -81,10 +130,12 @@ class Pass:
 class Block:
     """A braided execution block: passes of different microbatches (or chunks)
     whose units are interleaved on one compute stream so that one pass computes
-    while another's TP all-reduce is in flight (STP, seed 000, Fig. 3).
+    while another's TP all-reduce is in flight ("Synergistic Tensor and
+    Pipeline Parallelism", arXiv 2510.27257, Fig. 3).
 
-    Allowed pairings (REFERENCE section 3): F with B, F with BW, F with one or
-    more deferred W, F with F. The first pass is always the forward.
+    Allowed pairings, those the STP schedule uses: F with B (W deferred), F
+    with BW, F with one or more deferred W, F with F (the warm-up FF0 pairs).
+    The first pass is always the forward.
     """
 
     passes: tuple[Pass, ...]
@@ -175,6 +226,13 @@ class Schedule:
     stage_to_rank: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
     meta: dict[str, object] = field(default_factory=dict, compare=False)
+    offload_chunk: int = 0
+    """The chunk index (per rank, 0..chunks-1) whose activations the STP
+    offload variant copies to host memory ("Synergistic Tensor and Pipeline
+    Parallelism", arXiv 2510.27257, offloading schedule). On the V placement
+    chunk 0's forward runs first and its backward last, so its activations
+    live longest: the long gap hides the copy out and back, and they are most
+    of the peak; chunk 1 mostly stays resident. 0 for every generator today."""
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
@@ -195,6 +253,11 @@ class Schedule:
             counts[r] += 1
         if len(set(counts)) != 1:
             raise ValueError(f"placement gives ranks unequal stage counts {counts}")
+        if not 0 <= self.offload_chunk < self.chunks:
+            raise ValueError(
+                f"offload_chunk={self.offload_chunk!r} is not a chunk index; "
+                f"accepted are 0..{self.chunks - 1} ({self.chunks} chunks per rank)"
+            )
 
     # -- derived facts -------------------------------------------------------
 

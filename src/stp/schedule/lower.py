@@ -42,10 +42,12 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 from stp.schedule.ir import Action, Block, Kind, Pass, Schedule, passes_of
 
-__all__ = ["CommOp", "Comm", "Lowered", "LoweredSchedule", "lower", "messages_in", "messages_out"]
+__all__ = ["CommOp", "Comm", "Dir", "Message", "Lowered", "LoweredSchedule", "lower",
+           "messages_in", "messages_out"]
 
 
 class CommOp(StrEnum):
@@ -59,6 +61,41 @@ class CommOp(StrEnum):
     @property
     def is_send(self) -> bool:
         return self in (CommOp.SEND_F, CommOp.SEND_B)
+
+
+class Dir(StrEnum):
+    """Which way a stage-boundary tensor flows: F, a forward's output activation
+    (to the next stage), or B, a backward's input gradient (to the previous one)."""
+
+    F = "F"
+    B = "B"
+
+
+class Message(NamedTuple):
+    """One stage-boundary tensor, the same key on both ends of a send: its
+    direction, the stage that produces it and the microbatch."""
+
+    dir: Dir
+    stage: int
+    mb: int
+
+    @property
+    def consumer(self) -> int:
+        """The stage that reads it."""
+        return self.stage + 1 if self.dir is Dir.F else self.stage - 1
+
+    @staticmethod
+    def output_of(p: Pass) -> Message:
+        """What pass p produces (a W pass: what its B produced, which it consumes)."""
+        return Message(Dir.F if p.kind is Kind.F else Dir.B, p.stage, p.mb)
+
+    @staticmethod
+    def input_of(p: Pass) -> Message:
+        """What pass p reads from a neighbouring stage (for F: the previous stage's
+        output; for B/BW: the next stage's input gradient)."""
+        if p.kind is Kind.F:
+            return Message(Dir.F, p.stage - 1, p.mb)
+        return Message(Dir.B, p.stage + 1, p.mb)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,38 +120,31 @@ class Comm:
         return self.stage + 1 if downstream else self.stage - 1
 
     @property
-    def message(self) -> tuple[str, int, int]:
-        """(direction F or B, producing stage, mb): the same key on both ends."""
-        if self.op.is_send:
-            return (self.op.value[-1], self.stage, self.mb)
-        return (self.op.value[-1], self.peer_stage, self.mb)
+    def message(self) -> Message:
+        """The tensor sent or received: the same key on both ends."""
+        stage = self.stage if self.op.is_send else self.peer_stage
+        return Message(Dir(self.op.value[-1]), stage, self.mb)
 
 
 Lowered = Pass | Block | Comm
 
 
-def messages_in(p: Pass, num_stages: int) -> list[tuple[str, int, int]]:
-    """Boundary tensors pass `p` consumes: (direction, producing stage, mb)."""
+def messages_in(p: Pass, num_stages: int) -> list[Message]:
+    """Boundary tensors pass `p` consumes."""
     if p.kind is Kind.F and p.stage > 0:
-        return [("F", p.stage - 1, p.mb)]
+        return [Message.input_of(p)]
     if p.kind in (Kind.B, Kind.BW) and p.stage < num_stages - 1:
-        return [("B", p.stage + 1, p.mb)]
+        return [Message.input_of(p)]
     return []
 
 
-def messages_out(p: Pass, num_stages: int) -> list[tuple[str, int, int]]:
-    """Boundary tensors pass `p` produces: (direction, producing stage, mb)."""
+def messages_out(p: Pass, num_stages: int) -> list[Message]:
+    """Boundary tensors pass `p` produces."""
     if p.kind is Kind.F and p.stage < num_stages - 1:
-        return [("F", p.stage, p.mb)]
+        return [Message.output_of(p)]
     if p.kind in (Kind.B, Kind.BW) and p.stage > 0:
-        return [("B", p.stage, p.mb)]
+        return [Message.output_of(p)]
     return []
-
-
-def _consumer(msg: tuple[str, int, int]) -> int:
-    """Stage that consumes a message."""
-    d, s, _ = msg
-    return s + 1 if d == "F" else s - 1
 
 
 @dataclass(frozen=True)
@@ -135,6 +165,10 @@ class LoweredSchedule:
         return [a for a in self.actions[rank] if not isinstance(a, Comm)]
 
 
+Sends = dict[tuple[int, int], list[Message]]
+"""Channel (sending rank, receiving rank) -> its messages in the sender's order."""
+
+
 def lower(schedule: Schedule, *, lookahead: int = 1) -> LoweredSchedule:
     """Insert SEND/RECV actions into every rank's compute order (rules above).
 
@@ -144,64 +178,9 @@ def lower(schedule: Schedule, *, lookahead: int = 1) -> LoweredSchedule:
     """
     if not isinstance(lookahead, int) or lookahead < 0:
         raise ValueError(f"lookahead {lookahead!r} not accepted; it must be an integer >= 0")
-    S = schedule.num_stages
-    owner = schedule.stage_to_rank
     compute = [list(acts) for acts in schedule.actions]
-
-    # Sends, in each sender's program order: channel (src, dst) -> messages.
-    channel: dict[tuple[int, int], list[tuple[str, int, int]]] = defaultdict(list)
-    sends_after: list[list[list[Comm]]] = [[[] for _ in acts] for acts in compute]
-    for r, acts in enumerate(compute):
-        for k, a in enumerate(acts):
-            for p in passes_of(a):
-                for msg in messages_out(p, S):
-                    dst = owner[_consumer(msg)]
-                    if dst == r:
-                        continue  # local hand-off (V tip): no send
-                    op = CommOp.SEND_F if msg[0] == "F" else CommOp.SEND_B
-                    sends_after[r][k].append(Comm(p.stage, op, p.mb, dst))
-                    channel[(r, dst)].append(msg)
-
-    # Where each receive is needed: message -> compute index on its rank.
-    need: dict[tuple[str, int, int], int] = {}
-    for r, acts in enumerate(compute):
-        for k, a in enumerate(acts):
-            for p in passes_of(a):
-                for msg in messages_in(p, S):
-                    if owner[msg[1]] != r:
-                        need[msg] = k
-
-    # Post each receive `lookahead` actions early, then keep the channel's
-    # send order: walking the channel backwards, a receive is posted no later
-    # than the one after it.
-    # (slot, sending rank, position in that channel, receive) per receiving rank
-    posted_at: dict[int, list[tuple[int, int, int, Comm]]] = defaultdict(list)
-    for (src, dst), msgs in sorted(channel.items()):
-        if any(msg not in need for msg in msgs):
-            missing = next(msg for msg in msgs if msg not in need)
-            raise ValueError(
-                f"rank {src} sends {missing} to rank {dst}, which never consumes it; "
-                "validate the schedule first"
-            )
-        latest = len(compute[dst])
-        for seq in range(len(msgs) - 1, -1, -1):
-            msg = msgs[seq]
-            latest = min(latest, max(0, need[msg] - lookahead))
-            op = CommOp.RECV_F if msg[0] == "F" else CommOp.RECV_B
-            posted_at[dst].append((latest, src, seq, Comm(_consumer(msg), op, msg[2], src)))
-    sent = {msg for msgs in channel.values() for msg in msgs}
-    for msg in need:
-        if msg not in sent:
-            raise ValueError(
-                f"stage {_consumer(msg)} needs {msg} from rank {owner[msg[1]]}, which never "
-                "sends it; validate the schedule first"
-            )
-    # Per rank, (slot, receive) in posting order: by slot, then channel order.
-    recvs = [
-        [(t[0], t[3]) for t in sorted(posted_at[r], key=lambda t: t[:3])]
-        for r in range(len(compute))
-    ]
-
+    channel, sends_after = _sends(schedule)
+    recvs = _receives(schedule, channel, _needed_at(schedule), lookahead)
     out: list[tuple[Lowered, ...]] = []
     for r, acts in enumerate(compute):
         prog: list[Lowered] = []
@@ -219,3 +198,70 @@ def lower(schedule: Schedule, *, lookahead: int = 1) -> LoweredSchedule:
         assert j == len(pending), f"rank {r}: receives posted after the last action"
         out.append(tuple(prog))
     return LoweredSchedule(schedule, tuple(out), lookahead)
+
+
+def _sends(schedule: Schedule) -> tuple[Sends, list[list[list[Comm]]]]:
+    """Every send, in each sender's program order: (the channels, and per rank
+    and compute index the sends that follow that action)."""
+    owner, S = schedule.stage_to_rank, schedule.num_stages
+    channel: Sends = defaultdict(list)
+    sends_after: list[list[list[Comm]]] = [[[] for _ in acts] for acts in schedule.actions]
+    for r, acts in enumerate(schedule.actions):
+        for k, a in enumerate(acts):
+            for p in passes_of(a):
+                for msg in messages_out(p, S):
+                    dst = owner[msg.consumer]
+                    if dst == r:
+                        continue  # local hand-off (V tip): no send
+                    op = CommOp.SEND_F if msg.dir is Dir.F else CommOp.SEND_B
+                    sends_after[r][k].append(Comm(p.stage, op, p.mb, dst))
+                    channel[(r, dst)].append(msg)
+    return channel, sends_after
+
+
+def _needed_at(schedule: Schedule) -> dict[Message, int]:
+    """Where each received message is needed: message -> compute index on its rank."""
+    owner, S = schedule.stage_to_rank, schedule.num_stages
+    need: dict[Message, int] = {}
+    for r, acts in enumerate(schedule.actions):
+        for k, a in enumerate(acts):
+            for p in passes_of(a):
+                for msg in messages_in(p, S):
+                    if owner[msg.stage] != r:
+                        need[msg] = k
+    return need
+
+
+def _receives(schedule: Schedule, channel: Sends, need: dict[Message, int],
+              lookahead: int) -> list[list[tuple[int, Comm]]]:
+    """Per rank, (compute index it is posted before, receive) in posting order.
+
+    Each receive is posted `lookahead` actions early, then the channel's send
+    order is kept: walking the channel backwards, a receive is posted no later
+    than the one after it."""
+    owner = schedule.stage_to_rank
+    # (slot, sending rank, position in that channel, receive) per receiving rank
+    posted_at: dict[int, list[tuple[int, int, int, Comm]]] = defaultdict(list)
+    for (src, dst), msgs in sorted(channel.items()):
+        if any(msg not in need for msg in msgs):
+            missing = next(msg for msg in msgs if msg not in need)
+            raise ValueError(
+                f"rank {src} sends {missing} to rank {dst}, which never consumes it; "
+                "validate the schedule first"
+            )
+        latest = len(schedule.actions[dst])
+        for seq in range(len(msgs) - 1, -1, -1):
+            msg = msgs[seq]
+            latest = min(latest, max(0, need[msg] - lookahead))
+            op = CommOp.RECV_F if msg.dir is Dir.F else CommOp.RECV_B
+            posted_at[dst].append((latest, src, seq, Comm(msg.consumer, op, msg.mb, src)))
+    sent = {msg for msgs in channel.values() for msg in msgs}
+    for msg in need:
+        if msg not in sent:
+            raise ValueError(
+                f"stage {msg.consumer} needs {msg} from rank {owner[msg.stage]}, which never "
+                "sends it; validate the schedule first"
+            )
+    # by slot, then channel order
+    return [[(t[0], t[3]) for t in sorted(posted_at[r], key=lambda t: t[:3])]
+            for r in range(schedule.num_ranks)]

@@ -3,10 +3,11 @@
 Units: one microbatch's activations for one rank's whole share of the model
 (the papers' `M_B`). A rank holding `v` chunks keeps `M_B / v` per chunk.
 
-Zero Bubble (seed 002, section 2) splits what a microbatch keeps alive:
-`M_B` from its F until its B, and `M_W` of it (the inputs W needs) until its
-W. So F adds `M_B/v`, B releases `(M_B - M_W)/v`, W the remaining `M_W/v`,
-and a full backward BW releases `M_B/v` at once.
+"Zero Bubble Pipeline Parallelism" (arXiv 2401.10241, section 2) splits
+what a microbatch keeps alive: `M_B` from its F until its B, and `M_W` of it
+(the inputs W needs) until its W. So F adds `M_B/v`, B releases
+`(M_B - M_W)/v`, W the remaining `M_W/v`, and a full backward BW releases
+`M_B/v` at once.
 
 Default `M_W = 0`: the published peak formulas (1F1B `p`, ZB-H2 `2p-1`,
 V-Half `(p+2)//2`, V-Min `(p+4)//3`, STP `3p M_a`) count `M_B` only. Zero

@@ -1,5 +1,6 @@
 """Activation offload plans: which forwards' activations leave the device, and
-when they come back (STP's offload variant, seed 000; PipeOffload, seed 004).
+when they come back (the offload variant of "Synergistic Tensor and Pipeline
+Parallelism", arXiv 2510.27257; "PipeOffload", arXiv 2503.01328).
 
 A plan is data beside the schedule, read by the simulator and the runtime
 alike: for each offloaded pass F(stage, mb) on rank r, its saved activations

@@ -10,7 +10,8 @@ below decides: every rank runs its next action as soon as the data it needs
 exists; if no rank can move before all are done, the ranks' head actions
 and what each waits for are the diagnosis.
 
-Dependencies (Zero Bubble, seed 002, section 2):
+Dependencies ("Zero Bubble Pipeline Parallelism", arXiv 2401.10241,
+section 2), as `Pass.needs` states them:
   F(s, i)      after F(s-1, i)
   B/BW(s, i)   after F(s, i) and after B/BW(s+1, i)
   W(s, i)      after B(s, i)
@@ -20,9 +21,7 @@ another pass of the same block.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from stp.schedule.ir import Action, Kind, Pass, Schedule, passes_of
+from stp.schedule.ir import Action, Done, Kind, Pass, Schedule, passes_of
 from stp.schedule.memory import MemCosts, action_memory
 
 __all__ = ["ScheduleError", "validate", "dependencies"]
@@ -50,44 +49,17 @@ class ScheduleError(ValueError):
         self.rank, self.position, self.action = rank, position, action
 
 
-@dataclass(frozen=True)
-class _Key:
-    stage: int
-    kind: str  # "F", "B" (B or BW), "W" (W or BW)
-    mb: int
-
-
-def _provides(p: Pass) -> list[_Key]:
-    if p.kind is Kind.F:
-        return [_Key(p.stage, "F", p.mb)]
-    if p.kind is Kind.B:
-        return [_Key(p.stage, "B", p.mb)]
-    if p.kind is Kind.W:
-        return [_Key(p.stage, "W", p.mb)]
-    return [_Key(p.stage, "B", p.mb), _Key(p.stage, "W", p.mb)]
-
-
 def dependencies(p: Pass, num_stages: int) -> list[tuple[int, str, int]]:
-    """(stage, kind, mb) the pass waits for; kind in F/B/W, B meaning B or BW."""
-    s, i = p.stage, p.mb
-    if p.kind is Kind.F:
-        return [(s - 1, "F", i)] if s > 0 else []
-    if p.kind is Kind.W:
-        return [(s, "B", i)]
-    deps = [(s, "F", i)]
-    if s < num_stages - 1:
-        deps.append((s + 1, "B", i))
-    return deps
+    """(stage, kind, mb) the pass waits for; kind in F/B/W, B meaning B or BW.
 
-
-def _name(key: tuple[int, str, int]) -> str:
-    s, k, i = key
-    return {"F": "F", "B": "B", "W": "W"}[k] + f"(stage {s}, mb {i})"
+    The letter-keyed form of `Pass.needs` for callers that key results by
+    "F"/"B"/"W"; new code should use `Pass.needs` and `Pass.completes`."""
+    return [(d.stage, d.kind.label, d.mb) for d in p.needs(num_stages)]
 
 
 def _check_counts(sch: Schedule) -> None:
     S, m = sch.num_stages, sch.num_microbatches
-    seen: dict[tuple[int, str, int], tuple[int, int]] = {}
+    seen: dict[Done, tuple[int, int]] = {}
     for r, acts in enumerate(sch.actions):
         for pos, a in enumerate(acts):
             for p in passes_of(a):
@@ -102,21 +74,19 @@ def _check_counts(sch: Schedule) -> None:
                     )
                 if not 0 <= p.mb < m:
                     raise ScheduleError(f"microbatch {p.mb} outside 0..{m - 1}", r, pos, a)
-                for k in _provides(p):
-                    key = (k.stage, k.kind, k.mb)
+                for key in p.completes():
                     if key in seen:
                         r0, pos0 = seen[key]
                         raise ScheduleError(
-                            f"{_name(key)} already runs at rank {r0}, position {pos0}",
-                            r, pos, a,
+                            f"{key} already runs at rank {r0}, position {pos0}", r, pos, a,
                         )
                     seen[key] = (r, pos)
     for s in range(S):
         for i in range(m):
-            for k in ("F", "B", "W"):
-                if (s, k, i) not in seen:
+            for k in (Kind.F, Kind.B, Kind.W):
+                if Done(s, k, i) not in seen:
                     raise ScheduleError(
-                        f"{_name((s, k, i))} never runs on rank {sch.stage_to_rank[s]}",
+                        f"{Done(s, k, i)} never runs on rank {sch.stage_to_rank[s]}",
                         sch.stage_to_rank[s],
                     )
 
@@ -127,19 +97,19 @@ def _check_blocks(sch: Schedule) -> None:
             ps = passes_of(a)
             if len(ps) < 2:
                 continue
-            provided = {(k.stage, k.kind, k.mb) for p in ps for k in _provides(p)}
+            provided = {key for p in ps for key in p.completes()}
             for p in ps:
-                for d in dependencies(p, sch.num_stages):
+                for d in p.needs(sch.num_stages):
                     if d in provided:
                         raise ScheduleError(
-                            f"{p} depends on {_name(d)} inside the same braided block; "
+                            f"{p} depends on {d} inside the same braided block; "
                             "braided passes must be independent", r, pos, a,
                         )
 
 
 def _check_deadlock(sch: Schedule) -> None:
     S = sch.num_stages
-    done: set[tuple[int, str, int]] = set()
+    done: set[Done] = set()
     ptr = [0] * sch.num_ranks
     n = [len(a) for a in sch.actions]
     progress = True
@@ -149,10 +119,10 @@ def _check_deadlock(sch: Schedule) -> None:
             acts = sch.actions[r]
             while ptr[r] < n[r]:
                 a = acts[ptr[r]]
-                if any(d not in done for p in passes_of(a) for d in dependencies(p, S)):
+                if any(d not in done for p in passes_of(a) for d in p.needs(S)):
                     break
                 for p in passes_of(a):
-                    done.update((k.stage, k.kind, k.mb) for k in _provides(p))
+                    done.update(p.completes())
                 ptr[r] += 1
                 progress = True
     if all(ptr[r] == n[r] for r in range(sch.num_ranks)):
@@ -163,17 +133,14 @@ def _check_deadlock(sch: Schedule) -> None:
         if ptr[r] == n[r]:
             continue
         a = sch.actions[r][ptr[r]]
-        missing = [d for p in passes_of(a) for d in dependencies(p, S) if d not in done]
+        missing = [d for p in passes_of(a) for d in p.needs(S) if d not in done]
         d = missing[0]
-        holder = sch.stage_to_rank[d[0]]
+        holder = sch.stage_to_rank[d.stage]
         if holder == r:
             raise ScheduleError(
-                f"waits for {_name(d)}, which this rank runs only later (or never)",
-                r, ptr[r], a,
+                f"waits for {d}, which this rank runs only later (or never)", r, ptr[r], a,
             )
-        lines.append(
-            f"rank {r} position {ptr[r]} ({a}) waits for {_name(d)} from rank {holder}"
-        )
+        lines.append(f"rank {r} position {ptr[r]} ({a}) waits for {d} from rank {holder}")
         if first is None:
             first = (r, ptr[r], a)
     assert first is not None

@@ -5,8 +5,8 @@ Pure (no torch): builds schedules in the IR of `stp.schedule`, judged by
 """
 
 from stp.search.api import OBJECTIVES, Baseline, SearchResult, min_memory_limit, search
-from stp.search.greedy import Built, build, warmup_caps
-from stp.search.space import Policy, policies
+from stp.search.greedy import Built, build
+from stp.search.space import Policy, policies, warmup_caps
 
 __all__ = [
     "OBJECTIVES",

@@ -1,24 +1,42 @@
 """`search`: the fastest schedule whose every rank stays within a memory limit.
 
-Method (each step judged by the simulator, `stp.sim.simulate`):
+Method (each step judged by the simulator, `stp.sim.simulate`, or by the
+fast timeline of `stp.search.timeline` where that is the simulator's):
 
 1. Seeds: every handcrafted schedule of the registry that fits the limit and
    the requested space (placement, braiding). The answer is never slower than
    the best of them, by construction.
 2. Construction: the greedy list scheduler (`stp.search.greedy`, after the
-   Zero Bubble heuristic, Qi et al. ICLR 2024, section 3.1) over a grid of
-   policies (`stp.search.space`), for each placement (one chunk per rank and
-   V), each without and with in-flight caps from the critical-path warm-up
-   estimate (`greedy.warmup_caps`, ZB-H2's `2(p-s)-1` generalised). With
-   ar > 0 and braiding allowed the grid includes STP-style braided policies.
-3. Improvement: coordinate descent on the per-rank caps of the best greedy
-   candidates, then (ar > 0) braiding adjacent passes of the best orders
-   into blocks (`stp.search.local`).
+   Zero Bubble heuristic, "Zero Bubble Pipeline Parallelism", arXiv
+   2401.10241, section 3.1) over a grid of policies (`stp.search.space`), for
+   each placement (one chunk per rank and V), each without and with
+   in-flight caps from the critical-path warm-up estimate (`warmup_caps`,
+   ZB-H2's `2(p-s)-1` generalised). With ar > 0 and braiding allowed the
+   grid includes STP-style braided policies.
+3. V constructions (V placement, run before step 2 so a short time limit
+   still gets them): ZB-V built from the costs (`stp.search.zbv`)
+   and the adaptive scheme of "Pipeline Parallelism with Controllable
+   Memory" (arXiv 2405.15362): every V-shape building block whose peak fits
+   the limit, squeezed and reordered, the most promising first
+   (`stp.search.vshape`).
+4. Improvement: (ar > 0) braiding adjacent passes of the best orders into
+   blocks and coordinate descent on the per-rank caps of the best greedy
+   candidates (`stp.search.local`); then a local search (`stp.search.moves`)
+   from the best candidate of each construction: single moves of actions on
+   the critical chains, kept when the simulated score improves.
 
-An exact model (the paper's ILP, Appendix G) is left out: it needs a solver
-the project does not depend on, and at p = 32, m = 96 it has ~10^8 ordering
-variables; the greedy with caps already reproduces the paper's searched
-bubble rates (see benchmarks/bench_search.py).
+The search stops early only when every step is done: each local search has
+reached a schedule that no move of its neighbourhood improves (a move off
+the critical chains cannot shorten them; see `stp.search.moves`). Otherwise
+each step stops at its share of `time_limit` (`stp.search.run.SHARES`;
+what a step leaves goes to the next, the local search last) and the search
+at 90% of it (the rest for the final validation); `SearchResult.converged`
+says which.
+
+An exact model (the Zero Bubble paper's ILP, Appendix G) is left out: it
+needs a solver the project does not depend on, and at p = 32, m = 96 it has
+~10^8 ordering variables; the greedy with caps already reproduces the
+paper's searched bubble rates (see benchmarks/bench_search.py).
 
 Scores: `makespan` (default) ranks by the simulated step time, then by the
 longest rank span; `span` ranks by the longest rank span first, the Zero
@@ -28,18 +46,17 @@ Bubble paper's cost, which orders schedules as its bubble rate does.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from stp.schedule.ir import Block, Schedule
-from stp.schedule.memory import MemCosts, peak_by_order
+from stp.schedule.memory import MemCosts
 from stp.schedule.registry import SCHEDULES
-from stp.schedule.validate import validate
-from stp.search.greedy import build, warmup_caps
-from stp.search.local import braid_pass, refine_caps
-from stp.search.space import Policy, placement, policies
+from stp.search.run import Run
+from stp.search.space import placement
 from stp.sim.costs import Costs
 from stp.sim.engine import simulate
 from stp.sim.result import SimResult
+from stp.sim.stages import StageCostsFor
 
 __all__ = ["Baseline", "SearchResult", "search", "min_memory_limit", "OBJECTIVES"]
 
@@ -71,6 +88,9 @@ class SearchResult:
     memory_limit: float
     objective: str
     baselines: list[Baseline] = field(default_factory=list)
+    converged: bool = False
+    """True when the search stopped because no step had anything left to try
+    (every local search at a local optimum), False when time ran out."""
 
     def to_json(self) -> dict[str, object]:
         """`stp simulate --json` fields of the found schedule, plus the search's own."""
@@ -81,6 +101,7 @@ class SearchResult:
             evaluated=self.evaluated,
             memory_limit=self.memory_limit,
             objective=self.objective,
+            converged=self.converged,
             baselines=[
                 {
                     "schedule": b.name,
@@ -95,27 +116,12 @@ class SearchResult:
         return out
 
 
-@dataclass
-class _Candidate:
-    score: tuple[float, float]
-    origin: str
-    schedule: Schedule
-
-
 def min_memory_limit(mem: MemCosts) -> float:
     """The smallest limit any schedule meets: M_B. Every forward of a microbatch
     on a rank runs before any of its backwards there (the loss is computed after
     the last stage), so all of a microbatch's activations on a rank are alive at
     once; running one microbatch at a time reaches exactly M_B."""
     return mem.m_b
-
-
-def _score(makespan: float, span: float, objective: str) -> tuple[float, float]:
-    return (makespan, span) if objective == "makespan" else (span, makespan)
-
-
-def _sim_score(res: SimResult, objective: str) -> tuple[float, float]:
-    return _score(res.makespan, res.critical_rank.span, objective)
 
 
 def _check(p: int, m: int, limit: float, placement_kind: str, braided: str, objective: str,
@@ -142,16 +148,20 @@ def _check(p: int, m: int, limit: float, placement_kind: str, braided: str, obje
         )
 
 
-def _baselines(p: int, m: int, costs: Costs, mem: MemCosts, limit: float,
-               layers: int) -> list[tuple[Baseline, Schedule | None]]:
+def _baselines(p: int, m: int, costs: Costs, mem: MemCosts, limit: float, layers: int,
+               stage_costs: StageCostsFor | None = None) -> list[tuple[Baseline, Schedule | None]]:
     out: list[tuple[Baseline, Schedule | None]] = []
     for name, spec in SCHEDULES.items():
-        need = spec.min_microbatches(p)
-        if m < need:
-            out.append((Baseline(name, None, f"needs m >= {need}"), None))
+        if p < spec.min_ranks:
+            out.append((Baseline(name, None, f"needs pp >= {spec.min_ranks}"), None))
             continue
         sch = spec.load()(p, m)
-        res = simulate(sch, costs, mem, layers, record_spans=False)
+        try:
+            stages = None if stage_costs is None else stage_costs(sch.num_stages)
+        except ValueError:  # a fixed table of another stage count
+            out.append((Baseline(name, None, f"{sch.num_stages} stages: no stage costs"), None))
+            continue
+        res = simulate(sch, costs, mem, layers, record_spans=False, stages=stages)
         peak = max(res.peak_activation)
         note = "" if peak <= limit + _EPS else f"peak {peak:g} > limit {limit:g}"
         out.append((Baseline(name, res, note), sch))
@@ -180,6 +190,7 @@ def search(
     objective: str = "makespan",
     time_limit: float = 20.0,
     layers: int = 1,
+    stage_costs: StageCostsFor | None = None,
 ) -> SearchResult:
     """Search per-rank orders minimising `objective` with every rank's peak
     activation <= `memory_limit` (units of M_B, as the simulator reports).
@@ -188,114 +199,45 @@ def search(
     chunks in a V) or `auto` (both). `braided`: `on` lets the search form STP
     braided blocks, `off` forbids them, `auto` is `on` when costs.ar > 0.
     Raises ValueError for a limit below `min_memory_limit(mem)`, naming it.
+
+    `stage_costs(num_stages)` (optional) gives the per-stage cost table
+    (`stp.sim.stages`) of a schedule with that many global stages, or raises
+    ValueError when it has none; candidates are then timed with it and kept
+    only when their per-stage peak fits the limit. `costs` and `mem` (the
+    average rank share) still guide the constructions.
     """
     costs = costs or Costs()
     mem = mem or MemCosts()
     p, m = num_ranks, num_microbatches
     _check(p, m, memory_limit, placement_kind, braided, objective, chunks, time_limit, mem)
     t0 = time.perf_counter()
-    deadline = t0 + 0.9 * time_limit  # the rest for the final validation and simulation
-    braid = braided == "on" or (braided == "auto" and costs.ar > 0)
     kinds = {"looped": [("looped", chunks)], "v": [("v", 2)]}.get(
         placement_kind, [("looped", chunks), ("v", 2)]
     )
-    evaluated = 0
-    pool: list[_Candidate] = []
-
-    def out_of_time() -> bool:
-        return time.perf_counter() > deadline
-
-    def evaluate(pl: tuple[int, ...], pol: Policy) -> _Candidate | None:
-        nonlocal evaluated
-        built = build(pl, m, costs, mem, memory_limit, pol)
-        if built is None:
-            return None
-        evaluated += 1
-        if built.exact and layers == 1:  # the greedy's timeline is the simulator's
-            score = _score(built.makespan, built.max_span, objective)
-        else:
-            res = simulate(built.schedule, costs, mem, layers, record_spans=False)
-            score = _sim_score(res, objective)
-        return _Candidate(score, pol.label(), built.schedule)
-
-    # 1. handcrafted seeds
-    baselines = _baselines(p, m, costs, mem, memory_limit, layers)
-    for base, sch in baselines:
-        if sch is not None and not base.note and _in_space(sch, placement_kind, kinds, braid):
-            assert base.result is not None
-            pool.append(_Candidate(_sim_score(base.result, objective),
-                                   f"handcrafted {base.name}", sch))
-            evaluated += 1
-
-    # 2. greedy grid, placements interleaved so a short time limit covers both
-    grids = []
-    for kind, v in kinds:
-        pl = placement(kind, p, v)
-        caps = warmup_caps(pl, costs)
-        grids.append([(kind, pl, replace(pol, cap=cap))
-                      for pol in policies(chunks=v, braid=braid) for cap in (caps, None)])
-    order = [g[i] for i in range(max(map(len, grids))) for g in grids if i < len(g)]
-    best_by_kind: dict[str, tuple[_Candidate, Policy, tuple[int, ...]]] = {}
-    for kind, pl, pol in order:
-        if out_of_time() and pool:
-            break
-        cand = evaluate(pl, pol)
-        if cand is None:
-            continue
-        cand.origin = f"greedy {kind}: {cand.origin}"
-        pool.append(cand)
-        if kind not in best_by_kind or cand.score < best_by_kind[kind][0].score:
-            best_by_kind[kind] = (cand, pol, pl)
-
-    # 3a. braid the best unbraided orders (a TP all-reduce to hide)
-    if braid and costs.ar > 0:
-        pool.sort(key=lambda c: c.score)
-        for cand in pool[:3]:
-            if out_of_time():
-                break
-            if any(isinstance(a, Block) for acts in cand.schedule.actions for a in acts):
-                continue
-            braided_sch = braid_pass(cand.schedule, costs, mem, memory_limit, layers)
-            if braided_sch is None:
-                continue
-            evaluated += 1
-            res = simulate(braided_sch, costs, mem, layers, record_spans=False)
-            pool.append(_Candidate(_sim_score(res, objective), cand.origin + " + braided",
-                                   braided_sch))
-
-    # 3b. per-rank caps: coordinate descent from the best greedy of each placement
-    for kind, (cand, pol, pl) in sorted(best_by_kind.items(), key=lambda kv: kv[1][0].score):
-        if out_of_time():
-            break
-
-        def scalar(trial: Policy, pl: tuple[int, ...] = pl) -> float | None:
-            got = evaluate(pl, trial)
-            return None if got is None else got.score[0] + 1e-12 * got.score[1]
-
-        start_caps = pol.cap or warmup_caps(pl, costs)
-        first = cand.score[0] + 1e-12 * cand.score[1]
-        refined, _ = refine_caps(pol, start_caps, first, scalar, out_of_time)
-        if refined.cap != pol.cap:
-            got = evaluate(pl, refined)
-            if got is not None:
-                got.origin = f"greedy {kind}: {got.origin} (caps refined)"
-                pool.append(got)
-
-    pool.sort(key=lambda c: c.score)
-    origin, best = pool[0].origin, pool[0].schedule
-    best = replace(best, name="search", meta={**best.meta, "origin": origin,
-                                               "memory_limit": memory_limit,
-                                               "objective": objective})
-    validate(best, memory_limit=memory_limit, mem=mem)
-    assert max(peak_by_order(best, mem)) <= memory_limit + _EPS
-    result = simulate(best, costs, mem, layers, record_spans=False)
+    run = Run(
+        p, m, costs, mem, memory_limit, objective, layers,
+        braid=braided == "on" or (braided == "auto" and costs.ar > 0),
+        kinds=kinds, started=t0, time_limit=time_limit, stage_costs=stage_costs,
+    )
+    baselines = _baselines(p, m, costs, mem, memory_limit, layers, stage_costs)
+    run.seed([(b.name, sch, b.result) for b, sch in baselines
+              if sch is not None and b.result is not None and not b.note
+              and _in_space(sch, placement_kind, kinds, run.braid)])
+    run.v_constructions()
+    best_by_kind = run.greedy_grid()
+    if run.braid and costs.ar > 0:
+        run.braid_best()
+    run.refine_caps(best_by_kind)
+    run.local_search()
+    best, origin = run.winner()
     return SearchResult(
         schedule=best,
-        result=result,
+        result=run.simulate(best),
         origin=origin,
         seconds=time.perf_counter() - t0,
-        evaluated=evaluated,
+        evaluated=run.evaluated,
         memory_limit=memory_limit,
         objective=objective,
         baselines=[b for b, _ in baselines],
+        converged=run.converged,
     )

@@ -1,12 +1,15 @@
 """Greedy list scheduler: build per-rank orders by playing the pipeline forward.
 
 This is the construction step of the search, after the Zero Bubble heuristic
-(Qi et al., ICLR 2024, seed 002, section 3.1): in the warm-up a rank runs as
-many forwards as memory allows, then backwards and forwards as they arrive,
-and a weight-gradient pass W fills a gap it fits in or frees memory when the
-limit is hit; the leftover W run at the end. We generalise it to any
-placement (one chunk, looped, V), to full backwards, and to STP's braided
-blocks (seed 000), with the choices exposed as `Policy` knobs.
+("Zero Bubble Pipeline Parallelism", Qi et al., ICLR 2024, arXiv 2401.10241,
+section 3.1): in the warm-up a rank runs as many forwards as memory allows,
+then backwards and forwards as they arrive, and a weight-gradient pass W
+fills a gap it fits in or frees memory when the limit is hit; the leftover W
+run at the end. We generalise it to any placement (one chunk, looped, V), to
+full backwards, and to STP's braided blocks ("Synergistic Tensor and
+Pipeline Parallelism", Qi, Peng et al., NeurIPS 2025, arXiv 2510.27257), with
+the choices exposed as `Policy` knobs. The state of one run is a `_Greedy`
+object; `decide` is the rule below, one named step per branch.
 
 Time model (internal estimate; the simulator is the judge): per chunk pass
 F = (f+ar)/v, B = (b+ar)/v, W = w/v, BW = (b+w)/v + max(0, ar-w)/v; a braided
@@ -45,7 +48,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stp.schedule.ir import Action, Block, Kind, Pass, Schedule
 from stp.schedule.memory import MemCosts
@@ -80,281 +83,307 @@ def build(
     name: str = "search",
 ) -> Built | None:
     """One schedule by the greedy rules above; None if the limit admits nothing."""
-    owner = stage_to_rank
-    S, m = len(owner), num_microbatches
-    P = max(owner) + 1
-    v = S // P
     if mem.m_b > limit + _EPS:
         return None
-    stages_of = [[s for s in range(S) if owner[s] == r] for r in range(P)]
-    entry = [st[0] for st in stages_of]
-    f_alloc, b_free, w_free = mem.m_b / v, (mem.m_b - mem.m_w) / v, mem.m_w / v
-    ar = costs.ar
-    d_f, d_b, d_w = (costs.f + ar) / v, (costs.b + ar) / v, costs.w / v
-    d_bw = (costs.b + costs.w + max(0.0, ar - costs.w)) / v
-    d_min = min(d_f, d_b)
-    split = policy.split
+    return _Greedy(stage_to_rank, num_microbatches, costs, mem, limit, policy).run(name)
 
-    f_end: list[list[float | None]] = [[None] * m for _ in range(S)]
-    b_end: list[list[float | None]] = [[None] * m for _ in range(S)]
-    next_f, next_b = [0] * S, [0] * S
-    wq: list[deque[Pass]] = [deque() for _ in range(P)]
-    cur = [0.0] * P
-    inflight = [0] * P
-    t_free = [0.0] * P
-    first_f = [float("inf")] * P
-    left = [3 * len(st) * m for st in stages_of]  # F, B, W passes still to run
-    actions: list[list[Action]] = [[] for _ in range(P)]
-    cap = policy.cap
 
-    def comm(a: int, b: int) -> float:
-        return costs.comm if owner[a] != owner[b] else 0.0
+@dataclass
+class _View:
+    """What a free rank sees at global time g: ready passes and later arrivals."""
 
-    def f_arrival(s: int, i: int) -> float | None:
-        if s == 0:
-            return 0.0
-        e = f_end[s - 1][i]
-        return None if e is None else e + comm(s - 1, s)
+    bs: list[tuple[float, int, int]] = field(default_factory=list)
+    """Ready backwards (arrival, stage, microbatch), earliest first."""
+    fs: list[tuple[float, int, int]] = field(default_factory=list)
+    """Ready admissible forwards, in the policy's order."""
+    future: list[float] = field(default_factory=list)
+    future_b: list[float] = field(default_factory=list)
+    future_f: list[tuple[float, int]] = field(default_factory=list)
+    unknown: bool = False
+    """Some next pass's input is not even scheduled yet."""
+    blocked: bool = False
+    """A ready forward is held back by memory (or the cap)."""
+    nxt: float = float("inf")
+    """When the next input is expected (or a guess, if unknown)."""
 
-    def b_arrival(s: int, i: int) -> float | None:
-        fe = f_end[s][i]
-        if fe is None:
-            return None
-        if s == S - 1:
-            return fe
-        be = b_end[s + 1][i]
-        return None if be is None else max(fe, be + comm(s + 1, s))
 
-    # v = 2: one chunk forward of headroom lets the oldest microbatch's second
-    # forward always fit; v >= 3: reserve every admitted microbatch's forwards.
-    reserve = v >= 3
-    headroom = f_alloc if v == 2 else 0.0
-    res = [0.0] * P
+class _Greedy:
+    """The state of one greedy run: per stage which pass runs next and when
+    outputs are ready, per rank memory, in-flight count and pending W."""
 
-    deep_live = [0] * P  # v = 2: second-chunk activations alive (their B will free memory)
-    tight = policy.tight and v == 2
+    def __init__(self, owner: tuple[int, ...], m: int, costs: Costs, mem: MemCosts,
+                 limit: float, policy: Policy) -> None:
+        S = len(owner)
+        P = max(owner) + 1
+        v = S // P
+        self.owner, self.m, self.S, self.P, self.v = owner, m, S, P, v
+        self.costs, self.mem, self.limit, self.policy = costs, mem, limit, policy
+        self.stages_of = [[s for s in range(S) if owner[s] == r] for r in range(P)]
+        self.entry = [st[0] for st in self.stages_of]
+        self.f_alloc, self.b_free, self.w_free = mem.m_b / v, (mem.m_b - mem.m_w) / v, mem.m_w / v
+        ar = costs.ar
+        self.d_f, self.d_b, self.d_w = (costs.f + ar) / v, (costs.b + ar) / v, costs.w / v
+        self.d_bw = (costs.b + costs.w + max(0.0, ar - costs.w)) / v
+        self.f_end: list[list[float | None]] = [[None] * m for _ in range(S)]
+        self.b_end: list[list[float | None]] = [[None] * m for _ in range(S)]
+        self.next_f, self.next_b = [0] * S, [0] * S
+        self.wq: list[deque[Pass]] = [deque() for _ in range(P)]
+        self.cur = [0.0] * P  # resident activation memory
+        self.inflight = [0] * P
+        self.t_free = [0.0] * P
+        self.first_f = [float("inf")] * P
+        self.left = [3 * len(st) * m for st in self.stages_of]  # F, B, W passes still to run
+        self.actions: list[list[Action]] = [[] for _ in range(P)]
+        # v = 2: one chunk forward of headroom lets the oldest microbatch's second
+        # forward always fit; v >= 3: reserve every admitted microbatch's forwards.
+        self.reserve = v >= 3
+        self.headroom = self.f_alloc if v == 2 else 0.0
+        self.reserved = [0.0] * P
+        self.deep_live = [0] * P  # v = 2: second-chunk activations alive (their B frees memory)
+        self.tight = policy.tight and v == 2
+        self.heap: list[tuple[float, int, int]] = [(0.0, r, r) for r in range(P)]
+        self.seq = P
 
-    def admissible(r: int, s: int, extra: float = 0.0) -> bool:
-        if s != entry[r]:
-            return reserve or cur[r] + extra + f_alloc <= limit + _EPS
-        if cap is not None and inflight[r] + (1 if extra else 0) >= cap[r]:
-            return False
-        need = mem.m_b if reserve else f_alloc + (0.0 if tight and deep_live[r] else headroom)
-        return cur[r] + res[r] + extra + need <= limit + _EPS
+    # -- the run ----------------------------------------------------------------
 
-    heap: list[tuple[float, int, int]] = [(0.0, r, r) for r in range(P)]
-    seq = P
-
-    def wake(t: float, r: int) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(heap, (t, seq, r))
-
-    def finish(r: int, ps: tuple[Pass, ...], start: float, dur: float) -> None:
-        """Commit one action: memory, counters, completion times, wake-ups."""
-        end = start + dur
-        for p in ps:
-            if p.kind is Kind.F:
-                first_f[r] = min(first_f[r], start)
-                cur[r] += f_alloc
-                if p.stage == entry[r]:
-                    inflight[r] += 1
-                    if reserve:
-                        res[r] += mem.m_b - f_alloc
-                else:
-                    deep_live[r] += 1
-                    if reserve:
-                        res[r] -= f_alloc
-        for p in ps:
-            s, i = p.stage, p.mb
-            left[r] -= 2 if p.kind is Kind.BW else 1
-            if p.kind is Kind.F:
-                next_f[s] += 1
-                f_end[s][i] = end
-                if s + 1 < S:
-                    wake(end + comm(s, s + 1), owner[s + 1])
-            elif p.kind is Kind.W:
-                cur[r] -= w_free
-            else:
-                next_b[s] += 1
-                b_end[s][i] = end
-                cur[r] -= b_free if p.kind is Kind.B else b_free + w_free
-                if p.kind is Kind.B:
-                    wq[r].append(Pass(s, Kind.W, i))
-                if s == entry[r]:
-                    inflight[r] -= 1
-                else:
-                    deep_live[r] -= 1
-                if s > 0:
-                    wake(end + comm(s, s - 1), owner[s - 1])
-        actions[r].append(ps[0] if len(ps) == 1 else Block(ps))
-        t_free[r] = end
-        wake(end, r)
-
-    def backward(s: int, i: int) -> Pass:
-        return Pass(s, Kind.B if split else Kind.BW, i)
-
-    def take_w(r: int, k: int) -> tuple[Pass, ...]:
-        return tuple(wq[r].popleft() for _ in range(k))
-
-    def decide(r: int, g: float) -> None:
-        c = t_free[r]
-        bs: list[tuple[float, int, int]] = []
-        fs: list[tuple[float, int, int]] = []
-        future: list[float] = []
-        future_b: list[float] = []
-        future_f: list[tuple[float, int]] = []
-        unknown = False
-        blocked = False
-        for s in stages_of[r]:
-            i = next_b[s]
-            if i < m:
-                a = b_arrival(s, i)
-                if a is None:
-                    unknown = True
-                elif a <= g + _EPS:
-                    bs.append((a, s, i))
-                else:
-                    future.append(a)
-                    future_b.append(a)
-            i = next_f[s]
-            if i < m:
-                a = f_arrival(s, i)
-                if a is None:
-                    unknown = True
-                elif a > g + _EPS:
-                    future.append(a)
-                    future_f.append((a, s))
-                elif admissible(r, s):
-                    fs.append((a, s, i))
-                else:
-                    blocked = True
-        bs.sort(key=lambda x: (x[0], -x[1]))
-        if policy.deep_first:
-            fs.sort(key=lambda x: -x[1])
-        else:
-            fs.sort(key=lambda x: (x[2], -x[1]))
-        nxt = min(future) if future else float("inf")
-        if unknown:
-            nxt = min(nxt, g + d_min)
-        pending = wq[r]
-
-        def w_fits() -> bool:
-            return nxt - c >= d_w - _EPS
-
-        if policy.w_now and pending:
-            finish(r, take_w(r, 1), c, d_w)
-            return
-
-        if policy.braid and fs:
-            a, s, i = fs[0]
-            fp = Pass(s, Kind.F, i)
-            if bs:
-                ab, sb, ib = bs[0]
-                bk = Kind.B if policy.braid_defer_w else Kind.BW
-                bp = Pass(sb, bk, ib)
-                dur = (costs.f + costs.b + (0 if bk is Kind.B else costs.w)) / v
-                finish(r, (fp, bp), max(c, a, ab), dur)
-                return
-            if pending and policy.braid_defer_w:
-                k = max(1, min(len(pending), round(ar / costs.w) if costs.w > 0 else 1))
-                dur = (costs.f + k * costs.w + max(0.0, ar - k * costs.w)) / v
-                finish(r, (fp, *take_w(r, k)), max(c, a), dur)
-                return
-            second = _second_forward(r, s, i, g)
-            if second is not None:
-                finish(r, (fp, second[0]), max(c, a, second[1]), 2 * costs.f / v)
-                return
-            finish(r, (fp,), max(c, a), d_f)
-            return
-        if bs and (policy.prefer_b or not fs):
-            a, s, i = bs[0]
-            bp = backward(s, i)
-            finish(r, (bp,), max(c, a), d_b if bp.kind is Kind.B else d_bw)
-            return
-        if fs:
-            a, s, i = fs[0]
-            start = max(c, a)
-            # guard: a backward, or a deeper forward, that arrives while this
-            # forward would run goes first (its chain is the critical path)
-            urgent = future_b + [t for t, s2 in future_f if s2 > s]
-            if not (policy.guard_f and urgent and start + d_f > min(urgent) + _EPS):
-                finish(r, (Pass(s, Kind.F, i),), start, d_f)
-                return
-            if not (pending and w_fits()):
-                wake(min(urgent), r)
-                return
-        if pending:
-            done_fb = all(next_f[s] >= m and next_b[s] >= m for s in stages_of[r])
-            if policy.eager_w or blocked or done_fb or w_fits():
-                finish(r, take_w(r, 1), c, d_w)
-                return
-        if future:
-            wake(min(future), r)
-
-    def _second_forward(r: int, s: int, i: int, g: float) -> tuple[Pass, float] | None:
-        """A second ready, admissible forward to braid with F(s, i) (F with F)."""
-        extra = mem.m_b if reserve else f_alloc
-        for s2 in stages_of[r]:
-            i2 = i + 1 if s2 == s else next_f[s2]
-            if i2 >= m:
+    def run(self, name: str) -> Built | None:
+        while self.heap:
+            g, _, r = heapq.heappop(self.heap)
+            if self.t_free[r] > g + _EPS or not self.left[r]:
                 continue
-            a = f_arrival(s2, i2)
-            if a is None or a > g + _EPS or not admissible(r, s2, extra):
+            self.decide(r, g)
+        if any(self.next_f[s] < self.m or self.next_b[s] < self.m for s in range(self.S)):
+            return None  # stuck: only with the `tight` knob (see module docstring)
+        if any(self.wq):
+            return None
+        sch = Schedule(
+            name=name,
+            num_ranks=self.P,
+            num_microbatches=self.m,
+            stage_to_rank=tuple(self.owner),
+            actions=tuple(tuple(a) for a in self.actions),
+            meta={"origin": "greedy", "policy": self.policy.label()},
+        )
+        braided = any(isinstance(a, Block) for acts in self.actions for a in acts)
+        exact = self.costs.ar == 0 and not braided
+        spans = [self.t_free[r] - self.first_f[r] for r in range(self.P)]
+        return Built(sch, max(self.t_free), max(spans), exact)
+
+    def decide(self, r: int, g: float) -> None:
+        """Rank r is free and the clock is at g: run one action or wait."""
+        view = self.survey(r, g)
+        if self.policy.w_now and self.wq[r]:
+            self.finish(r, self.take_w(r, 1), self.t_free[r], self.d_w)
+            return
+        if self.policy.braid and view.fs:
+            self.run_braided(r, g, view)
+            return
+        if view.bs and (self.policy.prefer_b or not view.fs):
+            self.run_backward(r, view.bs[0])
+            return
+        if view.fs and self.try_forward(r, view):
+            return
+        if self.wq[r] and self.w_allowed(r, view):
+            self.finish(r, self.take_w(r, 1), self.t_free[r], self.d_w)
+            return
+        if view.future:
+            self.wake(min(view.future), r)
+
+    # -- steps of `decide` ------------------------------------------------------
+
+    def survey(self, r: int, g: float) -> _View:
+        """Sort the next F and B of each of r's stages into ready, later and unknown."""
+        view = _View()
+        for s in self.stages_of[r]:
+            i = self.next_b[s]
+            if i < self.m:
+                a = self.b_arrival(s, i)
+                if a is None:
+                    view.unknown = True
+                elif a <= g + _EPS:
+                    view.bs.append((a, s, i))
+                else:
+                    view.future.append(a)
+                    view.future_b.append(a)
+            i = self.next_f[s]
+            if i < self.m:
+                a = self.f_arrival(s, i)
+                if a is None:
+                    view.unknown = True
+                elif a > g + _EPS:
+                    view.future.append(a)
+                    view.future_f.append((a, s))
+                elif self.admissible(r, s):
+                    view.fs.append((a, s, i))
+                else:
+                    view.blocked = True
+        view.bs.sort(key=lambda x: (x[0], -x[1]))
+        if self.policy.deep_first:
+            view.fs.sort(key=lambda x: -x[1])
+        else:
+            view.fs.sort(key=lambda x: (x[2], -x[1]))
+        view.nxt = min(view.future) if view.future else float("inf")
+        if view.unknown:
+            view.nxt = min(view.nxt, g + min(self.d_f, self.d_b))
+        return view
+
+    def run_backward(self, r: int, ready: tuple[float, int, int]) -> None:
+        a, s, i = ready
+        bp = Pass(s, Kind.B if self.policy.split else Kind.BW, i)
+        dur = self.d_b if bp.kind is Kind.B else self.d_bw
+        self.finish(r, (bp,), max(self.t_free[r], a), dur)
+
+    def try_forward(self, r: int, view: _View) -> bool:
+        """Run the first ready forward unless the `guard_f` knob holds it back:
+        a backward, or a deeper forward, arriving while it would run goes first
+        (its chain is the critical path). Held back, the rank waits for that
+        arrival unless a pending W fits the gap (False: the caller runs it)."""
+        a, s, i = view.fs[0]
+        start = max(self.t_free[r], a)
+        urgent = view.future_b + [t for t, s2 in view.future_f if s2 > s]
+        if not (self.policy.guard_f and urgent and start + self.d_f > min(urgent) + _EPS):
+            self.finish(r, (Pass(s, Kind.F, i),), start, self.d_f)
+            return True
+        if self.wq[r] and self.w_fits(r, view):
+            return False
+        self.wake(min(urgent), r)
+        return True
+
+    def w_allowed(self, r: int, view: _View) -> bool:
+        """A pending W runs now when eager, when memory blocks a forward, when
+        the rank has no F or B left, or when it fits before the next arrival."""
+        done_fb = all(self.next_f[s] >= self.m and self.next_b[s] >= self.m
+                      for s in self.stages_of[r])
+        return self.policy.eager_w or view.blocked or done_fb or self.w_fits(r, view)
+
+    def w_fits(self, r: int, view: _View) -> bool:
+        return view.nxt - self.t_free[r] >= self.d_w - _EPS
+
+    def run_braided(self, r: int, g: float, view: _View) -> None:
+        """STP blocks: the first ready F with a ready B (F+B, or F+BW), else
+        with pending W (enough to cover its all-reduce), else with a second
+        ready forward, else alone."""
+        costs, v, c = self.costs, self.v, self.t_free[r]
+        a, s, i = view.fs[0]
+        fp = Pass(s, Kind.F, i)
+        if view.bs:
+            ab, sb, ib = view.bs[0]
+            bk = Kind.B if self.policy.braid_defer_w else Kind.BW
+            dur = (costs.f + costs.b + (0 if bk is Kind.B else costs.w)) / v
+            self.finish(r, (fp, Pass(sb, bk, ib)), max(c, a, ab), dur)
+            return
+        pending = self.wq[r]
+        if pending and self.policy.braid_defer_w:
+            k = max(1, min(len(pending), round(costs.ar / costs.w) if costs.w > 0 else 1))
+            dur = (costs.f + k * costs.w + max(0.0, costs.ar - k * costs.w)) / v
+            self.finish(r, (fp, *self.take_w(r, k)), max(c, a), dur)
+            return
+        second = self.second_forward(r, s, i, g)
+        if second is not None:
+            self.finish(r, (fp, second[0]), max(c, a, second[1]), 2 * costs.f / v)
+            return
+        self.finish(r, (fp,), max(c, a), self.d_f)
+
+    def second_forward(self, r: int, s: int, i: int, g: float) -> tuple[Pass, float] | None:
+        """A second ready, admissible forward to braid with F(s, i) (F with F)."""
+        extra = self.mem.m_b if self.reserve else self.f_alloc
+        for s2 in self.stages_of[r]:
+            i2 = i + 1 if s2 == s else self.next_f[s2]
+            if i2 >= self.m:
+                continue
+            a = self.f_arrival(s2, i2)
+            if a is None or a > g + _EPS or not self.admissible(r, s2, extra):
                 continue
             if s2 == s + 1 and i2 == i:
                 continue  # depends on the first
             return Pass(s2, Kind.F, i2), a
         return None
 
-    while heap:
-        g, _, r = heapq.heappop(heap)
-        if t_free[r] > g + _EPS or not left[r]:
-            continue
-        decide(r, g)
-    if any(next_f[s] < m or next_b[s] < m for s in range(S)) or any(wq):
-        return None  # stuck: should not happen (see module docstring)
-    sch = Schedule(
-        name=name,
-        num_ranks=P,
-        num_microbatches=m,
-        stage_to_rank=tuple(owner),
-        actions=tuple(tuple(a) for a in actions),
-        meta={"origin": "greedy", "policy": policy.label()},
-    )
-    exact = ar == 0 and not any(isinstance(a, Block) for acts in actions for a in acts)
-    spans = [t_free[r] - first_f[r] for r in range(P)]
-    return Built(sch, max(t_free), max(spans), exact)
+    # -- arrivals, admission, commits -------------------------------------------
 
+    def comm(self, a: int, b: int) -> float:
+        return self.costs.comm if self.owner[a] != self.owner[b] else 0.0
 
-def warmup_caps(stage_to_rank: tuple[int, ...], costs: Costs) -> tuple[int, ...]:
-    """Per rank, how many chunk forwards fit between its first forward and
-    the arrival of its first backward when one microbatch runs alone: the
-    in-flight count that keeps the first backward from waiting (ZB-H2's warm-up
-    `2(p-s)-1` for one chunk and unit costs, Zero Bubble section 2.2)."""
-    owner = stage_to_rank
-    S = len(owner)
-    P = max(owner) + 1
-    v = S // P
-    d_f, d_b = (costs.f + costs.ar) / v, (costs.b + costs.ar) / v
-    t = 0.0
-    f_start = [0.0] * S
-    for s in range(S):
-        if s and owner[s] != owner[s - 1]:
-            t += costs.comm
-        f_start[s] = t
-        t += d_f
-    b_ready = [0.0] * S
-    for s in range(S - 1, -1, -1):
-        b_ready[s] = t
-        t += d_b + (costs.comm if s and owner[s - 1] != owner[s] else 0.0)
-    caps = []
-    for r in range(P):
-        stages = [s for s in range(S) if owner[s] == r]
-        t0, first_b = f_start[stages[0]], b_ready[stages[-1]]
-        # entries alone until the rank's next chunk has work, then one entry per
-        # v chunk forwards
-        t1 = min(first_b, f_start[stages[1]]) if v > 1 else first_b
-        n = int((t1 - t0) / d_f + 1e-9) + int(max(0.0, first_b - t1) / (v * d_f) + 1e-9)
-        caps.append(max(1, n))
-    return tuple(caps)
+    def f_arrival(self, s: int, i: int) -> float | None:
+        if s == 0:
+            return 0.0
+        e = self.f_end[s - 1][i]
+        return None if e is None else e + self.comm(s - 1, s)
+
+    def b_arrival(self, s: int, i: int) -> float | None:
+        fe = self.f_end[s][i]
+        if fe is None:
+            return None
+        if s == self.S - 1:
+            return fe
+        be = self.b_end[s + 1][i]
+        return None if be is None else max(fe, be + self.comm(s + 1, s))
+
+    def admissible(self, r: int, s: int, extra: float = 0.0) -> bool:
+        """Whether a forward of stage s fits rank r's memory (module docstring)."""
+        cur = self.cur[r]
+        if s != self.entry[r]:
+            return self.reserve or cur + extra + self.f_alloc <= self.limit + _EPS
+        cap = self.policy.cap
+        if cap is not None and self.inflight[r] + (1 if extra else 0) >= cap[r]:
+            return False
+        if self.reserve:
+            need = self.mem.m_b
+        else:
+            need = self.f_alloc + (0.0 if self.tight and self.deep_live[r] else self.headroom)
+        return cur + self.reserved[r] + extra + need <= self.limit + _EPS
+
+    def wake(self, t: float, r: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, r))
+
+    def take_w(self, r: int, k: int) -> tuple[Pass, ...]:
+        return tuple(self.wq[r].popleft() for _ in range(k))
+
+    def finish(self, r: int, ps: tuple[Pass, ...], start: float, dur: float) -> None:
+        """Commit one action: memory, counters, completion times, wake-ups."""
+        end = start + dur
+        for p in ps:
+            if p.kind is Kind.F:
+                self.allocate(r, p, start)
+        for p in ps:
+            self.complete(r, p, end)
+        self.actions[r].append(ps[0] if len(ps) == 1 else Block(ps))
+        self.t_free[r] = end
+        self.wake(end, r)
+
+    def allocate(self, r: int, p: Pass, start: float) -> None:
+        self.first_f[r] = min(self.first_f[r], start)
+        self.cur[r] += self.f_alloc
+        if p.stage == self.entry[r]:
+            self.inflight[r] += 1
+            if self.reserve:
+                self.reserved[r] += self.mem.m_b - self.f_alloc
+        else:
+            self.deep_live[r] += 1
+            if self.reserve:
+                self.reserved[r] -= self.f_alloc
+
+    def complete(self, r: int, p: Pass, end: float) -> None:
+        s, i = p.stage, p.mb
+        self.left[r] -= 2 if p.kind is Kind.BW else 1
+        if p.kind is Kind.F:
+            self.next_f[s] += 1
+            self.f_end[s][i] = end
+            if s + 1 < self.S:
+                self.wake(end + self.comm(s, s + 1), self.owner[s + 1])
+            return
+        if p.kind is Kind.W:
+            self.cur[r] -= self.w_free
+            return
+        self.next_b[s] += 1
+        self.b_end[s][i] = end
+        self.cur[r] -= self.b_free if p.kind is Kind.B else self.b_free + self.w_free
+        if p.kind is Kind.B:
+            self.wq[r].append(Pass(s, Kind.W, i))
+        if s == self.entry[r]:
+            self.inflight[r] -= 1
+        else:
+            self.deep_live[r] -= 1
+        if s > 0:
+            self.wake(end + self.comm(s, s - 1), self.owner[s - 1])

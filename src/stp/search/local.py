@@ -3,13 +3,17 @@
 * `refine_caps`: coordinate descent on the per-rank in-flight caps of a greedy
   policy (one rank's cap up or down by one, kept when the score improves),
   the per-rank counterpart of the Zero Bubble heuristic's grid search
-  (seed 002, section 3.1).
+  ("Zero Bubble Pipeline Parallelism", arXiv 2401.10241, section 3.1).
 * `braid_pass`: turn adjacent passes of an order into STP braided blocks
-  (seed 000, section 3: F with B, F with BW, F with W, F with F) where the
-  second pass's input was already there when the forward started in the
-  unbraided run, so braiding delays neither pass and cannot create a cycle
-  (a pass whose input exists before the forward starts cannot depend on it).
-  The result is kept only if it fits the memory limit and validates.
+  ("Synergistic Tensor and Pipeline Parallelism", arXiv 2510.27257, section
+  3: F with B, F with BW, F with W, F with F) where the second pass's input
+  was already there when the forward started in the unbraided run, so
+  braiding delays neither pass and cannot create a cycle (a pass whose input
+  exists before the forward starts cannot depend on it). The result is kept
+  only if it fits the memory limit and validates. The start and output times
+  come from the simulator's spans, each mapped to its pass through the
+  action it belongs to (`Span.rank`, `Span.action_index`, stage and
+  microbatch), not by re-parsing span names.
 """
 
 from __future__ import annotations
@@ -17,17 +21,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from stp.schedule.ir import Action, Block, Kind, Pass, Schedule, parse_action
+from stp.schedule.ir import Action, Block, Done, Kind, Pass, Schedule, passes_of
 from stp.schedule.memory import MemCosts, peak_by_order
-from stp.schedule.validate import ScheduleError, dependencies, validate
+from stp.schedule.validate import ScheduleError, validate
 from stp.search.space import Policy
 from stp.sim.costs import Costs
 from stp.sim.engine import simulate
+from stp.sim.result import Span
 
 __all__ = ["refine_caps", "braid_pass"]
 
 _EPS = 1e-9
-_KEYS = {Kind.F: ("F",), Kind.B: ("B",), Kind.W: ("W",), Kind.BW: ("B", "W")}
 
 
 def refine_caps(
@@ -60,27 +64,31 @@ def refine_caps(
     return best, score
 
 
-def _done_times(sch: Schedule, costs: Costs, mem: MemCosts, layers: int):
-    """(start of each action, output time of each pass key) of one simulated run."""
+def _done_times(
+    sch: Schedule, costs: Costs, mem: MemCosts, layers: int
+) -> tuple[dict[tuple[int, int], float], dict[Done, float]]:
+    """(start of each action by (rank, position), time each result is ready)
+    of one simulated run."""
     res = simulate(sch, costs, mem, layers)
     start: dict[tuple[int, int], float] = {}
-    done: dict[tuple[int, str, int], float] = {}
+    done: dict[Done, float] = {}
     for sp in res.spans:
+        if sp.lane not in ("compute", "tp"):
+            continue
+        k = (sp.rank, sp.action_index)
         if sp.lane == "compute":
-            k = (sp.rank, sp.action_index)
             start[k] = min(start.get(k, sp.start), sp.start)
-        if sp.lane in ("compute", "tp"):
-            p = _parse(sp.name)
-            for key in _KEYS[p.kind]:
-                kk = (p.stage, key, p.mb)
-                done[kk] = max(done.get(kk, sp.end), sp.end)
+        for d in _pass_of(sch, sp).completes():
+            done[d] = max(done.get(d, sp.end), sp.end)
     return start, done
 
 
-def _parse(name: str) -> Pass:
-    a = parse_action(name)
-    assert isinstance(a, Pass)
-    return a
+def _pass_of(sch: Schedule, sp: Span) -> Pass:
+    """The pass a span belongs to: the pass of its action with the span's stage
+    and microbatch (unique in a block: braided passes are independent, so they
+    never share both)."""
+    ps = passes_of(sch.actions[sp.rank][sp.action_index])
+    return next(p for p in ps if p.stage == sp.stage and p.mb == sp.mb)
 
 
 def braid_pass(
@@ -94,9 +102,9 @@ def braid_pass(
 
     def ready(p: Pass, rank: int) -> float:
         t = 0.0
-        for d in dependencies(p, S):
+        for d in p.needs(S):
             got = done[d]
-            if owner[d[0]] != rank:
+            if owner[d.stage] != rank:
                 got += costs.comm
             t = max(t, got)
         return t

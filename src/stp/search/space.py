@@ -2,10 +2,11 @@
 knobs of the greedy list scheduler (`stp.search.greedy`).
 
 The knobs generalise the boolean strategy flags of the Zero Bubble heuristic
-(Qi et al., ICLR 2024, seed 002, section 3.1: "we perform a grid search to
-find the best combination of hyperparameters"): which ready pass a free rank
-runs first, when a weight-gradient pass W may fill a gap, whether a forward
-may delay a backward about to arrive, and (STP, seed 000) which passes are
+("Zero Bubble Pipeline Parallelism", Qi et al., ICLR 2024, arXiv 2401.10241,
+section 3.1: "we perform a grid search to find the best combination of
+hyperparameters"): which ready pass a free rank runs first, when a
+weight-gradient pass W may fill a gap, whether a forward may delay a
+backward about to arrive, and (STP, arXiv 2510.27257) which passes are
 braided into one block.
 """
 
@@ -14,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from stp.schedule.ir import looped_placement, v_placement
+from stp.sim.costs import Costs
 
-__all__ = ["Policy", "policies", "placement", "PLACEMENTS"]
+__all__ = ["Policy", "policies", "placement", "warmup_caps", "PLACEMENTS"]
 
 PLACEMENTS = ("looped", "v")
 
@@ -112,3 +114,36 @@ def policies(*, chunks: int, braid: bool) -> list[Policy]:
         ]
         out = braided + out
     return out
+
+
+def warmup_caps(stage_to_rank: tuple[int, ...], costs: Costs) -> tuple[int, ...]:
+    """Per rank, how many chunk forwards fit between its first forward and
+    the arrival of its first backward when one microbatch runs alone: the
+    in-flight count that keeps the first backward from waiting (ZB-H2's warm-up
+    `2(p-s)-1` for one chunk and unit costs, Zero Bubble section 2.2)."""
+    owner = stage_to_rank
+    S = len(owner)
+    P = max(owner) + 1
+    v = S // P
+    d_f, d_b = (costs.f + costs.ar) / v, (costs.b + costs.ar) / v
+    t = 0.0
+    f_start = [0.0] * S
+    for s in range(S):
+        if s and owner[s] != owner[s - 1]:
+            t += costs.comm
+        f_start[s] = t
+        t += d_f
+    b_ready = [0.0] * S
+    for s in range(S - 1, -1, -1):
+        b_ready[s] = t
+        t += d_b + (costs.comm if s and owner[s - 1] != owner[s] else 0.0)
+    caps = []
+    for r in range(P):
+        stages = [s for s in range(S) if owner[s] == r]
+        t0, first_b = f_start[stages[0]], b_ready[stages[-1]]
+        # entries alone until the rank's next chunk has work, then one entry per
+        # v chunk forwards
+        t1 = min(first_b, f_start[stages[1]]) if v > 1 else first_b
+        n = int((t1 - t0) / d_f + 1e-9) + int(max(0.0, first_b - t1) / (v * d_f) + 1e-9)
+        caps.append(max(1, n))
+    return tuple(caps)

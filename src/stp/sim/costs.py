@@ -40,7 +40,9 @@ class Costs:
 
 @dataclass(frozen=True)
 class OffloadCosts:
-    """Host-link model for activation offload (PipeOffload, seed 004).
+    """Host-link model for activation offload ("PipeOffload: Improving
+    Scalability of Pipeline Parallelism with Memory Optimization", arXiv
+    2503.01328).
 
     Copying `x` units of M_B one way takes `x * act_bytes / bandwidth` time
     units. Defaults: one M_B is 1 byte and the link moves 1 byte per time

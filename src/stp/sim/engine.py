@@ -14,7 +14,9 @@ Model (one rank; every rank of a TP group does the same, so one stands for all):
   result, so the block's last all-reduce may run under the next action.
   In a full backward the W unit needs only its B unit's input, not its
   all-reduce, so `AR(B_u)` runs under `W_u`. Nothing else overlaps: these
-  rules alone give the TP column of the STP table (REFERENCE section 3).
+  rules alone give the TP-bubble column of the table of "Synergistic Tensor
+  and Pipeline Parallelism" (arXiv 2510.27257): `2m T_AR` for interleaved
+  1F1B, `4m T_AR` for ZB-V, `(2p+1) T_AR` for STP.
 * sends: a pass's output leaves when its last all-reduce ends and arrives
   `comm` later on another rank; same-rank hand-offs (the V tip) are free.
 * memory: an action allocates its forwards' activations when it starts and
@@ -32,17 +34,23 @@ rest of the span not spent computing.
 
 from __future__ import annotations
 
-from stp.schedule.ir import Kind, Pass, Schedule, passes_of
-from stp.schedule.memory import MemCosts, action_memory
+from stp.schedule.ir import Action, Done, Kind, Pass, Schedule, passes_of
+from stp.schedule.memory import MemCosts
 from stp.schedule.offload import OffloadPlan
-from stp.schedule.validate import ScheduleError, dependencies
+from stp.schedule.validate import ScheduleError
 from stp.sim.costs import Costs, OffloadCosts
-from stp.sim.result import RankStats, SimResult, Span
-from stp.sim.units import braid
+from stp.sim.result import RankStats, SimResult
+from stp.sim.spans import NoSpans, SpanRecorder, SpanSink
+from stp.sim.stages import StageCosts
+from stp.sim.table import stage_table
+from stp.sim.units import Item, braid_counts
 
 __all__ = ["simulate"]
 
-_DONE_KEYS = {Kind.F: ("F",), Kind.B: ("B",), Kind.W: ("W",), Kind.BW: ("B", "W")}
+_F = Kind.F  # bound once: an enum member lookup is slow and this runs per pass
+
+MemEvent = tuple[float, float]
+"""(time, change of resident activations in M_B)."""
 
 
 def simulate(
@@ -54,188 +62,253 @@ def simulate(
     offload: OffloadPlan | None = None,
     offload_costs: OffloadCosts | None = None,
     record_spans: bool = True,
+    stages: StageCosts | None = None,
 ) -> SimResult:
     """Simulate `schedule` under `costs` (per microbatch, per rank share).
 
     The schedule must be valid (`stp.schedule.validate`); a deadlock is still
     detected and raised as ScheduleError. `layers` is transformer layers per
     chunk: each pass is `2 * layers` units.
+
+    `stages` (`stp.sim.stages`), one entry per global stage, gives every
+    stage its own pass times, all-reduces, units, activation memory and the
+    send latency; `costs`, `mem` and `layers` are then only reported (`costs`
+    defaults to the table's average rank share).
     """
+    if stages is not None and costs is None:
+        costs = stages.mean_costs(schedule.num_ranks)
     costs = costs or Costs()
     mem = mem or MemCosts()
     if not isinstance(layers, int) or layers < 1:
         raise ValueError(f"layers={layers!r} must be an integer >= 1")
-    S, P, v = schedule.num_stages, schedule.num_ranks, schedule.chunks
-    U = 2 * layers
-    unit_time = {"F": costs.f / v / U, "B": costs.b / v / U, "W": costs.w / v / U}
-    ar_u = costs.ar / v / U
-    owner = schedule.stage_to_rank
-    chunk_of = [schedule.chunk_of(s) for s in range(S)]
-
-    done: dict[tuple[int, str, int], float] = {}  # (stage, F/B/W, mb) -> output ready
-    lane = [0.0] * P  # compute lane free
-    tp = [0.0] * P  # TP lane free
-    first_f = [float("inf")] * P
-    last_end = [0.0] * P
-    busy = [0.0] * P
-    tp_wait = [0.0] * P
-    mem_events: list[list[tuple[float, float]]] = [[] for _ in range(P)]
-    off_wait = [0.0] * P
-    plan = offload.reload_at if offload else {}
-    oc = offload_costs or OffloadCosts()
-    chunk_bytes_time = oc.copy_time(mem.m_b / v)  # one chunk activation, one way
-    d2h = [0.0] * P
-    h2d = [0.0] * P
-    copied_out: dict[tuple[int, int], float] = {}
-    reload_ready: dict[tuple[int, int], float] = {}
-    reloads_at: list[dict[int, list[tuple[int, int]]]] = [{} for _ in range(P)]
-    for key, pos in plan.items():
-        reloads_at[owner[key[0]]].setdefault(pos, []).append(key)
-    spans: list[Span] = []
-    ptr = [0] * P
-    acts = schedule.actions
-
-    def input_ready(p: Pass, rank: int) -> float | None:
-        t = 0.0
-        for d in dependencies(p, S):
-            got = done.get(d)
-            if got is None:
-                return None
-            if owner[d[0]] != rank:
-                got += costs.comm
-            t = max(t, got)
-        return t
-
-    progress = True
-    while progress:
-        progress = False
-        for r in range(P):
-            while ptr[r] < len(acts[r]):
-                action = acts[r][ptr[r]]
-                ps = passes_of(action)
-                ready = [input_ready(p, r) for p in ps]
-                if any(t is None for t in ready):
-                    break
-                idx = ptr[r]
-                ptr[r] += 1
-                progress = True
-                braided = len(ps) > 1
-                t = lane[r]
-                for key in sorted(reloads_at[r].get(idx, ())):
-                    # reload issued when the stream reaches this action
-                    a0 = max(t, h2d[r], copied_out[key])
-                    h2d[r] = a0 + chunk_bytes_time
-                    reload_ready[key] = h2d[r]
-                    mem_events[r].append((a0, mem.m_b / v))
-                    if record_spans:
-                        spans.append(Span(r, "h2d", a0, h2d[r], f"{key[0]}RELOAD{key[1]}",
-                                          "H2D", key[0], key[1], chunk_of[key[0]], None, idx))
-                start = None
-                chain_ar = [0.0] * len(ps)  # end of the chain's last all-reduce
-                chain_end = [0.0] * len(ps)
-                for it in braid(action, U):
-                    p = ps[it.chain]
-                    dep = ready[it.chain] if it.first else 0.0
-                    base = max(t, dep)  # type: ignore[arg-type]
-                    if it.first and p.kind is not Kind.F and (p.stage, p.mb) in reload_ready:
-                        back = max(base, reload_ready.pop((p.stage, p.mb)))
-                        off_wait[r] += back - base
-                        base = back
-                    s = max(base, chain_ar[it.chain]) if it.waits_ar else base
-                    tp_wait[r] += s - base
-                    if start is None:
-                        start = s
-                        alloc, _ = action_memory(action, v, mem)
-                        if alloc:
-                            mem_events[r].append((s, alloc))
-                    if p.kind is Kind.F:
-                        first_f[r] = min(first_f[r], s)
-                    e = s + unit_time[it.kind]
-                    busy[r] += e - s
-                    if record_spans:
-                        spans.append(
-                            Span(r, "compute", s, e, str(p), it.kind, p.stage, p.mb,
-                                 chunk_of[p.stage], it.unit, idx, braided)
-                        )
-                    if it.has_ar and ar_u > 0:
-                        a0 = max(e, tp[r])
-                        tp[r] = a0 + ar_u
-                        chain_ar[it.chain] = tp[r]
-                        if record_spans:
-                            spans.append(
-                                Span(r, "tp", a0, tp[r], str(p), "AR", p.stage, p.mb,
-                                     chunk_of[p.stage], it.unit, idx, braided)
-                            )
-                    elif it.has_ar:
-                        chain_ar[it.chain] = e
-                    chain_end[it.chain] = max(e, chain_ar[it.chain])
-                    t = e
-                if not braided:
-                    # plain TP code: the pass's last all-reduce is synchronous
-                    end = max(t, chain_ar[0])
-                    tp_wait[r] += end - t
-                    t = end
-                lane[r] = t
-                _, free = action_memory(action, v, mem)
-                if free:
-                    mem_events[r].append((t, -free))
-                for c, p in enumerate(ps):
-                    fin = chain_end[c]
-                    if p.kind is Kind.F and (p.stage, p.mb) in plan:
-                        a0 = max(fin, d2h[r])
-                        d2h[r] = a0 + chunk_bytes_time
-                        copied_out[(p.stage, p.mb)] = d2h[r]
-                        mem_events[r].append((d2h[r], -mem.m_b / v))
-                        if record_spans:
-                            spans.append(Span(r, "d2h", a0, d2h[r], f"{p.stage}OFFLOAD{p.mb}",
-                                              "D2H", p.stage, p.mb, chunk_of[p.stage], None,
-                                              idx))
-                    last_end[r] = max(last_end[r], fin)
-                    for k in _DONE_KEYS[p.kind]:
-                        done[(p.stage, k, p.mb)] = fin
-                    if record_spans and costs.comm > 0 and p.kind is not Kind.W:
-                        nxt = p.stage + 1 if p.kind is Kind.F else p.stage - 1
-                        if 0 <= nxt < S and owner[nxt] != r:
-                            spans.append(
-                                Span(r, "send", fin, fin + costs.comm, str(p), "SEND",
-                                     p.stage, p.mb, chunk_of[p.stage], None, idx, braided)
-                            )
-
-    stuck = [r for r in range(P) if ptr[r] < len(acts[r])]
-    if stuck:
-        r = stuck[0]
-        raise ScheduleError(
-            "deadlock in simulation (validate the schedule for a diagnosis)",
-            r, ptr[r], acts[r][ptr[r]],
-        )
-    memory, peak = _memory_curves(mem_events)
-    ranks = [
-        RankStats(
-            rank=r,
-            start=first_f[r] if first_f[r] != float("inf") else 0.0,
-            end=last_end[r],
-            compute=busy[r],
-            exposed_tp=tp_wait[r],
-            peak_activation=peak[r],
-            exposed_offload=off_wait[r],
-        )
-        for r in range(P)
-    ]
+    comm = costs.comm if stages is None else stages.comm
+    recorder = SpanRecorder(schedule, comm) if record_spans else None
+    sim = _Simulation(schedule, costs, mem, layers, offload, offload_costs or OffloadCosts(),
+                      recorder or NoSpans(), stages)
+    sim.run()
+    memory, peak = _memory_curves([rank.mem_events for rank in sim.ranks])
     return SimResult(
         schedule=schedule,
         costs=costs,
         mem=mem,
         layers=layers,
-        makespan=max(last_end) if last_end else 0.0,
-        ranks=ranks,
-        spans=spans,
+        makespan=max((rank.last_end for rank in sim.ranks), default=0.0),
+        ranks=[rank.stats(peak[rank.index]) for rank in sim.ranks],
+        spans=recorder.spans if recorder else [],
         memory=memory,
         offload=offload,
+        stages=stages,
     )
 
 
+class _Rank:
+    """One rank as the simulation advances: where each lane is free, its
+    running totals and its memory events."""
+
+    def __init__(self, index: int, actions: tuple[Action, ...]) -> None:
+        self.index, self.actions = index, actions
+        self.next = 0
+        """Position of the next action to run."""
+        self.lane = 0.0
+        """Compute lane free."""
+        self.tp = 0.0
+        """TP lane free (last all-reduce issued ends)."""
+        self.d2h = self.h2d = 0.0
+        """Offload copy lanes free."""
+        self.first_f = float("inf")
+        self.last_end = self.busy = self.tp_wait = self.off_wait = 0.0
+        self.mem_events: list[MemEvent] = []
+        self.waiting: Done | None = None
+        """A result the next action needs that was missing when last checked."""
+        self.reloads_at: dict[int, list[tuple[int, int]]] = {}
+        """Action position -> (stage, mb) whose copy back starts there."""
+
+    def stats(self, peak: float) -> RankStats:
+        return RankStats(
+            rank=self.index,
+            start=self.first_f if self.first_f != float("inf") else 0.0,
+            end=self.last_end,
+            compute=self.busy,
+            exposed_tp=self.tp_wait,
+            peak_activation=peak,
+            exposed_offload=self.off_wait,
+        )
+
+
+class _Simulation:
+    """The state of one run: every rank's lanes and the results produced so
+    far. `run` sweeps the ranks in order, each running as many actions as have
+    their inputs, until none can move."""
+
+    def __init__(self, schedule: Schedule, costs: Costs, mem: MemCosts, layers: int,
+                 offload: OffloadPlan | None, oc: OffloadCosts, sink: SpanSink,
+                 stages: StageCosts | None = None) -> None:
+        self.sink = sink
+        self.chunks = schedule.chunks
+        self.num_stages = schedule.num_stages
+        self.table = stage_table(self.num_stages, self.chunks, costs, mem, layers, stages, oc)
+        self.comm = costs.comm if stages is None else stages.comm
+        self.owner = schedule.stage_to_rank
+        self.done: dict[tuple[int, Kind, int], float] = {}
+        """(stage, kind, mb) of a result (the shape of a `Done` key) -> when it
+        is ready on its own rank."""
+        self.ranks = [_Rank(r, acts) for r, acts in enumerate(schedule.actions)]
+        self.offloaded = offload.reload_at if offload else {}
+        self.copied_out: dict[tuple[int, int], float] = {}
+        self.reload_ready: dict[tuple[int, int], float] = {}
+        for key, pos in self.offloaded.items():
+            self.ranks[self.owner[key[0]]].reloads_at.setdefault(pos, []).append(key)
+
+    def run(self) -> None:
+        progress = True
+        while progress:
+            progress = False
+            for rank in self.ranks:
+                while rank.next < len(rank.actions):
+                    if rank.waiting is not None and rank.waiting not in self.done:
+                        break  # still blocked on what stopped it last sweep
+                    action = rank.actions[rank.next]
+                    ready = self._arrivals(passes_of(action), rank)
+                    if ready is None:
+                        break
+                    rank.next += 1
+                    self._run_action(rank, rank.next - 1, action, ready)
+                    progress = True
+        for rank in self.ranks:
+            if rank.next < len(rank.actions):
+                raise ScheduleError(
+                    "deadlock in simulation (validate the schedule for a diagnosis)",
+                    rank.index, rank.next, rank.actions[rank.next],
+                )
+
+    def _arrivals(self, passes: tuple[Pass, ...], rank: _Rank) -> list[float] | None:
+        """When each pass's inputs are all on `rank` (None: one is not produced
+        yet; `rank.waiting` names it)."""
+        out = []
+        for p in passes:
+            t = 0.0
+            for d in p.needs(self.num_stages):
+                got = self.done.get(d)
+                if got is None:
+                    rank.waiting = d
+                    return None
+                if self.owner[d.stage] != rank.index:
+                    got += self.comm
+                t = max(t, got)
+            out.append(t)
+        return out
+
+    def _run_action(self, rank: _Rank, index: int, action: Action, ready: list[float]) -> None:
+        passes = passes_of(action)
+        self.sink.action(rank.index, index, passes)
+        self._reload(rank, index)
+        units = self.table.units
+        items = braid_counts(action, tuple(units[p.stage] for p in passes))
+        start, chain_end = self._compute(rank, passes, items, ready)
+        alloc, free = self._memory(passes)
+        if alloc:
+            rank.mem_events.append((start, alloc))
+        if free:
+            rank.mem_events.append((rank.lane, -free))
+        for c, fin in enumerate(chain_end):
+            self._output(rank, c, passes[c], fin)
+
+    def _memory(self, passes: tuple[Pass, ...]) -> tuple[float, float]:
+        """(allocated at the start, released at the end) by an action's passes:
+        forwards allocate when it starts, backwards release when it ends, so a
+        braided block F+B counts both activations at its peak."""
+        alloc = free = 0.0
+        delta = self.table.delta
+        for p in passes:
+            d = delta[p.stage][p.kind]
+            if d > 0:
+                alloc += d
+            else:
+                free -= d
+        return alloc, free
+
+    def _reload(self, rank: _Rank, index: int) -> None:
+        """Issue the copies back that the plan starts when the stream reaches
+        action `index` (each also waits for its copy out to end)."""
+        for key in sorted(rank.reloads_at.get(index, ())):
+            start = max(rank.lane, rank.h2d, self.copied_out[key])
+            rank.h2d = start + self.table.copy_time[key[0]]
+            self.reload_ready[key] = rank.h2d
+            rank.mem_events.append((start, self.table.chunk_act[key[0]]))
+            self.sink.reload(key[0], key[1], start, rank.h2d)
+
+    def _compute(self, rank: _Rank, passes: tuple[Pass, ...], items: tuple[Item, ...],
+                 ready: list[float]) -> tuple[float, list[float]]:
+        """Run the action's units on the compute lane and their all-reduces on
+        the TP lane. Returns when the first unit started and, per pass, when
+        its output is final (its last unit and last all-reduce ended)."""
+        chain_ar = [0.0] * len(passes)  # end of the chain's last all-reduce
+        chain_end = [0.0] * len(passes)
+        sink = self.sink
+        unit_times = [self.table.unit_time[p.stage] for p in passes]
+        ar_times = [self.table.ar_time[p.stage] for p in passes]
+        t, tp, busy, tp_wait = rank.lane, rank.tp, rank.busy, rank.tp_wait
+        start = -1.0
+        for it in items:
+            c = it.chain
+            base = self._chain_start(rank, passes[c], t, ready[c]) if it.first else t
+            s = max(base, chain_ar[c]) if it.waits_ar else base
+            tp_wait += s - base
+            if start < 0:
+                start = s
+            e = s + unit_times[c][it.kind]
+            busy += e - s
+            sink.unit(it, s, e)
+            ar_time = ar_times[c][it.kind]
+            if it.has_ar and ar_time > 0:
+                a0 = max(e, tp)
+                tp = chain_ar[c] = a0 + ar_time
+                sink.allreduce(it, a0, tp)
+            elif it.has_ar:
+                chain_ar[c] = e
+            chain_end[c] = max(e, chain_ar[c])
+            t = e
+        if len(passes) == 1:
+            # plain TP code: the pass's last all-reduce is synchronous
+            end = max(t, chain_ar[0])
+            tp_wait += end - t
+            t = end
+        rank.lane, rank.tp, rank.busy, rank.tp_wait = t, tp, busy, tp_wait
+        return start, chain_end
+
+    def _chain_start(self, rank: _Rank, p: Pass, t: float, arrival: float) -> float:
+        """When pass p's first unit may start on a lane free at `t`: its input
+        has arrived and, for a backward of an offloaded forward, its copy back
+        has ended (the wait counts as exposed offload time)."""
+        base = max(t, arrival)
+        if p.kind is _F:
+            rank.first_f = min(rank.first_f, base)
+            return base
+        back = self.reload_ready.pop((p.stage, p.mb), None)
+        if back is None:
+            return base
+        start = max(base, back)
+        rank.off_wait += start - base
+        return start
+
+    def _output(self, rank: _Rank, chain: int, p: Pass, fin: float) -> None:
+        """Pass p (chain `chain` of the action) is final at `fin`: copy its
+        activations out if the plan offloads them, mark its results done, and
+        send its output on."""
+        if p.kind is _F and (p.stage, p.mb) in self.offloaded:
+            start = max(fin, rank.d2h)
+            rank.d2h = start + self.table.copy_time[p.stage]
+            self.copied_out[(p.stage, p.mb)] = rank.d2h
+            rank.mem_events.append((rank.d2h, -self.table.chunk_act[p.stage]))
+            self.sink.offload(chain, start, rank.d2h)
+        rank.last_end = max(rank.last_end, fin)
+        for kind in p.provides():
+            self.done[(p.stage, kind, p.mb)] = fin
+        self.sink.sent(chain, fin)
+
+
 def _memory_curves(
-    events: list[list[tuple[float, float]]],
+    events: list[list[MemEvent]],
 ) -> tuple[list[list[tuple[float, float]]], list[float]]:
     """Sweep each rank's (time, delta) events in time order, frees first at
     equal times (so an action that starts as another ends does not count

@@ -2,13 +2,14 @@
 
 Policies (`--offload`):
   none          nothing leaves the device.
-  stp           the seed's variant (STP, seed 000, "offloading schedule"):
+  stp           the offload variant of "Synergistic Tensor and Pipeline
+                Parallelism" (arXiv 2510.27257):
                 chunk-0 activations go out right after their forward and
                 come back one block before their backward; chunk 1, whose
                 backward follows soon after its forward in a V schedule,
                 stays resident.
   all           every forward's activations, reloaded one block ahead.
-  selective:X   PipeOffload (seed 004, selective offload): offload the
+  selective:X   selective offload of "PipeOffload" (arXiv 2503.01328): offload the
                 longest-lived activations first until the peak is cut by
                 about the fraction X, skipping those whose lifetime (end of
                 F to start of B, measured without offload) is shorter than
@@ -21,6 +22,7 @@ from stp.schedule.ir import Schedule
 from stp.schedule.memory import MemCosts
 from stp.schedule.offload import OffloadPlan, parse_policy, plan_chunks, positions
 from stp.sim.costs import Costs, OffloadCosts
+from stp.sim.stages import StageCosts
 
 __all__ = ["plan_offload", "offload_ratio"]
 
@@ -32,17 +34,19 @@ def plan_offload(
     mem: MemCosts,
     offload_costs: OffloadCosts,
     layers: int = 1,
+    stages: StageCosts | None = None,
 ) -> OffloadPlan:
+    """The plan of `policy`; `stages`: time the selective policy with this
+    per-stage cost table (`stp.sim.stages`)."""
     name, frac = parse_policy(policy)
     if name == "none":
         return OffloadPlan({}, "none")
     if name == "stp":
-        chunk = int(schedule.meta.get("offload_chunk", 0))  # type: ignore[call-overload]
-        return plan_chunks(schedule, {chunk}, policy="stp")
+        return plan_chunks(schedule, {schedule.offload_chunk}, policy="stp")
     if name == "all":
         return plan_chunks(schedule, None, policy="all")
     assert frac is not None
-    return _selective(schedule, frac, costs, mem, offload_costs, layers)
+    return _selective(schedule, frac, costs, mem, offload_costs, layers, stages)
 
 
 def _selective(
@@ -52,10 +56,11 @@ def _selective(
     mem: MemCosts,
     oc: OffloadCosts,
     layers: int,
+    stages: StageCosts | None = None,
 ) -> OffloadPlan:
     from stp.sim.engine import simulate  # local: engine imports this package's peers
 
-    base = simulate(schedule, costs, mem, layers, record_spans=True)
+    base = simulate(schedule, costs, mem, layers, record_spans=True, stages=stages)
     target = max(base.peak_activation) * (1 - frac)
     f_end: dict[tuple[int, int], float] = {}
     b_start: dict[tuple[int, int], float] = {}
@@ -83,7 +88,7 @@ def _selective(
     def peak_with(n: int) -> float:
         plan = OffloadPlan({k: every[k] for _, k in candidates[:n]}, policy)
         res = simulate(schedule, costs, mem, layers, offload=plan, offload_costs=oc,
-                       record_spans=False)
+                       record_spans=False, stages=stages)
         return max(res.peak_activation)
 
     # the peak falls (weakly) as more long-lived activations leave: bisect the
@@ -101,8 +106,9 @@ def _selective(
 
 
 def offload_ratio(costs: Costs, mem: MemCosts, oc: OffloadCosts) -> float:
-    """PipeOffload's k = T_offload / T_compute (REFERENCE section 4): the time to
-    copy one microbatch's activations out, over the compute they cost. With
-    k <= 1 every activation can be offloaded without slowing the step."""
+    """PipeOffload's offload cost ratio k = T_offload / T_compute ("PipeOffload",
+    arXiv 2503.01328): the time to copy one microbatch's activations out, over
+    the compute they cost. With k <= 1 every activation can be offloaded
+    without slowing the step."""
     compute = costs.f + costs.b + costs.w
     return oc.copy_time(mem.m_b) / compute if compute > 0 else float("inf")

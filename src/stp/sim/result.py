@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from stp.schedule.ir import Schedule
 from stp.schedule.offload import OffloadPlan
 from stp.sim.costs import Costs, MemCosts
+from stp.sim.stages import StageCosts
 
 __all__ = ["Span", "RankStats", "SimResult", "LANES"]
 
@@ -85,6 +86,8 @@ class SimResult:
     memory: list[list[tuple[float, float]]] = field(repr=False)
     """Per rank: (time, resident activations) at every change, in time order."""
     offload: OffloadPlan | None = None
+    stages: StageCosts | None = None
+    """The per-stage cost table simulated (None: the uniform `costs`)."""
 
     @property
     def critical_rank(self) -> RankStats:
@@ -127,6 +130,7 @@ class SimResult:
             "peak_activation": self.peak_activation,
             "offload": self.offload.policy if self.offload else "none",
             "offloaded_passes": len(self.offload) if self.offload else 0,
+            **self._stage_json(),
             "ranks": [
                 {
                     "rank": r.rank,
@@ -142,3 +146,11 @@ class SimResult:
                 for r in self.ranks
             ],
         }
+
+    def _stage_json(self) -> dict[str, object]:
+        """`partition` and `stage_costs` when the run had a per-stage table."""
+        if self.stages is None:
+            return {}
+        table = self.stages.to_json()
+        part = table.pop("partition", None)
+        return {"partition": part, "stage_costs": table}

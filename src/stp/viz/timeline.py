@@ -4,8 +4,12 @@ One band per rank, top to bottom: the compute lane (F / B / W blocks, the
 rank's chunks in shades of one hue, microbatch numbers where they fit), the
 TP lane (all-reduces), the send lane and the offload copy lanes when the run
 has them, and the rank's resident activation memory over time with its peak
-marked. A braided block (STP, seed 000 Fig. 3) is drawn unit by unit, so its
+marked. A braided block (STP, arXiv 2510.27257, Fig. 3) is drawn unit by unit, so its
 interleaving is visible, inside one dark frame labelled `F-mb|other-mb`.
+Times are to scale, so stages of different cost (a per-stage cost table:
+uneven layer partitions, the embedding and the output layer) are drawn as
+long as they run; each rank's memory strip has its own scale (its peak at
+the top), so a light rank's curve stays readable next to a heavy one.
 Idle time is left empty; a gap inside a lone pass is its wait on a TP
 all-reduce.
 """
@@ -44,6 +48,15 @@ def _segments(spans: Sequence[Span]) -> list[tuple[float, float]]:
     return segs
 
 
+def _shortest_pass(res: SimResult) -> float:
+    """The shortest F, B or W pass of any stage (what the width is fitted to)."""
+    if res.stages is not None:
+        return min((x for s in res.stages.stages for x in (s.f, s.b, s.w) if x > 0),
+                   default=1.0)
+    c = res.costs
+    return min((x for x in (c.f, c.b, c.w) if x > 0), default=1.0) / res.schedule.chunks
+
+
 class _Layout:
     def __init__(self, res: SimResult, plot_width: float | None) -> None:
         self.res = res
@@ -57,8 +70,7 @@ class _Layout:
             if any(self.by_lane.get((r, ln)) for r in range(sch.num_ranks))
         ]
         self.t_end = max([res.makespan, *(s.end for s in res.spans)]) or 1.0
-        c = res.costs
-        shortest = min((x for x in (c.f, c.b, c.w) if x > 0), default=1.0) / self.v
+        shortest = _shortest_pass(res)
         # about 18 px for the shortest pass, so a two-digit microbatch fits
         want = self.t_end / shortest * 18.0
         self.plot_w = plot_width or min(max(want, 800.0), 2800.0)
@@ -68,7 +80,6 @@ class _Layout:
         self.width = _LEFT + self.plot_w + _RIGHT
         self.plot_bottom = _TOP + sch.num_ranks * (self.band_h + _RANK_GAP) - _RANK_GAP
         self.height = self.plot_bottom + 52.0
-        self.peak_all = max(res.peak_activation, default=0.0) or 1.0
 
     def x(self, t: float) -> float:
         return _LEFT + t * self.px
@@ -111,15 +122,12 @@ def timeline_scene(
 
 def _header(sc: Scene, L: _Layout, title: str | None) -> None:
     res, sch = L.res, L.res.schedule
-    c = res.costs
     sc.add(Text(12, 24, title or f"{sch.name}: p={sch.num_ranks}, m={sch.num_microbatches}, "
                 f"v={sch.chunks}", size=16, bold=True, color=C.INK))
     crit = res.critical_rank
     peak_rank = max(res.ranks, key=lambda r: r.peak_activation)
     lines = [
-        f"costs per microbatch and rank share: f={c.f:g} b={c.b:g} w={c.w:g} ar={c.ar:g} "
-        f"comm={c.comm:g}; {res.layers} layer(s) per chunk; memory M_B={res.mem.m_b:g} "
-        f"M_W={res.mem.m_w:g}",
+        _costs_line(res),
         f"makespan {fmt_num(res.makespan)}, bubble rate {res.bubble_rate:.1%} (rank "
         f"{crit.rank}), PP bubble {fmt_num(res.pp_bubble)}, TP bubble {fmt_num(res.tp_bubble)}, "
         f"peak activation {fmt_num(peak_rank.peak_activation)} M_B (rank {peak_rank.rank})",
@@ -128,6 +136,21 @@ def _header(sc: Scene, L: _Layout, title: str | None) -> None:
         sc.add(Text(12, 42 + 15 * i, line, size=11, color=C.MUTED))
         sc.width = max(sc.width, 12 + text_width(line, 11) + 12)
     _legend(sc, L, 12.0, 80.0)
+
+
+def _costs_line(res: SimResult) -> str:
+    c = res.costs
+    if res.stages is None:
+        return (f"costs per microbatch and rank share: f={c.f:g} b={c.b:g} w={c.w:g} "
+                f"ar={c.ar:g} comm={c.comm:g}; {res.layers} layer(s) per chunk; memory "
+                f"M_B={res.mem.m_b:g} M_W={res.mem.m_w:g}")
+    st = res.stages
+    times = " ".join(f"{s.f + s.b + s.w:.3g}" for s in st.stages[:12])
+    more = " ..." if st.num_stages > 12 else ""
+    part = "" if st.partition is None else (
+        "; layers per stage " + ",".join(map(str, st.partition[:24]))
+        + (",..." if st.num_stages > 24 else ""))
+    return f"per-stage costs, f+b+w of each stage: {times}{more}; comm={st.comm:g}{part}"
 
 
 def _legend(sc: Scene, L: _Layout, x: float, y: float) -> None:
@@ -258,7 +281,8 @@ def _plain_lanes(sc: Scene, L: _Layout, r: int) -> None:
 def _memory(sc: Scene, L: _Layout, r: int) -> None:
     y0 = L.mem_y(r)
     base = y0 + _MEM_H
-    scale = (_MEM_H - 4) / L.peak_all
+    # each rank its own scale: its peak reaches the top of its strip
+    scale = (_MEM_H - 4) / (L.res.ranks[r].peak_activation or 1.0)
     pts: list[tuple[float, float]] = [(L.x(0), base)]
     cur = 0.0
     for t, val in L.res.memory[r]:

@@ -1,14 +1,14 @@
 """Tensor-parallel layers and collectives with the all-reduces left to the caller,
 and the deferred weight-gradient store of the split backward."""
 
-from stp.runtime.tp.comm import (
+from stp.models.tp.comm import (
     AllReduce,
     PendingAllReduce,
     identity_allreduce,
     make_allreduce,
     start_allreduce,
 )
-from stp.runtime.tp.layers import (
+from stp.models.tp.layers import (
     linear,
     rms_norm,
     vocab_ce_finish,
@@ -16,7 +16,7 @@ from stp.runtime.tp.layers import (
     vocab_ce_stats,
     vocab_embedding_partial,
 )
-from stp.runtime.tp.wgrad import WGradStore
+from stp.models.tp.wgrad import WGradStore
 
 __all__ = [
     "AllReduce",

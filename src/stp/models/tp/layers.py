@@ -1,4 +1,4 @@
-"""Megatron-style tensor-parallel pieces (seed 000 Fig. 2; Shoeybi et al. 2019,
+"""Megatron-style tensor-parallel pieces (STP paper arXiv 2510.27257, Fig. 2; Shoeybi et al. 2019,
 section 3) written so that no collective hides inside autograd.
 
 - Column-parallel linear: W [out, in] split on out (dim 0); the input is
@@ -9,12 +9,14 @@ section 3) written so that no collective hides inside autograd.
 Locally both are y = x W_local^T, so one autograd Function serves both; what
 differs is only where the caller puts the all-reduce (at a unit boundary).
 
-The Function splits the backward (Zero Bubble, seed 002, section 2): its
+The Function splits the backward (Zero Bubble, arXiv 2401.10241, section 2): its
 backward computes dx = dy W only and appends (W, x, dy) to a sink; the W pass
-computes dW += dy^T x from it later (stp.runtime.tp.wgrad).
+computes dW += dy^T x from it later (stp.models.tp.wgrad).
 
 Vocab-parallel embedding and cross-entropy shard the vocabulary: rank t owns
-token ids [t V/tp, (t+1) V/tp).
+token ids [t V'/tp, (t+1) V'/tp), V' the vocabulary padded to a multiple of tp
+(the padding columns are masked out of the loss). Targets equal to
+IGNORE_INDEX (-100) add nothing to the loss and get no gradient.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from typing import Any
 
 import torch
 
-from stp.runtime.tp.wgrad import LinearGrad, NormGrad, WGradEntry
+from stp.models.config import IGNORE_INDEX
+from stp.models.tp.wgrad import LinearGrad, NormGrad, WGradEntry
 
 __all__ = [
     "linear",
@@ -32,29 +35,43 @@ __all__ = [
     "vocab_ce_stats",
     "vocab_ce_finish",
     "vocab_ce_grad",
+    "valid_token_ratio",
 ]
 
 
 class _LinearFn(torch.autograd.Function):
-    """y = x W^T; backward gives dx only and defers dW to the sink."""
+    """y = x W^T (+ b); backward gives dx only and defers dW (and db) to the sink."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, sink: list[WGradEntry]):
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        sink: list[WGradEntry],
+        bias: torch.Tensor | None,
+    ):
         ctx.save_for_backward(x, weight)
-        ctx.sink = sink
-        return x @ weight.t()
+        ctx.sink, ctx.bias = sink, bias
+        y = x @ weight.t()
+        return y if bias is None else y + bias
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
-        ctx.sink.append(LinearGrad(weight, x, grad_out))
+        ctx.sink.append(LinearGrad(weight, x, grad_out, ctx.bias))
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
-        return grad_x, None, None
+        return grad_x, None, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, sink: list[WGradEntry]) -> torch.Tensor:
-    """x [..., in] @ weight[out, in]^T -> [..., out], with the weight gradient deferred."""
-    return _LinearFn.apply(x, weight, sink)
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    sink: list[WGradEntry],
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., in] @ weight[out, in]^T (+ bias [out]) -> [..., out], with the weight
+    (and bias) gradients deferred."""
+    return _LinearFn.apply(x, weight, sink, bias)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -107,8 +124,22 @@ def vocab_embedding_partial(
     return partial, owned, local
 
 
+def _valid_columns(lf: torch.Tensor, vocab_valid: int | None) -> torch.Tensor:
+    """Logits with the vocabulary padding columns (index >= vocab_valid) at -inf, so
+    they carry no probability and get no gradient."""
+    if vocab_valid is None or vocab_valid >= lf.shape[-1]:
+        return lf
+    return lf.masked_fill(torch.arange(lf.shape[-1], device=lf.device) >= vocab_valid,
+                          float("-inf"))
+
+
 def vocab_ce_stats(
-    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, tp_size: int, tp_rank: int
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_start: int,
+    tp_size: int,
+    tp_rank: int,
+    vocab_valid: int | None = None,
 ) -> torch.Tensor:
     """Partial statistics of the vocab-parallel cross-entropy, made to be SUMMED over
     the TP group by one all-reduce: rows 0..tp-1 hold each rank's local
@@ -116,8 +147,10 @@ def vocab_ce_stats(
     (only its owner adds it). The global logsumexp is then
     log sum_t exp(lse_t) = m + log sum_t exp(lse_t - m), m = max_t lse_t: the
     max-shift of Megatron's max all-reduce, done after one sum all-reduce
-    instead of before a second one. Returns [tp + 1, b, s] in float32 or wider."""
-    lf = logits.to(_compute_dtype(logits.dtype))
+    instead of before a second one. `vocab_valid`: this rank's real columns
+    (the rest is vocabulary padding, left out). Returns [tp + 1, b, s] in
+    float32 or wider."""
+    lf = _valid_columns(logits.to(_compute_dtype(logits.dtype)), vocab_valid)
     stats = lf.new_zeros((tp_size + 1, *targets.shape))
     stats[tp_rank] = torch.logsumexp(lf, dim=-1)
     local = targets - vocab_start
@@ -127,10 +160,25 @@ def vocab_ce_stats(
     return stats
 
 
-def vocab_ce_finish(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """From the reduced statistics: (mean loss over tokens, global logsumexp [b, s])."""
+def valid_token_ratio(targets: torch.Tensor) -> float:
+    """Target positions / valid targets (at least one) of a global batch: the factor
+    from the loss units' value (sum over valid tokens / positions) to the mean over
+    the valid tokens; exactly 1.0 without ignored targets."""
+    valid = int((targets != IGNORE_INDEX).sum())
+    return targets.numel() / max(valid, 1)
+
+
+def vocab_ce_finish(
+    stats: torch.Tensor, targets: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the reduced statistics: (loss, global logsumexp [b, s]). The loss is the
+    sum of the token losses over the number of positions; a target equal to
+    IGNORE_INDEX adds nothing (without any it is the mean over tokens)."""
     lse = torch.logsumexp(stats[:-1], dim=0)
-    return (lse - stats[-1]).mean(), lse
+    token_loss = lse - stats[-1]
+    if targets is not None:
+        token_loss = torch.where(targets != IGNORE_INDEX, token_loss, 0.0)
+    return token_loss.mean(), lse
 
 
 def vocab_ce_grad(
@@ -139,14 +187,17 @@ def vocab_ce_grad(
     lse: torch.Tensor,
     vocab_start: int,
     grad_loss: torch.Tensor,
+    vocab_valid: int | None = None,
 ) -> torch.Tensor:
-    """d(mean loss)/d(local logits) * grad_loss = (softmax - onehot) * grad_loss / n,
-    with softmax = exp(logits - global lse): no collective needed."""
-    lf = logits.to(_compute_dtype(logits.dtype))
+    """d(loss)/d(local logits) * grad_loss = (softmax - onehot) * grad_loss / n for a
+    valid target, 0 for an ignored one, with softmax = exp(logits - global lse): no
+    collective needed."""
+    lf = _valid_columns(logits.to(_compute_dtype(logits.dtype)), vocab_valid)
     grad = torch.exp(lf - lse.unsqueeze(-1))
     local = targets - vocab_start
     owned = (local >= 0) & (local < logits.shape[-1])
     rows = torch.where(owned, local, 0).unsqueeze(-1)
     grad.scatter_add_(-1, rows, -owned.to(grad.dtype).unsqueeze(-1))
+    grad.masked_fill_((targets == IGNORE_INDEX).unsqueeze(-1), 0.0)
     grad.mul_(grad_loss.to(grad.dtype) / targets.numel())
     return grad.to(logits.dtype)

@@ -1,8 +1,8 @@
-"""The deferred weight-gradient store of the split backward (Zero Bubble, seed 002,
+"""The deferred weight-gradient store of the split backward (Zero Bubble, arXiv 2401.10241,
 section 2): B computes input gradients only and records, per parameter, what W
 needs; W later turns the records into `.grad` and frees them.
 
-    linear  y = x W^T      B: dx = dy W            W: dW += dy^T x
+    linear  y = x W^T + b  B: dx = dy W            W: dW += dy^T x, db += sum dy
     RMSNorm y = xhat * g   B: dx (needs g, xhat)   W: dg += sum_tokens dy * xhat
     embed   y = E[ids]     B: (no input grad)      W: dE[ids] += dy
 
@@ -37,8 +37,13 @@ class LinearGrad:
     """Input [..., in] saved by the forward."""
     grad_out: torch.Tensor
     """Output gradient [..., out] from B."""
+    bias: torch.Tensor | None = None
+    """[out] local shard of the bias, if the linear has one: db += sum_tokens dy."""
 
     def accumulate(self) -> None:
+        if self.bias is not None:
+            dy = self.grad_out.detach()
+            accumulate_grad(self.bias, dy.reshape(-1, dy.shape[-1]).sum(0))
         # detached: x requires grad (it is the autograd input h_in), and a .grad
         # with a graph would keep every microbatch's x and dy alive until zero_grad
         x2 = self.x.detach().reshape(-1, self.x.shape[-1])

@@ -2,13 +2,13 @@
 
 * `overlap_worker` (2 processes, tp = 2): one stage of `layers` layers; the
   same work, F of microbatch 1 and B of microbatch 0, run as two lone passes
-  and as one braided block (seed 000, Fig. 3), in emulated and in real
+  and as one braided block (STP paper arXiv 2510.27257, Fig. 3), in emulated and in real
   compute. Exposed all-reduce time is compute-stream time spent launching
   and waiting for all-reduces (stp.runtime.braid.RunnerStats), the held
   tails of the block included.
 * `fidelity_worker` (4 processes, pp = 2 x tp = 2): measures the all-reduce
   of one unit's [b, s, h] partial sum and the one-way point-to-point time,
-  then runs each schedule on emulated stages (stp.runtime.emulate) and times
+  then runs each schedule on emulated stages (stp.models.emulated) and times
   the executor's steps, for the simulator to predict with the same costs.
 
 Both run under stp.runtime.launch.launch_local; global rank 0 returns the
@@ -25,10 +25,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stp.models import ModelConfig, build_stage
+from stp.models.emulated import EmulatedStage, UnitTimes, hold
 from stp.runtime.braid import UnitRunner
-from stp.runtime.emulate import EmulatedStage, UnitTimes, hold
+from stp.runtime.executor import Executor
+from stp.runtime.launch import init_distributed
 from stp.runtime.mesh import Mesh, ParallelDims
+from stp.runtime.p2p import P2P
+from stp.runtime.trace import Recorder, gather_spans
 from stp.schedule.ir import Block, Kind, Pass
+from stp.schedule.lower import lower
+from stp.schedule.registry import make as make_schedule
 
 __all__ = ["OverlapSettings", "FidelitySettings", "measure_allreduce", "measure_p2p",
            "overlap_worker", "fidelity_worker", "entry"]
@@ -124,8 +131,6 @@ def _overlap_stage(mode: str, s: OverlapSettings, mesh: Mesh) -> Any:
     if mode == "emulated":
         return EmulatedStage(0, 1, layers=s.layers, hidden=s.hidden, times=s.unit,
                              tp_group=mesh.tp_group, tp_size=2)
-    from stp.models import ModelConfig, build_stage
-
     cfg = ModelConfig(hidden=s.hidden, num_layers=s.layers, num_heads=s.heads,
                       num_kv_heads=s.heads, max_seq_len=s.seq_len)
     return build_stage(cfg, 0, 1, tp_group=mesh.tp_group, tp_size=2, tp_rank=mesh.coord.tp)
@@ -185,12 +190,6 @@ def overlap_worker(s: OverlapSettings) -> dict[str, Any] | None:
 
 def fidelity_worker(s: FidelitySettings) -> dict[str, Any] | None:
     """See the module doc; returns the figures on global rank 0."""
-    from stp.runtime.executor import Executor
-    from stp.runtime.p2p import P2P
-    from stp.runtime.trace import Recorder, gather_spans
-    from stp.schedule.lower import lower
-    from stp.trainer import make_schedule
-
     mesh = Mesh.from_world(ParallelDims(pp=2, tp=2), timeout=s.timeout)
     shape = (s.microbatch_size, s.seq_len, s.hidden)
     launch, done = measure_allreduce(mesh.tp_group, shape, 60, after=s.unit.f)
@@ -237,8 +236,6 @@ def fidelity_worker(s: FidelitySettings) -> dict[str, Any] | None:
 
 def entry(kind: str, settings: Any) -> dict[str, Any] | None:
     """A launched worker (module level, spawned by name): `kind` overlap or fidelity."""
-    from stp.runtime.launch import init_distributed
-
     init_distributed(timeout=settings.timeout)
     try:
         return (overlap_worker if kind == "overlap" else fidelity_worker)(settings)

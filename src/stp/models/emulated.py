@@ -3,7 +3,7 @@
 On a CPU machine compute and gloo compete for the same cores, so a measured
 overlap mixes two effects. An `EmulatedStage` has the decoder's unit
 structure (two units per layer, attention and MLP, each F and B unit ending
-in a TP all-reduce of a real [b, s, h] tensor; seed 000 Fig. 2), but each
+in a TP all-reduce of a real [b, s, h] tensor; STP paper arXiv 2510.27257, Fig. 2), but each
 unit's compute is a timed wait: F units take `f`, B units `b`, W units `w`
 seconds. Sends, receives and all-reduces stay real, with the real sizes, so
 the runtime's schedule, braiding and overlap are measured on any laptop.
@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stp.runtime.braid import launch_sum
+from stp.models.tp.comm import launch_sum
+from stp.schedule.placement import stage_layers
 from stp.sim.costs import Costs
 
 __all__ = ["UnitTimes", "parse_times", "parse_emulate", "unit_times", "hold", "EmulatedUnit",
@@ -221,13 +222,11 @@ class EmulatedStage(nn.Module):
 
 
 def emulated_builder(costs: Costs, chunks: int, num_layers: int, hidden: int) -> Any:
-    """A Trainer stage builder (stp.trainer.StageBuilder) of emulated stages: the
+    """A Trainer stage builder (stp.train.trainer.StageBuilder) of emulated stages: the
     model's `num_layers` split over the stages as stp.models splits them
-    (stp.models.init.stage_layers), each stage's units timed so that one pass
+    (stp.schedule.placement.stage_layers), each stage's units timed so that one pass
     through it takes cost / chunks (`costs` in seconds, per microbatch per rank
     share, as the simulator's)."""
-    from stp.models.init import stage_layers
-
     def build(stage: int, num_stages: int, *, tp_group: Any = None, tp_size: int = 1,
               tp_rank: int = 0, device: Any = "cpu", dtype: Any = torch.float32) -> EmulatedStage:
         layers = len(stage_layers(num_layers, stage, num_stages))

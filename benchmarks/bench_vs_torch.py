@@ -1,0 +1,97 @@
+"""stp's runtime against PyTorch's `torch.distributed.pipelining`, side by side.
+
+Same decoder, batch, dtype, microbatches and schedule on both runtimes, pp=2,
+tp=1, gloo on the CPU (stp.train.peer has the details): stp's Trainer step
+against PyTorch's schedule class of the same name, and against
+`_PipelineScheduleRuntime` running stp's exported CSV (the exact same order).
+Steps alternate stp, torch, torch-csv, ... in one process group, so a shared
+machine's drift hits every side; a ratio stp / torch below 1 means stp is faster.
+
+Three sizes by default (8 layers, microbatch size 4, m=8, float32):
+  issue     hidden 256, seq 128  (the first hand-made measurement's size)
+  compute   hidden 512, seq 256  (compute dominates)
+  overhead  hidden 64,  seq 128  (per-unit Python overhead dominates)
+
+    python3 benchmarks/bench_vs_torch.py [--sizes issue,compute,overhead] [--rounds 7]
+        [--schedules 1f1b,1f1b-interleaved,zb-v] [--profile-rank R] [--out FILE.md]
+
+Writes the tables to benchmarks/results/vs_torch.md (with the command) unless
+--out says otherwise; --profile-rank prints each side's cProfile top entries
+on that rank (extra, untimed rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+SIZES = {
+    "issue": {"hidden": 256, "seq_len": 128},
+    "compute": {"hidden": 512, "seq_len": 256},
+    "overhead": {"hidden": 64, "seq_len": 128},
+}
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="issue,compute,overhead",
+                   help=f"comma-separated from {', '.join(SIZES)} (default all)")
+    p.add_argument("--schedules", default="1f1b,1f1b-interleaved,zb-v")
+    p.add_argument("--rounds", type=int, default=7, help="timed rounds per schedule (>= 5)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--microbatch-size", type=int, default=4)
+    p.add_argument("--microbatches", "-m", type=int, default=8)
+    p.add_argument("--no-csv", action="store_true", help="skip the CSV-order runs")
+    p.add_argument("--profile-rank", type=int, default=None)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                 "vs_torch.md"))
+    args = p.parse_args(argv)
+    bad = [s for s in args.sizes.split(",") if s not in SIZES]
+    if bad:
+        p.error(f"unknown size {bad[0]!r}; choose from {', '.join(SIZES)}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = _args(argv)
+    from stp.train.peer import PeerSpec, format_table, run_peer
+
+    sections = []
+    for size in args.sizes.split(","):
+        spec = PeerSpec(
+            schedules=tuple(args.schedules.split(",")), layers=args.layers,
+            microbatch_size=args.microbatch_size, microbatches=args.microbatches,
+            pairs=args.rounds, csv=not args.no_csv, profile_rank=args.profile_rank,
+            **SIZES[size],
+        )
+        start = time.perf_counter()
+        result = run_peer(spec)
+        table = format_table(result)
+        print(f"## {size}\n\n{table}\n({time.perf_counter() - start:.0f} s)\n", flush=True)
+        sections.append(f"## {size}\n\n{table}\n")
+        for schedule, sides in result["profiles"].items():
+            for side, text in sides.items():
+                print(f"### cProfile, rank {args.profile_rank}, {schedule}, {side}\n{text}")
+    command = "python3 benchmarks/bench_vs_torch.py " + " ".join(argv)
+    header = (
+        "# stp vs torch.distributed.pipelining\n\n"
+        f"`{command.strip()}` on a machine with "
+        f"({os.cpu_count()} cores, {platform.processor() or platform.machine()}), "
+        f"{time.strftime('%Y-%m-%d')}. Step = zero grads, m microbatches, loss all-reduce, "
+        "SGD step; ms are medians over rounds; ratios stp/torch per round "
+        "(below 1: stp faster); peak MiB: resident growth during one step, per rank.\n"
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(header + "\n" + "\n".join(sections))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

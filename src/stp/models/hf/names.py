@@ -1,0 +1,58 @@
+"""Parameter names: stp's global names <-> Hugging Face Llama / Qwen2 state-dict keys.
+
+The tensors themselves need no transformation: stp's rotary embedding uses the
+rotate-half layout of transformers' Llama and Qwen2 (no q/k row permutation),
+w1 / w3 / w2 are gate_proj / up_proj / down_proj, and every matrix is stored
+[out, in] on both sides.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["hf_name", "stp_name"]
+
+_TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "head.weight": "lm_head.weight"}
+_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj",
+    "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj",
+    "mlp.w1": "mlp.gate_proj", "mlp.w3": "mlp.up_proj", "mlp.w2": "mlp.down_proj",
+}
+_STP_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def _map_suffix(suffix: str, table: dict[str, str]) -> str | None:
+    for src, dst in table.items():
+        if suffix == src:
+            return dst
+        if suffix.startswith(src + "."):
+            return dst + suffix[len(src):]
+    return None
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face key of stp parameter `name` (ValueError if there is none)."""
+    if name in _TOP:
+        return _TOP[name]
+    m = _STP_LAYER.fullmatch(name)
+    mapped = _map_suffix(m.group(2), _LAYER) if m else None
+    if m is None or mapped is None:
+        raise ValueError(f"stp parameter {name!r} has no Hugging Face name")
+    return f"model.layers.{m.group(1)}.{mapped}"
+
+
+def stp_name(key: str) -> str | None:
+    """The stp parameter of Hugging Face key `key`; None for a key stp has no parameter
+    for (the caller decides whether that is an error)."""
+    for stp, hf in _TOP.items():
+        if key == hf:
+            return stp
+    m = _HF_LAYER.fullmatch(key)
+    if m is None:
+        return None
+    mapped = _map_suffix(m.group(2), {v: k for k, v in _LAYER.items()})
+    return None if mapped is None else f"layers.{m.group(1)}.{mapped}"

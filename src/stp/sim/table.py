@@ -1,0 +1,74 @@
+"""What the simulator looks up per global stage: unit times, all-reduce
+times, unit counts, memory changes and offload copy times.
+
+Built once per run from the uniform `Costs` shorthand or a `StageCosts`
+table. The uniform path computes every figure with the same expressions as
+before per-stage costs existed (`costs.f / v / units`, `pass_memory_delta`),
+so uniform results are the same bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stp.schedule.ir import Kind, Pass
+from stp.schedule.memory import MemCosts, pass_memory_delta
+from stp.sim.costs import Costs, OffloadCosts
+from stp.sim.stages import StageCosts
+from stp.sim.units import UnitKind
+
+__all__ = ["StageTable", "stage_table"]
+
+
+@dataclass(frozen=True)
+class StageTable:
+    """Per global stage (lists indexed by stage)."""
+
+    unit_time: list[dict[UnitKind, float]]
+    """Time of one F, B or W unit."""
+    ar_time: list[dict[UnitKind, float]]
+    """All-reduce after one F or B unit."""
+    units: list[int]
+    """Units of one pass."""
+    delta: list[dict[Kind, float]]
+    """Signed change of resident activations a pass of each kind makes."""
+    chunk_act: list[float]
+    """Activations of one microbatch in the stage (what one offload moves)."""
+    copy_time: list[float]
+    """One-way host copy of `chunk_act`."""
+
+
+def _uniform(num_stages: int, chunks: int, costs: Costs, mem: MemCosts, layers: int,
+             oc: OffloadCosts) -> StageTable:
+    v, n = chunks, 2 * layers
+    unit = {UnitKind.F: costs.f / v / n, UnitKind.B: costs.b / v / n, UnitKind.W: costs.w / v / n}
+    ar = costs.ar / v / n
+    ars = {UnitKind.F: ar, UnitKind.B: ar, UnitKind.W: 0.0}
+    delta = {k: pass_memory_delta(Pass(0, k, 0), v, mem) for k in Kind}
+    act = mem.m_b / v
+    return StageTable([unit] * num_stages, [ars] * num_stages, [n] * num_stages,
+                      [delta] * num_stages, [act] * num_stages,
+                      [oc.copy_time(act)] * num_stages)
+
+
+def _per_stage(stages: StageCosts, oc: OffloadCosts) -> StageTable:
+    units, times, ars, deltas, acts = [], [], [], [], []
+    for st in stages.stages:
+        n = st.units
+        units.append(n)
+        times.append({UnitKind.F: st.f / n, UnitKind.B: st.b / n, UnitKind.W: st.w / n})
+        ars.append({UnitKind.F: st.ar / n, UnitKind.B: st.ar_backward / n, UnitKind.W: 0.0})
+        deltas.append({Kind.F: st.mem_b, Kind.B: -(st.mem_b - st.mem_w), Kind.W: -st.mem_w,
+                       Kind.BW: -st.mem_b})
+        acts.append(st.mem_b)
+    return StageTable(times, ars, units, deltas, acts, [oc.copy_time(a) for a in acts])
+
+
+def stage_table(num_stages: int, chunks: int, costs: Costs, mem: MemCosts, layers: int,
+                stages: StageCosts | None, oc: OffloadCosts) -> StageTable:
+    """The lookups of a run: from `stages` when given (it must have
+    `num_stages` entries), else from the uniform `costs`, `mem`, `layers`."""
+    if stages is None:
+        return _uniform(num_stages, chunks, costs, mem, layers, oc)
+    stages.check_fits(num_stages)
+    return _per_stage(stages, oc)

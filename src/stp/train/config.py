@@ -1,0 +1,178 @@
+"""The settings of one `stp train` run: plain, picklable data, no torch.
+
+`TrainJob` is the one source of truth for `stp train`'s options: the CLI
+derives every flag, default and help text from these fields
+(`stp.cli.flags`), so a new setting is one field here. The checks that need
+torch (the model against the mesh, the data) live in `stp.train.job`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DTYPES", "LR_SCHEDULES", "TOY_SHAPE", "ModelShape", "TrainJob", "option"]
+
+DTYPES = ("float32", "float64", "bfloat16")
+LR_SCHEDULES = ("constant", "cosine", "linear")
+
+
+def option(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    metavar: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    minimum: float | None = None,
+    above: float | None = None,
+    maximum: float | None = None,
+    short: str | None = None,
+) -> Any:
+    """A dataclass field that is also a command-line option: `help` is its help
+    text; `minimum` (inclusive) or `above` (exclusive) bound a number; `flag`
+    overrides the `--field-name` spelling; `short` adds a one-letter alias."""
+    meta = {"help": help, "flag": flag, "metavar": metavar, "choices": choices,
+            "minimum": minimum, "above": above, "maximum": maximum, "short": short}
+    return field(default=default, metadata=meta)
+
+
+TOY_SHAPE = {"layers": 4, "hidden": 64, "heads": 4}
+"""stp's own model when the shape flags are left out (stp.train.job.model_config)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape of stp's own decoder (Llama/Qwen2-style, byte-level vocabulary). A
+    field left None takes TOY_SHAPE's value, or with --init-from the checkpoint's
+    (a field given must then agree with it)."""
+
+    layers: int | None = option(None, "transformer layers (default 4, or the --init-from "
+                                "checkpoint's)", minimum=1, maximum=1024)
+    hidden: int | None = option(None, "model width (default 64, or the checkpoint's)",
+                                minimum=1, maximum=2**17)
+    heads: int | None = option(None, "attention heads (default 4, or the checkpoint's)",
+                               minimum=1, maximum=1024)
+    kv_heads: int | None = option(None, "key/value heads (default: as many as --heads, or "
+                                  "the checkpoint's)", minimum=1, maximum=1024)
+    seq_len: int = option(64, "tokens per sequence", minimum=1, maximum=2**20)
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """Everything one training run needs; defaults are the `stp train` defaults."""
+
+    schedule: str = option("stp", "pipeline schedule: a name (see `stp schedules`) or a schedule "
+                           "file FILE.json|FILE.csv (`stp search --out`, `stp export`), checked "
+                           "against the mesh", metavar="NAME|FILE")
+    partition: str | None = option(
+        None, "transformer layers per global stage, L0,L1,.. (summing to the model's layers), "
+        "or auto (balanced by the cost model, judged by the simulator); default: the even "
+        "split", metavar="auto|L0,L1,..")
+    pp: int = option(2, "pipeline ranks", minimum=1, maximum=64)
+    tp: int = option(1, "tensor-parallel ranks", minimum=1, maximum=1024)
+    dp: int = option(1, "data-parallel replicas", minimum=1, maximum=65536)
+    microbatches: int | None = option(
+        None, "microbatches per step (default 8, or 2 pp when larger); the global batch is "
+        "dp x m x microbatch size", minimum=1, maximum=4096, short="-m")
+    """m; None: 8, or 2 pp when larger. A fixed default keeps the global batch, hence
+    the losses, the same for pp = 1, 2, 4."""
+    microbatch_size: int = option(4, "sequences per microbatch", minimum=1, maximum=2**16)
+    model: ModelShape = field(default_factory=ModelShape)
+    steps: int = option(200, "optimizer steps", minimum=1)
+    lr: float = option(3e-3, "AdamW learning rate", above=0, maximum=10)
+    seed: int = option(0, "init and data seed", minimum=0)
+    dtype: str = option("float32", "compute dtype; bfloat16 keeps fp32 master weights, main "
+                        "grads and optimizer state", choices=DTYPES)
+    lr_schedule: str = option("constant", "learning rate after the warm-up: constant, or cosine / "
+                              "linear decay to --min-lr at --steps", choices=LR_SCHEDULES)
+    warmup: int = option(0, "updates of linear learning-rate warm-up", minimum=0)
+    min_lr: float = option(0.0, "learning rate at the end of the decay", minimum=0)
+    weight_decay: float = option(0.0, "AdamW weight decay (not on norm gains and biases)",
+                                 minimum=0)
+    clip_grad: float | None = option(
+        None, "clip the global gradient norm (every stage, TP shard and DP replica) to X; "
+        "default: no clipping, the norm is still reported", above=0)
+    data: str | None = option(
+        None, "a text file or a directory (default: the Python standard library)",
+        metavar="PATH")
+    init_from: str | None = option(
+        None, "start from a Hugging Face Llama / Qwen2 checkpoint directory (config.json + "
+        "*.safetensors): every rank reads only its slices; the model's shape is its "
+        "config.json's", metavar="DIR")
+    save_hf: str | None = option(
+        None, "after the last step, write the model as a Hugging Face checkpoint directory "
+        "(transformers' from_pretrained loads it)", metavar="DIR")
+    tokenizer: str | None = option(
+        None, "tokenizer.json that tokenises --data (default: the --init-from directory's, "
+        "when it has one; else bytes)", metavar="PATH")
+    out: str | None = option(None, "checkpoint directory, created and checked writable before "
+                             "training (default runs/train-<time>/)", metavar="DIR")
+    save_every: int = option(0, "write a sharded checkpoint into --out every N steps (and after "
+                             "the last step); 0: after the last step only", minimum=0)
+    keep: int | None = option(None, "keep only the K newest checkpoints in --out (default: all)",
+                              minimum=1, metavar="K")
+    resume: str | None = option(
+        None, "continue from the latest complete checkpoint in DIR, whatever mesh and schedule "
+        "wrote it (same step numbers; --steps is the total)", metavar="DIR")
+    eval_every: int = option(0, "every N steps, the mean loss on --eval-data (0: never)",
+                             minimum=0)
+    eval_data: str | None = option(None, "held-out text file or directory for --eval-every",
+                                   metavar="PATH")
+    timeout: float = option(
+        120.0, "seconds a rank may wait on a peer before all ranks stop", above=0)
+    offload: str = option(
+        "none", "activation offload: none, stp (the STP paper's: chunk-0 activations), all, "
+        "selective:X (PipeOffload: cut the peak by about X). Every policy measures resident "
+        "activation bytes per rank", metavar="POLICY")
+    braid: bool = option(
+        True, "run braided blocks unit by unit with the TP all-reduces in flight; off: pass "
+        "by pass, every all-reduce waited for")
+    trace: str | None = option(
+        None, "write the last step's measured trace (every unit, all-reduce, send and "
+        "receive of every rank; open in ui.perfetto.dev)", metavar="FILE.json")
+    emulate: str | None = option(
+        None, "replace each unit's compute by a timed wait: milliseconds of F, B, W per "
+        "microbatch per rank share, as `stp simulate --cost`; communication stays real "
+        "(the loss is not computed)", flag="--emulate-compute", metavar="f=..,b=..,w=..")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.tp * self.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.microbatches if self.microbatches is not None else max(8, 2 * self.pp)
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per step over all replicas: dp x m x microbatch size."""
+        return self.dp * self.num_microbatches * self.microbatch_size
+
+    def out_dir(self) -> Path:
+        """--out, or else a new directory `runs/train-<time>` (`-2`, `-3`, ... when that
+        exists: two runs started in the same second get two directories). The default
+        is created here, so call once and keep the result (`stp train` stores it in
+        `out` before any worker starts)."""
+        if self.out is not None:
+            return Path(self.out)
+        return new_run_dir(Path("runs"), time.strftime("train-%Y%m%d-%H%M%S"))
+
+
+def new_run_dir(root: Path, name: str) -> Path:
+    """Create and return `root/name`, or the first of `root/name-2`, `-3`, ... that
+    did not exist (mkdir is atomic: two processes never get the same directory).
+    ValueError when `root` cannot take a new directory."""
+    n = 1
+    while True:
+        path = root / (name if n == 1 else f"{name}-{n}")
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            n += 1
+        except OSError as e:
+            raise ValueError(f"cannot create a run directory in {str(root)!r}: "
+                             f"{e.strerror or e}; give --out DIR") from None

@@ -1,0 +1,198 @@
+"""The training loop of one `stp train` run on an initialised world.
+
+`run(job, on_step)` builds the mesh, the data and the Trainer (loaded from
+`job.resume` when given), takes optimizer steps up to `job.steps` (a resumed
+run continues at the checkpoint's step: batches are a function of the step,
+so its data continue too), evaluates every `job.eval_every` steps, writes a
+sharded checkpoint every `job.save_every` steps and after the last one,
+calls `on_step` on global rank 0 after each step, writes the trace, the
+Hugging Face checkpoint (`job.save_hf`) and the gathered model, and returns
+a `RunSummary` on rank 0 (None on the others).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from stp.runtime.mesh import Mesh, ParallelDims
+from stp.train.config import TrainJob
+from stp.train.data import ByteBatches, read_corpus
+from stp.train.job import make_schedule, model_config, stage_model
+from stp.train.lr import LRSchedule, adamw
+from stp.train.plan import resolved_partition, stage_layer_counts
+from stp.train.pretrained import copy_tokenizer, job_tokenizer
+from stp.train.tokens import make_batches
+from stp.train.trainer import Trainer, TrainerOptions
+
+__all__ = ["StepReport", "RunSummary", "run"]
+
+
+@dataclass(frozen=True)
+class StepReport:
+    step: int
+    loss: float
+    tokens_per_s: float
+    step_time_s: float
+    resident_activation_bytes: list[int] | None = None
+    """Peak resident activation bytes of the step, per global rank."""
+    grad_norm: float | None = None
+    """Global gradient norm before clipping."""
+    lr: float | None = None
+    """Learning rate the step's update used."""
+    skipped: bool = False
+    """The gradients held inf/NaN: no rank updated (stp.train.precision)."""
+    eval_loss: float | None = None
+    """Mean loss on the held-out data, on the steps that evaluate."""
+    checkpoint: str | None = None
+    """The sharded checkpoint this step wrote (None: none written)."""
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What rank 0 reports at the end of a run."""
+
+    job: TrainJob
+    microbatches: int
+    backend: str
+    device: str
+    parameters: int
+    losses: tuple[float, ...]
+    step_times_s: tuple[float, ...]
+    tokens_per_step: int
+    resident_activation_bytes: list[int] | None
+    checkpoint: str
+    sharded_checkpoint: str | None = None
+    """The last sharded checkpoint written (what --resume loads)."""
+
+    @property
+    def first_loss(self) -> float | None:
+        return self.losses[0] if self.losses else None
+
+    @property
+    def last_loss(self) -> float | None:
+        return self.losses[-1] if self.losses else None
+
+    @property
+    def step_time_s(self) -> float | None:
+        """Mean step time without the first step (warm-up), when there are more."""
+        steady = self.step_times_s[1:] or self.step_times_s
+        return sum(steady) / len(steady) if steady else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        t = self.step_time_s
+        return None if t is None else self.tokens_per_step / t
+
+
+EVAL_BATCHES = 4
+"""Fixed held-out global batches averaged by each evaluation (the same ones every time,
+so evaluations compare)."""
+
+
+def _eval_batches(job: TrainJob) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if not job.eval_every or job.eval_data is None or job.emulate is not None:
+        return []
+    data = make_batches(job, job.eval_data) if job_tokenizer(job) else ByteBatches.from_bytes(
+        read_corpus(job.eval_data), job.model.seq_len, job.global_batch, job.seed)
+    return [data.batch(i) for i in range(EVAL_BATCHES)]
+
+
+def _after_step(job: TrainJob, trainer: Trainer, step: int,
+                evals: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float | None, str | None]:
+    """Evaluate and save when the step calls for it: (eval loss, checkpoint path)."""
+    done = step + 1
+    eval_loss = None
+    if evals and done % job.eval_every == 0:
+        eval_loss = sum(trainer.evaluate(b) for b in evals) / len(evals)
+    saved = None
+    if done == job.steps or (job.save_every and done % job.save_every == 0):
+        saved = trainer.save(str(job.out_dir()), keep=job.keep)
+    return eval_loss, saved
+
+
+def _shared_out(job: TrainJob) -> TrainJob:
+    """`job` with global rank 0's --out on every rank (the default names the time)."""
+    box = [str(job.out_dir()) if dist.get_rank() == 0 else None]  # the default creates it
+    dist.broadcast_object_list(box, src=0)
+    return dataclasses.replace(job, out=box[0])
+
+
+def run(job: TrainJob, on_step: Callable[[StepReport], None] | None = None) -> RunSummary | None:
+    """Train `job` on the initialised world (see the module doc)."""
+    mesh = Mesh.from_world(ParallelDims(job.pp, job.tp, job.dp), timeout=job.timeout)
+    job = _shared_out(job)
+    batches = make_batches(job, job.data)  # bytes, or tokens (stp.train.tokens)
+    schedule = make_schedule(job)
+    job, partition = resolved_partition(job, schedule)
+    options = TrainerOptions(
+        dtype=getattr(torch, job.dtype), timeout=job.timeout, hidden=model_config(job).hidden,
+        offload=job.offload if job.emulate is None else None, braid=job.braid,
+        trace=job.trace is not None, clip_grad=job.clip_grad,
+        lr_schedule=LRSchedule(job.lr_schedule, job.steps, job.warmup, job.min_lr),
+        partition=partition,
+    )
+    args = (stage_model(job, schedule), adamw(job.lr, weight_decay=job.weight_decay), schedule)
+    kw = {"mesh": mesh, "options": options, "init_from": job.init_from}
+    trainer = Trainer.resume(job.resume, *args, **kw) if job.resume else Trainer(*args, **kw)
+    evals, sharded = _eval_batches(job), None
+    tokens_per_step = job.global_batch * job.model.seq_len
+    losses, times = [], []
+    peaks: list[int] | None = None
+    for step in range(trainer.steps_done, job.steps):
+        start = time.perf_counter()
+        loss = trainer.step(batches.batch(step))
+        elapsed = time.perf_counter() - start
+        losses.append(loss)
+        times.append(elapsed)
+        resident = trainer.activation_peaks()  # collective, outside the timed step
+        if resident is not None:
+            old = peaks or resident
+            peaks = [max(a, b) for a, b in zip(old, resident, strict=True)]
+        eval_loss, saved = _after_step(job, trainer, step, evals)
+        sharded = saved or sharded
+        update = trainer.last_update
+        if mesh.rank == 0 and on_step is not None and update is not None:
+            on_step(StepReport(step, loss, tokens_per_step / elapsed, elapsed, resident,
+                               update.grad_norm, update.lr, update.skipped, eval_loss,
+                               saved))
+    if job.trace is not None and losses:  # the last step, every rank
+        trainer.write_trace(job.trace, {"braid": job.braid, "emulate": job.emulate,
+                                        "tp": job.tp, "dp": job.dp,
+                                        "partition": stage_layer_counts(job, schedule)})
+    if job.save_hf is not None:  # every rank writes its own stages' files
+        trainer.save_hf(job.save_hf)
+        if mesh.rank == 0:
+            copy_tokenizer(job)
+    state = trainer.full_state_dict()
+    if mesh.rank != 0:
+        return None
+    path = _save(job, state or {}, losses)
+    return RunSummary(
+        job=job, microbatches=schedule.num_microbatches, backend=str(dist.get_backend()),
+        device=str(mesh.device), parameters=sum(t.numel() for t in (state or {}).values()),
+        losses=tuple(losses), step_times_s=tuple(times), tokens_per_step=tokens_per_step,
+        resident_activation_bytes=peaks, checkpoint=os.fspath(path), sharded_checkpoint=sharded,
+    )
+
+
+def _save(job: TrainJob, state: dict[str, torch.Tensor], losses: list[float]) -> str:
+    out = job.out_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "checkpoint.pt"
+    torch.save(
+        {
+            "model": state,
+            "model_config": dataclasses.asdict(model_config(job)),
+            "job": dataclasses.asdict(job),
+            "losses": losses,
+        },
+        path,
+    )
+    return os.fspath(path)

@@ -1,0 +1,143 @@
+"""Mixed precision as Megatron-LM runs it, and the optimizer update around it.
+
+bf16 (or fp16) model, as "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM" (Narayanan et al., arXiv 2104.04473) trains:
+
+    model weights     bf16, what the forward and backward compute with
+    main grads        fp32, one buffer per parameter; every microbatch's weight
+                      gradient is added to it as soon as its W produces it, so
+                      the sum over microbatches is never rounded to bf16
+    master weights    fp32 copy of every parameter; the optimizer steps these
+                      (its state is fp32 too), reading the main grads
+    after the step    masters rounded back into the bf16 model
+
+An update of 2e-5 on a weight of 0.02 is below half a bf16 ulp (1.2e-4) and
+vanishes when bf16 weights are stepped directly; on the fp32 master it
+accumulates until it moves the bf16 copy.
+
+float32 and float64 models are pure: the optimizer steps the model's own
+parameters with their `.grad`; nothing is copied.
+
+The fold into the main grad happens after each unit's W (and after a unit's
+backward_finish, which adds the RMSNorm gain's gradient when W ran early in a
+braided block), by wrapping those two methods of every unit that holds
+parameters; whatever a stage accumulates otherwise is folded once the step's
+backward has run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from stp.train.clip import clip_coefficient, scale_grads
+
+__all__ = ["LOW_PRECISION", "Precision", "UpdateStats", "apply_update"]
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class Precision:
+    """The parameters the optimizer steps and their gradients, for one rank.
+
+    `named`: this rank's (global name, model parameter); `units`: objects whose
+    `weight` / `backward_finish` produce weight gradients (stp.models units)."""
+
+    def __init__(
+        self, named: Sequence[tuple[str, nn.Parameter]], units: Iterable[Any] = ()
+    ) -> None:
+        self.names = [n for n, _ in named]
+        self.model = [p for _, p in named]
+        self.mixed = any(p.dtype in LOW_PRECISION for p in self.model)
+        self.params: list[nn.Parameter] = self.model
+        """What the optimizer steps: fp32 masters (mixed) or the model's parameters."""
+        if not self.mixed:
+            return
+        self.params = [nn.Parameter(p.detach().float().clone()) for p in self.model]
+        for master in self.params:
+            master.grad = torch.zeros_like(master)  # the main grad
+        index = {id(p): i for i, p in enumerate(self.model)}
+        for unit in units:
+            mine = [index[id(v)] for v in vars(unit).values() if id(v) in index]
+            if mine:
+                for method in ("weight", "backward_finish"):
+                    if callable(getattr(unit, method, None)):
+                        setattr(unit, method, self._folding(getattr(unit, method), mine))
+
+    def _folding(self, inner: Callable[..., Any], indices: list[int]) -> Callable[..., Any]:
+        def run(*args: Any, **kw: Any) -> Any:
+            out = inner(*args, **kw)
+            self._fold(indices)
+            return out
+
+        return run
+
+    def _fold(self, indices: Iterable[int]) -> None:
+        """main grad += model .grad (in fp32); the model's .grad is dropped."""
+        for i in indices:
+            p = self.model[i]
+            if p.grad is not None:
+                self.params[i].grad.add_(p.grad)  # type: ignore[union-attr]
+                p.grad = None
+
+    def fold(self) -> None:
+        """Fold what is left in the model's `.grad` (call after the backward)."""
+        if self.mixed:
+            self._fold(range(len(self.model)))
+
+    def zero_grad(self) -> None:
+        """Zero the main grads (mixed; the model's own `.grad` the stages zero)."""
+        if self.mixed:
+            for master in self.params:
+                master.grad.zero_()  # type: ignore[union-attr]
+
+    def grads(self) -> list[torch.Tensor]:
+        """The gradient of each parameter in `params` (created as zeros if missing)."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in self.params]  # type: ignore[misc]
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        """Round the masters into the model (mixed; nothing to do when pure)."""
+        if self.mixed:
+            for p, master in zip(self.model, self.params, strict=True):
+                p.copy_(master)
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """What one optimizer update did."""
+
+    grad_norm: float
+    """Global gradient norm before clipping (stp.train.clip)."""
+    lr: float
+    """Learning rate of the first param group for this update."""
+    skipped: bool
+    """The gradients held inf or NaN: no rank updated anything."""
+
+
+def apply_update(
+    precision: Precision, optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None, norm: float,
+    max_norm: float | None,
+) -> UpdateStats:
+    """Clip by the global `norm` (when `max_norm`), step the optimizer and the
+    schedule, copy the masters back. A non-finite norm skips all of it; `norm`
+    is the same on every rank, so every rank decides alike."""
+    lr = float(optimizer.param_groups[0]["lr"])
+    if not math.isfinite(norm):
+        return UpdateStats(norm, lr, skipped=True)
+    if max_norm is not None:
+        scale_grads(precision.grads(), clip_coefficient(norm, max_norm))
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    precision.copy_to_model()
+    return UpdateStats(norm, lr, skipped=False)

@@ -1,0 +1,452 @@
+"""Trainer: one object that trains a TP x PP x DP model with any stp schedule.
+
+As the STP paper's reference code runs a schedule:
+
+    trainer = Trainer(ModelConfig(...), lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                      "stp", pp=2, tp=2, dp=1, microbatches=8)
+    for step in range(n):
+        loss = trainer.step(batch)      # same value on every rank
+
+One `step` = one iteration over m microbatches of the global batch:
+
+    1. every rank takes its DP replica's rows and cuts them into m microbatches;
+    2. the executor runs this pipeline rank's lowered program (stp.runtime.executor);
+       the last stage seeds each backward with 1/m, so .grad holds the
+       gradient of the mean of microbatch means = the full-batch mean loss;
+    3. gradients are averaged over DP replicas (one flat all-reduce);
+    4. the global gradient norm is taken over the whole model and the
+       gradients clipped by it (stp.train.clip; inf/NaN: the step is skipped
+       on every rank); the optimizer steps, in bf16 on fp32 master weights
+       and main grads (stp.train.precision), and the LR schedule advances
+       (stp.train.lr); the loss (mean over microbatches and replicas) is
+       summed over the world from the ranks holding it, so every rank
+       returns the same number.
+
+`save(dir)` and `Trainer.resume(dir, ...)` write and read sharded checkpoints
+that any mesh can load (stp.train.checkpoint).
+
+Nothing is scaled twice: 1/m once in the backward seed, 1/dp once in the
+DP average.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stp.models import ModelConfig, build_stage, check_model, valid_token_ratio
+from stp.models.hf import DEFAULT_SHARD_BYTES, HFCheckpoint, agreeing_config, save_stages
+from stp.models.shared_grads import SharedGrads
+from stp.runtime.errors import CommTimeout, RankError, first_line, is_timeout
+from stp.runtime.executor import Executor
+from stp.runtime.launch import in_torchrun, init_distributed
+from stp.runtime.mesh import Mesh, ParallelDims
+from stp.runtime.offload import ActivationOffloader, StepMemory, runtime_plan
+from stp.runtime.p2p import P2P
+from stp.runtime.stage_api import PipelineStage
+from stp.runtime.trace import Recorder, gather_spans, write_trace
+from stp.schedule import Schedule, registry, validate
+from stp.schedule.lower import lower
+from stp.schedule.placement import partition_layers
+from stp.train import checkpoint
+from stp.train.clip import counted_mask, grad_norm
+from stp.train.data import split_batch
+from stp.train.lr import LRSchedule, make_scheduler
+from stp.train.precision import Precision, UpdateStats, apply_update
+from stp.train.shards import box_of, norm_key
+
+__all__ = ["Trainer", "TrainerOptions", "StageBuilder", "OptimizerFactory"]
+
+StageBuilder = Callable[..., Any]
+"""`builder(stage, num_stages, *, tp_group, tp_size, tp_rank, device, dtype)` -> a
+PipelineStage that also has `named_parameters()`, `shard_dim(name)`, `zero_grad()`."""
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class TrainerOptions:
+    """How a Trainer runs (what it trains: the model, optimizer and schedule)."""
+
+    dtype: torch.dtype = torch.float32
+    """Parameter and activation dtype."""
+    device: torch.device | str | None = None
+    """None: the mesh's device (CUDA when the backend is NCCL, else the CPU)."""
+    timeout: float = 300.0
+    """Seconds every receive and collective may wait before the rank gives up."""
+    hidden: int | None = None
+    """Width of stage boundary tensors; read from a ModelConfig, needed for a builder."""
+    lookahead: int = 1
+    """Receives are posted this many compute actions early (stp.schedule.lower)."""
+    offload: str | None = None
+    """Activation offload policy (none, stp, all, selective:X; stp.runtime.offload);
+    given, even as "none", resident activation bytes are measured every step."""
+    braid: bool = True
+    """Run braided blocks unit by unit with the TP all-reduces hidden (False: the
+    unbraided baseline)."""
+    trace: bool = False
+    """Record every step (`write_trace` writes the last one)."""
+    clip_grad: float | None = None
+    """Clip the global gradient norm to this (stp.train.clip); None: measured, not clipped."""
+    lr_schedule: LRSchedule | None = None
+    """Warm-up and decay of the optimizer's lr (stp.train.lr); None: constant."""
+    partition: tuple[int, ...] | None = None
+    """Transformer layers of each global stage (uneven stages, e.g. fewer on the
+    stages holding the embedding and the output layer); None: the even split."""
+
+    def __post_init__(self) -> None:
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
+        if self.clip_grad is not None and not self.clip_grad > 0:
+            raise ValueError(f"clip_grad must be > 0 (or None: no clipping), got {self.clip_grad}")
+        if self.lookahead < 1:
+            raise ValueError(f"lookahead must be >= 1, got {self.lookahead}")
+
+
+class Trainer:
+    """Trains one model on a pp x tp x dp mesh with one schedule (see module doc).
+
+    `model`: a `stp.models.ModelConfig` or a StageBuilder. `optimizer`: a
+    factory taking this rank's parameters. `schedule`: a registry name, a
+    schedule file (FILE.json / FILE.csv, as `stp search --out` writes) or a
+    Schedule for pp ranks. `mesh`: reuse existing process groups (else they
+    are created from the world; a world of one needs no launcher). `data`:
+    an iterable of (tokens, targets) global batches for `step()` without an
+    argument. `options` (TrainerOptions), or any of its fields as keywords.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: OptimizerFactory | None = None,
+        schedule: str | Schedule = "stp",
+        *,
+        pp: int = 1,
+        tp: int = 1,
+        dp: int = 1,
+        microbatches: int | None = None,
+        mesh: Mesh | None = None,
+        data: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        options: TrainerOptions | None = None,
+        init_from: str | os.PathLike[str] | None = None,
+        **option_overrides: Any,
+    ) -> None:
+        opts = replace(options or TrainerOptions(), **option_overrides)
+        dims = mesh.dims if mesh is not None else ParallelDims(pp, tp, dp)
+        schedule = self._schedule(schedule, dims, microbatches)
+        self.source = None if init_from is None else HFCheckpoint.open(init_from)
+        """The Hugging Face checkpoint the weights were read from (init_from)."""
+        if self.source is not None:
+            model = agreeing_config(model, self.source)
+        builder, hidden = self._builder(model, opts, schedule.num_stages, dims.tp, self.source)
+        mesh = mesh or self._world_mesh(dims, opts)
+        self.mesh, self.dims, self.schedule, self.options = mesh, dims, schedule, opts
+        self.dtype, self.hidden, self.timeout = opts.dtype, hidden, opts.timeout
+        self.device = mesh.device if opts.device is None else torch.device(opts.device)
+        c = mesh.coord
+        self.stages: dict[int, Any] = {
+            s: builder(
+                s, schedule.num_stages, tp_group=mesh.tp_group, tp_size=dims.tp, tp_rank=c.tp,
+                device=self.device, dtype=opts.dtype,
+            )
+            for s in schedule.stages_of(c.pp)
+        }
+        for st in self.stages.values():
+            if not isinstance(st, PipelineStage):
+                raise ValueError(
+                    f"the stage builder returned a {type(st).__name__}, not a PipelineStage "
+                    "(stp.runtime.stage_api)"
+                )
+        self.parameters = [p for st in self.stages.values() for p in st.parameters()]
+        self.model_config = model if isinstance(model, ModelConfig) else None
+        self._shared = None if self.model_config is None else SharedGrads.on_mesh(
+            self.model_config, self.stages, schedule, mesh)
+        units = [u for st in self.stages.values() for u in getattr(st, "units", ())]
+        self.precision = Precision(list(self.named_parameters()), units)
+        factory = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+        self.optimizer = factory(self.precision.params)
+        self.scheduler = (None if opts.lr_schedule is None
+                          else make_scheduler(self.optimizer, opts.lr_schedule))
+        self._counted = self._norm_mask()
+        self.last_update: UpdateStats | None = None
+        """Gradient norm, lr and whether the last `step` was skipped (inf/NaN)."""
+        self._evaluator: Any = None
+        self.offloader = None if opts.offload is None else ActivationOffloader(
+            schedule, c.pp, self.stages, runtime_plan(schedule, opts.offload),
+            device=self.device,
+        )
+        self.executor = self._executor(opts)
+        self.holds_loss = schedule.stage_to_rank[-1] == c.pp
+        self._data: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = (
+            iter(data) if data is not None else None
+        )
+        self.steps_done = 0
+
+    @staticmethod
+    def _schedule(schedule: str | Schedule, dims: ParallelDims,
+                  microbatches: int | None) -> Schedule:
+        if isinstance(schedule, str):
+            from stp.train.plan import is_schedule_file, load_schedule_file
+
+            if is_schedule_file(schedule):  # validated, fitted to pp (and microbatches)
+                return load_schedule_file(schedule, dims.pp, microbatches)
+            return registry.make(schedule, dims.pp, microbatches)
+        if schedule.num_ranks != dims.pp:
+            raise ValueError(
+                f"schedule {schedule.name} has {schedule.num_ranks} ranks, not pp={dims.pp}"
+            )
+        validate(schedule)
+        return schedule
+
+    @staticmethod
+    def _builder(model: Any, opts: TrainerOptions, num_stages: int, tp: int,
+                 source: Any = None) -> tuple[StageBuilder, int]:
+        """(stage builder, boundary width) for a ModelConfig (its weights read from
+        `source`, an HFCheckpoint, when given) or a builder."""
+        if isinstance(model, ModelConfig):
+            check_model(model, tp, num_stages)
+            if opts.partition is not None:
+                partition_layers(model.num_layers, num_stages, opts.partition)  # ValueError
+            weights = {} if source is None else {"weights": source.read}
+            return functools.partial(build_stage, model, partition=opts.partition,
+                                     **weights), model.hidden
+        if opts.partition is not None:
+            raise ValueError("partition= splits a ModelConfig's layers; a stage builder "
+                             "decides its own stages' layers")
+        if isinstance(model, nn.Module) or not callable(model):
+            raise ValueError(
+                f"Trainer takes a stp.models.ModelConfig, a stage builder function, or None "
+                f"with init_from=DIR (a Hugging Face checkpoint), not a {type(model).__name__}"
+            )
+        if opts.hidden is None:
+            raise ValueError("a stage builder needs hidden= (width of boundary tensors)")
+        return model, opts.hidden
+
+    @staticmethod
+    def _world_mesh(dims: ParallelDims, opts: TrainerOptions) -> Mesh:
+        """The mesh over the whole world, initialising torch.distributed if needed
+        (from torchrun's environment, or a world of one)."""
+        device = None if opts.device is None else torch.device(opts.device)
+        if not dist.is_initialized():
+            if dims.world_size != 1 and not in_torchrun():
+                raise ValueError(
+                    f"a {dims.world_size}-rank mesh needs torch.distributed initialised "
+                    "(start under torchrun, or use `stp train`)"
+                )
+            init_distributed(timeout=opts.timeout, device=device)
+        return Mesh.from_world(dims, device=device, timeout=opts.timeout)
+
+    def _norm_mask(self) -> list[bool]:
+        """Which local gradients this rank adds to the global norm (stp.train.clip)."""
+        tp, tp_rank = self.dims.tp, self.mesh.coord.tp
+        keys = [norm_key(st, n, box_of(st, n, p, tp, tp_rank))
+                for st in self.stages.values() for n, p in st.named_parameters()]
+        gather = None if self.dims.world_size == 1 else functools.partial(
+            self._collective, "gradient keys gather", "the world", dist.all_gather_object)
+        return counted_mask(keys, rank=self.mesh.rank, gather=gather)
+
+    def _executor(self, opts: TrainerOptions) -> Executor:
+        mesh, schedule = self.mesh, self.schedule
+        p2p = None
+        if self.dims.pp > 1:
+            p2p = P2P(mesh.pp_group, mesh.ranks["pp"], schedule.num_stages,
+                      timeout=opts.timeout, where=mesh.describe())
+        recorder = None
+        if opts.trace:
+            recorder = Recorder(mesh.rank, [schedule.chunk_of(s)
+                                            for s in range(schedule.num_stages)])
+        return Executor(
+            lower(schedule, lookahead=opts.lookahead), mesh.coord.pp, self.stages, p2p,
+            boundary_shape=(1, 1, self.hidden), dtype=opts.dtype, device=self.device,
+            where=mesh.describe(),
+            collective_peers=mesh.describe_group("tp"),
+            offload=self.offloader, braid=opts.braid, recorder=recorder,
+        )
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.schedule.num_microbatches
+
+    @property
+    def memory(self) -> StepMemory | None:
+        """This rank's activation bytes in the last step (None without `offload`)."""
+        return None if self.offloader is None else self.offloader.memory
+
+    def activation_peaks(self) -> list[int] | None:
+        """Peak resident activation bytes of the last step on every global rank
+        (collective: every rank calls it); None without `offload`."""
+        if self.offloader is None:
+            return None
+        peaks: list[Any] = [None] * self.dims.world_size
+        self._collective("memory gather", "the world", dist.all_gather_object, peaks,
+                         self.offloader.memory.peak_bytes)
+        return [int(p) for p in peaks]
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(global name, local tensor) of every parameter this rank holds."""
+        for st in self.stages.values():
+            yield from st.named_parameters()
+
+    # -- one iteration ------------------------------------------------------------
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
+        """Run one iteration on the global batch (tokens, targets) [B, s] and
+        step the optimizer; B must split into dp x m equal microbatches.
+        Returns the mean loss, the same on every rank."""
+        if batch is None:
+            if self._data is None:
+                raise ValueError("step() without a batch needs Trainer(..., data=...)")
+            batch = next(self._data)
+        tokens, targets = batch
+        if tokens.shape != targets.shape or tokens.dim() != 2:
+            raise ValueError(
+                f"batch needs tokens and targets of one shape [B, s], got {tuple(tokens.shape)} "
+                f"and {tuple(targets.shape)}"
+            )
+        d, m, c = self.dims, self.num_microbatches, self.mesh.coord
+        inputs = [t.to(self.device) for t in split_batch(tokens, d.dp, c.dp, m)]
+        tgts = [t.to(self.device) for t in split_batch(targets, d.dp, c.dp, m)]
+        for st in self.stages.values():
+            st.zero_grad()
+        self.precision.zero_grad()
+        # the mean over the valid (not ignored) targets of the whole global batch
+        ratio = valid_token_ratio(targets)
+        losses = self.executor.run(inputs, tgts, scale=ratio / m,
+                                   boundary_shape=(*inputs[0].shape, self.hidden))
+        self.precision.fold()
+        if self._shared is not None:
+            grads = dict(zip(self.precision.names, self.precision.grads(), strict=True))
+            self._collective("tied / replicated gradient sum", "the ranks sharing parameters",
+                             self._shared, grads)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.holds_loss and c.tp == 0:
+            total += sum(float(v) for v in losses.values()) / (m * d.dp) * ratio
+        self._collective("loss all-reduce", "the world", dist.all_reduce, total)
+        if d.dp > 1:
+            self._reduce_dp_grads()
+        self.last_update = self._update()
+        self.steps_done += 1
+        return float(total)
+
+    def _update(self) -> UpdateStats:
+        """Global grad norm, clipping, optimizer and LR step (stp.train.precision)."""
+        world_sum = None
+        if self.dims.world_size > 1:
+            world_sum = functools.partial(self._collective, "grad-norm all-reduce", "the world",
+                                          dist.all_reduce)
+        norm = grad_norm(self.precision.grads(), self._counted, world_sum)
+        return apply_update(self.precision, self.optimizer, self.scheduler, norm,
+                            self.options.clip_grad)
+
+    def evaluate(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        """Mean loss of a global batch, forwards only (stp.train.evaluate). Collective."""
+        from stp.train.evaluate import Evaluator
+
+        self._evaluator = self._evaluator or Evaluator(self)
+        return self._evaluator.loss(batch)
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    def save(self, directory: str, *, keep: int | None = None) -> str:
+        """Write a sharded checkpoint `directory/step-<steps_done>` (stp.train.checkpoint):
+        model, fp32 masters, optimizer, LR schedule, step, RNG. Collective."""
+        return str(checkpoint.save(self, directory, keep=keep))
+
+    @classmethod
+    def resume(cls, path: str, *args: Any, **kwargs: Any) -> Trainer:
+        """A Trainer built from the constructor's arguments and loaded from the latest
+        complete checkpoint in `path`, whatever mesh or schedule wrote it; `steps_done`
+        continues from it, `data` skips the batches already used. Collective."""
+        trainer = cls(*args, **kwargs)
+        checkpoint.load(trainer, checkpoint.latest(path))
+        if trainer._data is not None:
+            for _ in range(trainer.steps_done):
+                next(trainer._data)
+        return trainer
+
+    def write_trace(self, path: str, meta: dict[str, object] | None = None) -> None:
+        """Write the last step's measured trace of every rank to `path` on global
+        rank 0 (stp.runtime.trace; needs `trace=True`). Collective."""
+        rec = self.executor.recorder
+        if rec is None:
+            raise ValueError("write_trace needs Trainer(..., trace=True)")
+        spans = gather_spans(rec)
+        if spans is not None:
+            pp_of = {r: self.dims.coord_of(r).pp for r in range(self.dims.world_size)}
+            write_trace(path, spans, self.schedule, pp_of, meta)
+
+    def _reduce_dp_grads(self) -> None:
+        """Average gradients (fp32 main grads in mixed precision) over DP replicas in
+        one flat all-reduce."""
+        grads = self.precision.grads()
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        group = self.mesh.dp_group
+        what = self.mesh.describe_group("dp")
+        self._collective("DP gradient all-reduce", what, dist.all_reduce, flat, group=group)
+        flat /= self.dims.dp
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _collective(
+        self, action: str, peers: str, fn: Callable[..., Any], *args: Any, **kw: Any
+    ) -> Any:
+        try:
+            return fn(*args, **kw)
+        except RuntimeError as e:
+            first = first_line(e)
+            cls = CommTimeout if is_timeout(e) else RankError
+            where = self.mesh.describe()
+            raise cls(f"waiting on {peers}: {first}", where=where, action=action) from e
+
+    # -- gathering ------------------------------------------------------------------
+
+    def full_state_dict(self, *, grads: bool = False) -> dict[str, torch.Tensor] | None:
+        """The whole model's parameters (or with grads=True their gradients) on
+        global rank 0, on the CPU, under the reference's names: TP shards
+        concatenated along shard_dim, stages gathered over PP. None elsewhere.
+        Collective: every rank must call it."""
+        local: dict[str, torch.Tensor] = {}
+        tp_group = self.mesh.tp_group
+        for st in self.stages.values():
+            for name, p in st.named_parameters():
+                t = p.grad if grads else p
+                t = torch.zeros_like(p) if t is None else t.detach()
+                dim = st.shard_dim(name)
+                if dim is not None and self.dims.tp > 1:
+                    parts = [torch.empty_like(t) for _ in range(self.dims.tp)]
+                    self._collective(
+                        "state gather", "the TP group", dist.all_gather, parts, t.contiguous(),
+                        group=tp_group,
+                    )
+                    unshard = getattr(st, "unshard", None)  # padding, replicated kv heads
+                    t = unshard(name, parts) if unshard else torch.cat(parts, dim=dim)
+                local[name] = t.cpu().clone()
+        c = self.mesh.coord
+        payload = local if c.tp == 0 and c.dp == 0 else {}
+        out: list[Any] | None = [None] * self.dims.world_size if self.mesh.rank == 0 else None
+        self._collective("state gather", "the world", dist.gather_object, payload, out, dst=0)
+        if out is None:
+            return None
+        merged: dict[str, torch.Tensor] = {}
+        for part in out:
+            merged.update(part)
+        return dict(sorted(merged.items()))
+
+    def save_hf(self, directory: str | os.PathLike[str], *,
+                max_shard_bytes: int | None = None) -> None:
+        """Write the model as a Hugging Face checkpoint directory (config.json, bounded
+        safetensors files and their index, the init_from checkpoint's tokenizer files):
+        each pipeline rank writes its own stages' files (stp.models.hf.save_stages).
+        Collective."""
+        if self.model_config is None:
+            raise ValueError("save_hf needs a Trainer built from a ModelConfig or init_from")
+        save_stages(directory, self.stages, self.mesh, self.model_config, source=self.source,
+                    max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)
