@@ -11,15 +11,19 @@ schedule with them. Printed per schedule:
   step_s     the same step's wall time as `stp train --json` reports it
              (also the optimizer, the loss and gradient-norm all-reduces)
   simulated  the simulated makespan under the measured costs
-  error      simulated / measured - 1
+  error      simulated / measured - 1 (and / step_s - 1)
+  cross      the simulated makespan under the costs measured in the run of
+             the other schedule with as many stages (1f1b <-> zb-h1: two,
+             zb-v <-> stp: four), and its error against this run's measured
 
-The costs come from the same step they predict, so this checks that the
+`simulated` takes its costs from the step it predicts, so it checks that the
 simulator's model (passes, dependencies, send latency, per-stage times)
-reproduces the runtime's timeline, not that one step predicts the next; on
-a shared CPU the step times themselves vary by 10% and more from step to step.
+reproduces the runtime's timeline; `cross` predicts one schedule's step from
+another's run. On a shared CPU the step times themselves vary by 10% and
+more from run to run (other processes take the cores), which `cross` carries.
 
     python3 benchmarks/bench_measured_costs.py [--schedules 1f1b,zb-h1,zb-v]
-        [--pp 2] [--steps 6] [--hidden 128] [--json]
+        [--pp 2] [--steps 4] [--hidden 128] [--keep DIR] [--out FILE.md] [--json]
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+PARTNER = {"1f1b": "zb-h1", "zb-h1": "1f1b", "zb-v": "stp", "stp": "zb-v"}
+"""Schedules with as many global stages at any pp: each predicted from the other's run."""
 
 
 def _stp(*argv: str) -> str:
@@ -57,36 +64,70 @@ def measure(schedule: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any
                 "--seq-len", str(args.seq_len), "-m", str(args.microbatches), "--trace",
                 str(trace), "--out", str(out), "--json")
     steps = [json.loads(line) for line in rows.splitlines() if line.startswith("{")]
+    measured = _traced_span(trace)
+    simulated = _simulate(schedule, args, trace)
+    return {"schedule": schedule, "trace": str(trace), "measured_ms": measured,
+            "step_ms": 1e3 * steps[-1]["step_s"], "simulated_ms": simulated,
+            "error": simulated / measured - 1,
+            "error_step": simulated / (1e3 * steps[-1]["step_s"]) - 1}
+
+
+def _simulate(schedule: str, args: argparse.Namespace, trace: Path | str) -> float:
     sim = json.loads(_stp("simulate", "--schedule", schedule, "--pp", str(args.pp), "-m",
                           str(args.microbatches), "--costs-from", str(trace), "--json"))
-    measured = _traced_span(trace)
-    return {"schedule": schedule, "measured_ms": measured,
-            "step_ms": 1e3 * steps[-1]["step_s"], "simulated_ms": sim["makespan"],
-            "error": sim["makespan"] / measured - 1}
+    return float(sim["makespan"])
+
+
+def cross(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Each schedule simulated with its partner's measured costs (PARTNER)."""
+    by_name = {r["schedule"]: r for r in rows}
+    for r in rows:
+        other = by_name.get(PARTNER.get(r["schedule"], ""))
+        if other is not None:
+            r["cross_ms"] = _simulate(r["schedule"], args, other["trace"])
+            r["cross_error"] = r["cross_ms"] / r["measured_ms"] - 1
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--schedules", default="1f1b,zb-h1,zb-v")
+    ap.add_argument("--schedules", default="1f1b,zb-h1,zb-v,stp")
     ap.add_argument("--pp", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--microbatches", "-m", type=int, default=8)
+    ap.add_argument("--keep", metavar="DIR", default=None, help="keep the traces in DIR")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", metavar="FILE.md", default=None, help="also write the table")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [measure(s, args, Path(tmp)) for s in args.schedules.split(",")]
+        where = Path(args.keep or tmp)
+        where.mkdir(parents=True, exist_ok=True)
+        rows = [measure(s, args, where) for s in args.schedules.split(",")]
+        cross(rows, args)
     if args.json:
         print(json.dumps(rows))
         return
-    print(f"pp={args.pp} m={args.microbatches} layers={args.layers} hidden={args.hidden} "
-          f"seq={args.seq_len}, {args.steps} steps, the last one traced (ms)")
-    print(f"{'schedule':<10} {'measured':>9} {'step_s':>9} {'simulated':>10} {'error':>7}")
+    text = "\n".join(report(rows, args))
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n", encoding="utf-8")
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
+    """The table as Markdown."""
+    out = [f"pp={args.pp}, m={args.microbatches}, {args.layers} layers, hidden {args.hidden}, "
+           f"sequence {args.seq_len}, {args.steps} steps, the last one traced; times in ms; "
+           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", "",
+           "| schedule | measured | step_s | simulated | error | vs step_s | cross | error |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        print(f"{r['schedule']:<10} {r['measured_ms']:>9.1f} {r['step_ms']:>9.1f} "
-              f"{r['simulated_ms']:>10.1f} {r['error']:>+7.1%}")
+        cross_ms = f"{r['cross_ms']:.1f} | {r['cross_error']:+.1%}" if "cross_ms" in r else "- | -"
+        out.append(f"| {r['schedule']} | {r['measured_ms']:.1f} | {r['step_ms']:.1f} | "
+                   f"{r['simulated_ms']:.1f} | {r['error']:+.1%} | {r['error_step']:+.1%} | "
+                   f"{cross_ms} |")
+    return out
 
 
 if __name__ == "__main__":

@@ -80,11 +80,13 @@ def main(argv: list[str]) -> int:
     command = "python3 benchmarks/bench_vs_torch.py " + " ".join(argv)
     header = (
         "# stp vs torch.distributed.pipelining\n\n"
-        f"`{command.strip()}` on a machine with "
-        f"({os.cpu_count()} cores, {platform.processor() or platform.machine()}), "
+        f"`{command.strip()}` on a machine with {os.cpu_count()} cores "
+        f"({platform.processor() or platform.machine()}), "
         f"{time.strftime('%Y-%m-%d')}. Step = zero grads, m microbatches, loss all-reduce, "
         "SGD step; ms are medians over rounds; ratios stp/torch per round "
-        "(below 1: stp faster); peak MiB: resident growth during one step, per rank.\n"
+        "(below 1: stp faster); peak MiB: resident growth during one step, per rank. "
+        "What the ratios come from: README.md, Performance, "
+        "\"Against torch.distributed.pipelining\".\n"
     )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

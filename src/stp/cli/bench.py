@@ -1,7 +1,8 @@
-"""`stp bench overlap` and `stp bench fidelity`: braided execution, measured.
+"""`stp bench overlap`, `fidelity` and `peer`: braided execution and the runtime, measured.
 
     stp bench overlap [--json]    # tp=2: F then B, against F braided with B
     stp bench fidelity [--json]   # pp=2 x tp=2: measured step time vs the simulator
+    stp bench peer [--json]       # pp=2, tp=1: stp's runtime vs torch.distributed.pipelining
 
 overlap: the all-reduce time left on the compute stream when F and B of two
 microbatches run one after the other, and when they run as one braided block
@@ -13,6 +14,10 @@ time are measured first; then each schedule runs on emulated stages with
 fixed unit durations, and its median step time is printed next to the
 simulator's makespan for the same costs (stp.sim.simulate).
 
+peer: the same decoder, batch and schedule trained by stp's Trainer and by
+PyTorch's pipelining schedule class of the same name (and by PyTorch running
+stp's exported CSV), steps alternating; stp / torch per round (stp.train.peer).
+
 These are benchmarks, not tests: figures depend on the machine and its load.
 With --json the last stdout line is one JSON object. torch is imported only
 when a command runs.
@@ -21,13 +26,14 @@ when a command runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from stp.cli.common import positive_int
+from stp.cli.common import int_in, positive_int
 from stp.cli.flags import add_flags
 from stp.sim.costs import Costs
 from stp.train.config import ModelShape
@@ -44,10 +50,12 @@ def _unit_ms(text: str) -> tuple[float, float, float]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="measure braided execution: overlap and fidelity",
+    p = sub.add_parser("bench", help="measure braided execution (overlap, fidelity) and "
+                       "the runtime against torch's pipelining (peer)",
                        description="Measure braided execution on this machine: overlap (tp=2, "
                        "F then B against F braided with B) and fidelity (pp=2 x tp=2, measured "
-                       "step times against the simulator). Figures depend on the machine.")
+                       "step times against the simulator) and stp's runtime against "
+                       "torch.distributed.pipelining (peer). Figures depend on the machine.")
     bs = p.add_subparsers(dest="bench", metavar="BENCH", parser_class=type(p))
     bs.required = True
     o = bs.add_parser("overlap", help="TP all-reduce hidden by a braided block (tp=2)")
@@ -81,6 +89,26 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also write DIR/<schedule>.measured.json and .simulated.json")
     f.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     f.set_defaults(func=run_fidelity)
+    _register_peer(bs)
+
+
+def _register_peer(bs: argparse._SubParsersAction) -> None:
+    p = bs.add_parser("peer", help="stp's runtime vs torch.distributed.pipelining (pp=2, tp=1)")
+    p.add_argument("--schedules", default="1f1b,1f1b-interleaved,zb-v",
+                   help="comma-separated, each with a PyTorch class: gpipe, 1f1b, "
+                   "1f1b-interleaved, zb-v (default 1f1b,1f1b-interleaved,zb-v)")
+    add_flags(p, ModelShape, ModelShape(layers=8, hidden=256, heads=4, seq_len=128),
+              only=("layers", "hidden", "heads", "seq_len"))
+    p.add_argument("--microbatch-size", type=positive_int, default=4,
+                   help="sequences per microbatch (default 4)")
+    p.add_argument("--microbatches", "-m", type=int_in(1, 4096), default=8,
+                   help="microbatches (default 8)")
+    p.add_argument("--pairs", type=int_in(1, 1000), default=7,
+                   help="timed rounds, one step of every side each (default 7)")
+    p.add_argument("--csv", choices=("on", "off"), default="on",
+                   help="also run stp's exported CSV on PyTorch's runtime (default on)")
+    p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+    p.set_defaults(func=run_peer)
 
 
 def _launch(kind: str, settings: Any, nprocs: int) -> dict[str, Any]:
@@ -184,6 +212,32 @@ def run_fidelity(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"rows": rows, "allreduce_s": ar_u, "launch_s": launch,
                           "allreduce_isolated_s": iso, "p2p_s": comm, "same_ranking": same}))
+    return 0
+
+
+def run_peer(args: argparse.Namespace) -> int:
+    from stp.models import ModelConfig
+    from stp.schedule.registry import make as make_schedule
+    from stp.train.peer import PeerSpec, format_table
+    from stp.train.peer import run_peer as measure
+
+    names = tuple(n.strip() for n in args.schedules.split(",") if n.strip())
+    spec = PeerSpec(schedules=names, pp=2, layers=args.layers, hidden=args.hidden,
+                    heads=args.heads, kv_heads=args.heads, seq_len=args.seq_len,
+                    microbatch_size=args.microbatch_size, microbatches=args.microbatches,
+                    pairs=args.pairs, csv=args.csv == "on")  # ValueError names a bad schedule
+    ModelConfig(hidden=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                num_kv_heads=args.heads, max_seq_len=args.seq_len)  # refuse a bad shape
+    for n in names:
+        sch = make_schedule(n, spec.pp, spec.microbatches)
+        if sch.chunks * spec.pp > args.layers:
+            raise ValueError(f"--layers {args.layers}: {n} needs at least "
+                             f"{sch.chunks * spec.pp} (one per stage)")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see stp.cli.train
+    result = measure(spec)
+    print(format_table(result))
+    if args.json:
+        print(json.dumps({"spec": dataclasses.asdict(spec), "rows": result["rows"]}))
     return 0
 
 

@@ -169,8 +169,9 @@ def _worker(job: Any, as_json: bool) -> None:
 
 
 def _under_torchrun(job: Any, as_json: bool) -> int:
-    """One rank started by torchrun: the nodes' settings compared (rank 0 picks the
-    run directory), every rank checks, rank 0 alone reports, all exit 2 at once."""
+    """One rank started by torchrun: the nodes' settings compared, every rank
+    checks, rank 0 alone reports, all exit 2 at once. (The default run directory is
+    made by rank 0 once the ranks meet: stp.train.loop.)"""
     from stp.runtime.agree import SettingsDiffer, agree
     from stp.runtime.launch import STARTUP_S
     from stp.train.job import check
@@ -178,9 +179,7 @@ def _under_torchrun(job: Any, as_json: bool) -> int:
 
     try:
         # The nodes may start seconds apart: wait as long as a start may take.
-        chosen = agree(shared_settings(job), timeout=max(job.timeout, STARTUP_S),
-                       choose=lambda: {"out": str(job.out_dir())})
-        job = dataclasses.replace(job, out=chosen.get("out", job.out))
+        agree(shared_settings(job), timeout=max(job.timeout, STARTUP_S))
         job = with_schedule_file(job)
         check(job, world_size=int(os.environ["WORLD_SIZE"]))
     except ValueError as e:

@@ -12,9 +12,11 @@ transformer layers, all of its chunks together; `stp.sim.costs`):
     mem       M_B = 1 unit = L x M_B bytes of a layer; M_W as a fraction of it
 
 Times are in milliseconds. The embedding and output layer (vocabulary) sit on
-the first and last stage only; the simulator gives every rank the same costs,
-so they are reported (`lm_head_ms`) but not added, as the Zero Bubble and
-STP papers balance them by giving those stages fewer layers.
+the first and last stage only, so they are not in these uniform costs (the
+output layer's forward is reported as `lm_head_ms`); `stp.costmodel.stages`
+adds them to the first and last stage of a per-stage cost table, which is
+what `--model` simulates, and `--partition auto` balances them by giving
+those stages fewer layers, as the Zero Bubble and STP papers do.
 
 The offload ratio of "PipeOffload" (arXiv 2503.01328), `k = T_offload /
 T_compute`, is `M_B bytes / host bandwidth` over `f + b + w`: k <= 1 means
@@ -48,7 +50,8 @@ class Derived:
     flops_per_rank: tuple[float, float, float]
     """F, B, W FLOPs of one microbatch through one rank's share (one TP rank)."""
     lm_head_ms: float
-    """Output layer forward time (last stage only; not in `costs`)."""
+    """Output layer forward time (last stage only; not in `costs`, in the
+    per-stage table of `stp.costmodel.stages`)."""
     offload_ratio: float
     """PipeOffload's k = offload time of M_B / compute time f + b + w."""
 

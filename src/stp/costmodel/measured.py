@@ -10,16 +10,17 @@ over the ranks that run it (TP and DP replicas):
 
     f, b, w     each action's wall time (its units and the runtime's work
                 between them), shared among its passes and their F / B / W
-                units by unit time, plus the rank's dispatch time: the median,
+                units by unit time, plus the rank's dispatch time: the mean,
                 over its actions whose input was there when the previous one
                 ended, of the time between the two. The simulator has no other
                 place for that work (posting sends and receives, Python
-                between actions).
+                between actions, the rank waiting for a core); the mean, not
+                a median, so that the step's total comes out right.
     ar, ar_b    the all-reduce lane's occupancy after F and after B units
     units       compute spans of one forward pass
-    comm        the median time from a remote input's producing action's end
-                to the start of an action that waited for it, less the
-                median dispatch time (already in the producer's pass)
+    comm        the mean time from a remote input's producing action's end
+                to the start of an action that waited for it, less the mean
+                dispatch time (already in the producer's pass)
     mem_b       not in a trace: each stage keeps its share of one rank's M_B
                 by its layers (the trace's `partition`, else equal)
 
@@ -120,9 +121,9 @@ class _Trace:
         return waits, late
 
     def dispatch(self, rank: int, num_stages: int) -> float:
-        """Median time from when an action of `rank` could start to its start."""
+        """Mean time from when an action of `rank` could start to its start."""
         waits, _ = self.delays(rank, num_stages)
-        return statistics.median(waits) if waits else 0.0
+        return statistics.fmean(waits) if waits else 0.0
 
     def latency(self, num_stages: int) -> float:
         """The send latency the simulator adds after a pass that ends with its
@@ -134,7 +135,7 @@ class _Trace:
             late += lt
         if not late:
             return 0.0
-        return max(0.0, statistics.median(late) - statistics.median(waits or [0.0]))
+        return max(0.0, statistics.fmean(late) - statistics.fmean(waits or [0.0]))
 
 
 def _pass_times(tr: _Trace, num_stages: int) -> dict[tuple[int, int], dict[str, float]]:

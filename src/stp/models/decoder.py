@@ -43,9 +43,20 @@ from stp.models.tp.layers import (
     vocab_ce_stats,
     vocab_embedding_partial,
 )
-from stp.models.tp.wgrad import EmbedGrad, WGradEntry, WGradStore
+from stp.models.tp.wgrad import EmbedGrad, ReadyGrad, WGradEntry, WGradStore
 
 __all__ = ["Unit", "EmbedUnit", "AttentionUnit", "MLPUnit", "LossUnit", "RopeCache", "apply_rope"]
+
+_ENGINE = torch.autograd.Variable._execution_engine
+
+
+def input_grad(output: torch.Tensor, inp: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """torch.autograd.grad(output, inp, grad)[0], straight into autograd's C++ engine.
+    The units call it twice per unit and microbatch; torch.autograd.grad's Python
+    argument handling costs about as much again as a small unit's graph walk
+    (21 against 12 us per call measured). The engine still checks that grad fits
+    output's shape; inp must be reachable from output."""
+    return _ENGINE.run_backward((output,), (grad,), False, False, (inp,), False, False)[0]
 
 
 @dataclass
@@ -62,6 +73,10 @@ class Unit:
     """Per-microbatch bookkeeping shared by the units; subclasses fill the maths."""
 
     name: str
+    weights_at_once: frozenset[int] = frozenset()
+    """Microbatches whose backward is a full BW (W right after B). A one-graph unit runs
+    them in plain autograd: B gets the weight gradients in the same engine call (kept
+    as ReadyGrad until W adds them) instead of recording (x, dy) for a later matmul."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -82,6 +97,28 @@ class Unit:
             self._states[mb] = state
         state.phase = phase
         return state
+
+    def weights(self) -> list[torch.Tensor]:
+        """The parameters this unit's forward uses (for a plain-autograd backward)."""
+        return []
+
+    def _sink(self, st: _MbState, mb: int, one_graph: bool) -> list[WGradEntry] | None:
+        """Where the forward's layers defer their weight work; None: plain autograd."""
+        native = one_graph and mb in self.weights_at_once
+        st.saved["native"] = native
+        return None if native else st.sink
+
+    def _input_grad(
+        self, st: _MbState, output: torch.Tensor, inp: torch.Tensor, grad: torch.Tensor
+    ) -> torch.Tensor:
+        """d output / d inp applied to grad; after a plain-autograd forward, the weight
+        gradients too, from the same graph walk, into the sink for W."""
+        if not st.saved.pop("native", False):
+            return input_grad(output, inp, grad)
+        ws = [w for w in self.weights() if w.requires_grad]
+        grads = _ENGINE.run_backward((output,), (grad,), False, False, (inp, *ws), False, False)
+        st.sink.extend(ReadyGrad(w, g) for w, g in zip(ws, grads[1:], strict=True))
+        return grads[0]
 
     def forward_partial(
         self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
@@ -198,15 +235,26 @@ class EmbedUnit(Unit):
 class _ResidualUnit(Unit):
     """x -> x + f(RMSNorm(x)), f ending in a row-parallel matrix. Two autograd graphs,
     x -> h (the norm) and h -> partial (the TP body), so the all-reduce of dh sits
-    between them, outside autograd."""
+    between them, outside autograd. `one_graph` (one TP rank: the all-reduce is the
+    identity): a single graph x -> partial, so B walks it with one engine call and
+    backward_partial returns None (nothing to reduce)."""
 
-    def __init__(self, name: str, norm_weight: torch.Tensor, eps: float) -> None:
+    def __init__(
+        self, name: str, norm_weight: torch.Tensor, eps: float, one_graph: bool = False
+    ) -> None:
         super().__init__(name)
         self.norm_w = norm_weight
         self.eps = eps
+        self.one_graph = one_graph
 
-    def _body(self, h: torch.Tensor, sink: list[WGradEntry]) -> torch.Tensor:
+    def _body(self, h: torch.Tensor, sink: list[WGradEntry] | None) -> torch.Tensor:
         raise NotImplementedError
+
+    def _matrices(self) -> list[torch.Tensor | None]:
+        raise NotImplementedError
+
+    def weights(self) -> list[torch.Tensor]:
+        return [w for w in (self.norm_w, *self._matrices()) if w is not None]
 
     def forward_partial(
         self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
@@ -214,7 +262,12 @@ class _ResidualUnit(Unit):
         st = self._enter(mb, None, "F-partial")
         with torch.enable_grad():
             x_in = x.detach().requires_grad_(True)
-            h = rms_norm(x_in, self.norm_w, self.eps, st.sink)
+            sink = self._sink(st, mb, self.one_graph)
+            h = rms_norm(x_in, self.norm_w, self.eps, sink)
+            if self.one_graph:
+                out = self._body(h, sink)
+                st.saved.update(x=x, x_in=x_in, out=out)
+                return out.detach()
             h_in = h.detach().requires_grad_(True)
             out = self._body(h_in, st.sink)
         st.saved.update(x=x, x_in=x_in, h=h, h_in=h_in, out=out)
@@ -226,16 +279,22 @@ class _ResidualUnit(Unit):
 
     def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
         st = self._enter(mb, "F", "B-partial")
-        (grad_h,) = torch.autograd.grad(st.saved.pop("out"), st.saved.pop("h_in"), grad)
+        if self.one_graph:
+            out, x_in = st.saved.pop("out"), st.saved.pop("x_in")
+            st.saved["grad"] = grad + self._input_grad(st, out, x_in, grad)
+            return None
+        grad_h = input_grad(st.saved.pop("out"), st.saved.pop("h_in"), grad)
         st.saved["grad"] = grad
         return grad_h
 
     def backward_finish(self, mb: int, reduced: torch.Tensor | None) -> torch.Tensor | None:
         st = self._enter(mb, "B-partial", "B")
-        (grad_x,) = torch.autograd.grad(st.saved.pop("h"), st.saved.pop("x_in"), reduced)
         grad = st.saved.pop("grad")
+        if not self.one_graph:
+            assert reduced is not None
+            grad = grad + input_grad(st.saved.pop("h"), st.saved.pop("x_in"), reduced)
         self._close(mb)
-        return grad + grad_x
+        return grad
 
 
 class AttentionUnit(_ResidualUnit):
@@ -257,14 +316,18 @@ class AttentionUnit(_ResidualUnit):
         eps: float,
         rope: RopeCache,
         biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        one_graph: bool = False,
     ) -> None:
-        super().__init__(f"layers.{layer}.attn", norm_weight, eps)
+        super().__init__(f"layers.{layer}.attn", norm_weight, eps, one_graph)
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.bq, self.bk, self.bv = biases if biases is not None else (None, None, None)
         self.head_dim = head_dim
         self.rope = rope
 
-    def _body(self, h: torch.Tensor, sink: list[WGradEntry]) -> torch.Tensor:
+    def _matrices(self) -> list[torch.Tensor | None]:
+        return [self.wq, self.wk, self.wv, self.wo, self.bq, self.bk, self.bv]
+
+    def _body(self, h: torch.Tensor, sink: list[WGradEntry] | None) -> torch.Tensor:
         b, s, _ = h.shape
         hd = self.head_dim
         q = linear(h, self.wq, sink, self.bq).view(b, s, -1, hd).transpose(1, 2)  # [b, nq, s, hd]
@@ -289,11 +352,15 @@ class MLPUnit(_ResidualUnit):
         w2: torch.Tensor,
         *,
         eps: float,
+        one_graph: bool = False,
     ) -> None:
-        super().__init__(f"layers.{layer}.mlp", norm_weight, eps)
+        super().__init__(f"layers.{layer}.mlp", norm_weight, eps, one_graph)
         self.w1, self.w3, self.w2 = w1, w3, w2
 
-    def _body(self, h: torch.Tensor, sink: list[WGradEntry]) -> torch.Tensor:
+    def _matrices(self) -> list[torch.Tensor | None]:
+        return [self.w1, self.w3, self.w2]
+
+    def _body(self, h: torch.Tensor, sink: list[WGradEntry] | None) -> torch.Tensor:
         a = F.silu(linear(h, self.w1, sink)) * linear(h, self.w3, sink)  # [b, s, ffn / tp]
         return linear(a, self.w2, sink)  # [b, s, h], partial over TP
 
@@ -309,7 +376,7 @@ class LossUnit(Unit):
     turns the mean over all positions into the mean over the valid tokens of the
     global batch with one scale (and without ignored targets it is the plain mean).
     `vocab_valid`: this rank's real vocabulary rows; the rest are padding whose
-    logits are masked out."""
+    logits are masked out. `one_graph`: as for the residual units (one TP rank)."""
 
     def __init__(
         self,
@@ -321,12 +388,17 @@ class LossUnit(Unit):
         tp_size: int,
         tp_rank: int,
         vocab_valid: int | None = None,
+        one_graph: bool = False,
     ) -> None:
         super().__init__("head")
+        self.one_graph = one_graph
         self.norm_w, self.head_w = norm_weight, head_weight
         self.eps = eps
         self.vocab_start, self.tp_size, self.tp_rank = vocab_start, tp_size, tp_rank
         self.vocab_valid = head_weight.shape[0] if vocab_valid is None else vocab_valid
+
+    def weights(self) -> list[torch.Tensor]:
+        return [self.norm_w, self.head_w]
 
     def forward_partial(
         self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
@@ -336,10 +408,13 @@ class LossUnit(Unit):
         st = self._enter(mb, None, "F-partial")
         with torch.enable_grad():
             x_in = x.detach().requires_grad_(True)
-            h = rms_norm(x_in, self.norm_w, self.eps, st.sink)
-            h_in = h.detach().requires_grad_(True)
-            logits = linear(h_in, self.head_w, st.sink)  # [b, s, V / tp]
-        st.saved.update(x_in=x_in, h=h, h_in=h_in, logits=logits, targets=targets)
+            sink = self._sink(st, mb, self.one_graph)
+            h = rms_norm(x_in, self.norm_w, self.eps, sink)
+            h_in = h if self.one_graph else h.detach().requires_grad_(True)
+            logits = linear(h_in, self.head_w, sink)  # [b, s, V / tp]
+        st.saved.update(x_in=x_in, logits=logits, targets=targets)
+        if not self.one_graph:
+            st.saved.update(h=h, h_in=h_in)
         return vocab_ce_stats(
             logits.detach(), targets, self.vocab_start, self.tp_size, self.tp_rank,
             self.vocab_valid,
@@ -357,11 +432,17 @@ class LossUnit(Unit):
             logits.detach(), st.saved.pop("targets"), st.saved.pop("lse"), self.vocab_start, grad,
             self.vocab_valid,
         )
-        (grad_h,) = torch.autograd.grad(logits, st.saved.pop("h_in"), grad_logits)
-        return grad_h
+        if self.one_graph:
+            st.saved["grad"] = self._input_grad(st, logits, st.saved.pop("x_in"), grad_logits)
+            return None
+        return input_grad(logits, st.saved.pop("h_in"), grad_logits)
 
     def backward_finish(self, mb: int, reduced: torch.Tensor | None) -> torch.Tensor | None:
         st = self._enter(mb, "B-partial", "B")
-        (grad_x,) = torch.autograd.grad(st.saved.pop("h"), st.saved.pop("x_in"), reduced)
+        if self.one_graph:
+            grad_x = st.saved.pop("grad")
+        else:
+            assert reduced is not None
+            grad_x = input_grad(st.saved.pop("h"), st.saved.pop("x_in"), reduced)
         self._close(mb)
         return grad_x

@@ -9,6 +9,8 @@ all-reduces in flight (`launch_allreduce`; stp.runtime.braid).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -117,6 +119,7 @@ class ModelStage(nn.Module):
         config, tp_size, tp_rank = self.config, self.tp_size, self.tp_rank
         vocab_part = config.padded_vocab(tp_size) // tp_size
         vocab_start = tp_rank * vocab_part
+        one_graph = tp_size == 1  # no all-reduce between a unit's norm and its body
         units: list[Unit] = []
         if self.is_first:
             units.append(EmbedUnit(p["embed.weight"], vocab_start, config.pad_token_id))
@@ -129,10 +132,11 @@ class ModelStage(nn.Module):
                 i, p[f"layers.{i}.attn_norm.weight"], p[f"{a}.wq.weight"], p[f"{a}.wk.weight"],
                 p[f"{a}.wv.weight"], p[f"{a}.wo.weight"],
                 head_dim=config.head_dim, eps=config.norm_eps, rope=rope, biases=biases,
+                one_graph=one_graph,
             ))
             units.append(MLPUnit(
                 i, p[f"layers.{i}.mlp_norm.weight"], p[f"{m}.w1.weight"], p[f"{m}.w3.weight"],
-                p[f"{m}.w2.weight"], eps=config.norm_eps,
+                p[f"{m}.w2.weight"], eps=config.norm_eps, one_graph=one_graph,
             ))
         if self.is_last:
             head = self._slices["head.weight"]
@@ -140,6 +144,7 @@ class ModelStage(nn.Module):
             units.append(LossUnit(
                 p["norm.weight"], p["head.weight"], eps=config.norm_eps,
                 vocab_start=vocab_start, tp_size=tp_size, tp_rank=tp_rank, vocab_valid=valid,
+                one_graph=one_graph,
             ))
         return units
 
@@ -235,6 +240,15 @@ class ModelStage(nn.Module):
             partial = unit.backward_partial(mb, g)
             g = unit.backward_finish(mb, None if partial is None else self.allreduce(partial))
         return g
+
+    def weights_in_backward(self, mbs: Iterable[int]) -> None:
+        """Microbatches whose backward is a full BW (the executor reads it off the
+        schedule): at one TP rank their forward runs in plain autograd and B computes
+        the weight gradients in the same graph walk, which W then only adds (Zero
+        Bubble's deferral, arXiv 2401.10241, pays only when W runs later)."""
+        at_once = frozenset(mbs)
+        for unit in self.units:
+            unit.weights_at_once = at_once
 
     def backward_weight(self, mb: int) -> None:
         """W: every unit's deferred weight gradients of mb into `.grad`."""

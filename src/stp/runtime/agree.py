@@ -8,14 +8,13 @@ timeout that says nothing about the cause. Before `init_process_group`,
 MASTER_ADDR:MASTER_PORT when TORCHELASTIC_USE_AGENT_STORE is set, and so is
 every worker of stp.runtime.launch); rank 0 compares each rank's with its
 own and publishes one verdict that every rank waits for: agreement, or the
-first rank and setting that differ. On agreement rank 0 also hands out the
-values only one rank may choose (a new run directory).
+first rank and setting that differ.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -61,31 +60,23 @@ def _verdict(
     return ""
 
 
-def agree(
-    settings: Mapping[str, str], *, timeout: float,
-    choose: Callable[[], Mapping[str, str]] = dict,
-) -> dict[str, str]:
-    """Compare `settings` across the ranks (see the module doc); returns rank 0's
-    `choose()` (called there only, once every rank agrees). SettingsDiffer on
-    every rank when they differ. Without a shared store (no launcher's store:
-    a single process, or a launcher that does not share one) there is nothing
-    to compare with: returns `choose()` called here."""
+def agree(settings: Mapping[str, str], *, timeout: float) -> None:
+    """Compare `settings` across the ranks (see the module doc): SettingsDiffer on
+    every rank when they differ. Without a shared store (a single process, or a
+    launcher that does not share one) there is nothing to compare with."""
     shared = shared_store(timeout)
     if shared is None:
-        return dict(choose())
+        return
     store, rank, world = shared.store, shared.rank, shared.world_size
     prefix = shared.key("settings")
     store.set(f"{prefix}/{rank}", json.dumps(dict(settings)))
     if rank == 0:
-        error = _verdict(store, prefix, settings, world, timeout)
-        chosen = {} if error else dict(choose())
-        store.set(f"{prefix}/verdict", json.dumps({"error": error, "chosen": chosen}))
+        store.set(f"{prefix}/verdict", _verdict(store, prefix, settings, world, timeout))
     try:  # rank 0 may wait `timeout` for a missing rank before it answers
         store.wait([f"{prefix}/verdict"], timedelta(seconds=2 * timeout + 5))
-        verdict = json.loads(store.get(f"{prefix}/verdict"))
+        error = store.get(f"{prefix}/verdict").decode()
     except RuntimeError:
         raise SettingsDiffer(f"rank 0 did not compare the ranks' settings within {timeout:g} s: "
                              "is it running?") from None
-    if verdict["error"]:
-        raise SettingsDiffer(verdict["error"])
-    return dict(verdict["chosen"])
+    if error:
+        raise SettingsDiffer(error)

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from stp.runtime.braid import UnitRunner
-from stp.runtime.errors import CommTimeout, RankError, first_line, is_timeout
+from stp.runtime.errors import CommTimeout, PeerLost, RankError, failure_kind, first_line
 from stp.runtime.offload import ActivationOffloader
 from stp.runtime.p2p import P2P, Transfer
 from stp.runtime.stage_api import PipelineStage, as_unit_stage
@@ -119,6 +119,10 @@ class Executor:
         self._open: list[tuple[Transfer, float]] = []  # posted, not yet seen complete
         self.sends_deferred = 0
         """Sends posted after their batch, their all-reduce held (all runs so far)."""
+        for s, st in self.stages.items():  # e.g. stp.models.stage.ModelStage
+            tell = getattr(st, "weights_in_backward", None)
+            if callable(tell):
+                tell(p.mb for p in sch.passes(pp_rank) if p.stage == s and p.kind is Kind.BW)
         self.runner = UnitRunner(
             {s: as_unit_stage(st) for s, st in self.stages.items()}, braid=opts.braid,
             take=self._input, give=self._output, targets=lambda mb: self._targets[mb],
@@ -245,10 +249,16 @@ class Executor:
             raise self._failure(e, action) from e
 
     def _failure(self, e: RuntimeError, action: str) -> RankError:
+        """The error naming this rank and action: a collective whose peer closed the
+        connection (PeerLost), one that timed out (CommTimeout), or anything else."""
         first = first_line(e)
-        if is_timeout(e):
-            peers = f" on {self.collective_peers}" if self.collective_peers else ""
-            return CommTimeout(f"a collective{peers} timed out or lost a peer ({first})",
+        peers = f" on {self.collective_peers}" if self.collective_peers else ""
+        kind = failure_kind(e)
+        if kind == "peer_lost":
+            return PeerLost(f"a peer of a collective{peers} closed the connection ({first})",
+                            where=self.where, action=action)
+        if kind == "timeout":
+            return CommTimeout(f"a collective{peers} timed out ({first})",
                                where=self.where, action=action)
         return RankError(first, where=self.where, action=action)
 

@@ -279,8 +279,18 @@ class _Interrupts:
             signal.signal(sig, old)  # type: ignore[arg-type]
 
 
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+"""glibc settings for the workers, unless the caller's environment sets them: tensors
+up to 256 MiB come from the heap instead of a fresh mmap each time, and the heap
+keeps up to 1 GiB of freed memory instead of returning it, so a step's activations
+reuse pages instead of faulting them in again (about 3k page faults per microbatch
+and stage at hidden 256 with the split backward, 3-4% of the CPU time). Both are
+needed: setting the trim threshold alone turns off glibc's dynamic mmap threshold,
+leaving it at 128 KiB, so every large tensor becomes a fresh mmap (more faults)."""
+
+
 def _start(directory: Path, nprocs: int, port: int) -> dict[int, subprocess.Popen[bytes]]:
-    base = {**os.environ, "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
+    base = {**MALLOC_ENV, **os.environ, "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
             "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             # every rank is a client of the launcher's store, as under torchrun
             "TORCHELASTIC_USE_AGENT_STORE": "True", LAUNCHER_PID_ENV: str(os.getpid())}

@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
+from stp.files import write_text_atomic
 from stp.schedule.ir import Pass, Schedule
 from stp.schedule.lower import Message
 from stp.sim.result import Span
@@ -218,6 +219,6 @@ def write_trace(
         },
     }
     try:
-        Path(path).write_text(json.dumps(doc), encoding="utf-8")
+        write_text_atomic(path, json.dumps(doc))
     except OSError as e:
         raise ValueError(f"cannot write {str(path)!r}: {e.strerror or e}") from None

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DTYPES", "LR_SCHEDULES", "TOY_SHAPE", "ModelShape", "TrainJob", "option"]
+__all__ = ["ARCHS", "DTYPES", "LR_SCHEDULES", "TOY_SHAPE", "ModelShape", "TrainJob",
+           "VisionShape", "option"]
 
 DTYPES = ("float32", "float64", "bfloat16")
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -60,6 +61,27 @@ class ModelShape:
     seq_len: int = option(64, "tokens per sequence", minimum=1, maximum=2**20)
 
 
+ARCHS = ("decoder", "mllm")
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """The vision encoder of `--arch mllm` (stp.models.mllm_config.VisionConfig): images
+    of image_size**2 pixels cut into patch x patch patches, merge x merge of them one
+    decoder token placed before the caption's --seq-len tokens."""
+
+    image_size: int = option(32, "--arch mllm: image side in pixels", minimum=1, maximum=4096)
+    patch: int = option(4, "--arch mllm: patch side in pixels", minimum=1, maximum=256)
+    merge: int = option(2, "--arch mllm: merge x merge patches make one image token",
+                        minimum=1, maximum=8)
+    vision_layers: int = option(2, "--arch mllm: vision encoder blocks (counted with --layers "
+                                "by --partition, encoder first)", minimum=1, maximum=1024)
+    vision_hidden: int = option(16, "--arch mllm: vision encoder width (merge**2 x it must "
+                                "not exceed --hidden)", minimum=1, maximum=2**16)
+    vision_heads: int = option(2, "--arch mllm: vision encoder attention heads", minimum=1,
+                               maximum=1024)
+
+
 @dataclass(frozen=True)
 class TrainJob:
     """Everything one training run needs; defaults are the `stp train` defaults."""
@@ -81,6 +103,13 @@ class TrainJob:
     the losses, the same for pp = 1, 2, 4."""
     microbatch_size: int = option(4, "sequences per microbatch", minimum=1, maximum=2**16)
     model: ModelShape = field(default_factory=ModelShape)
+    arch: str = option("decoder", "the model: decoder (text), or mllm (a vision encoder in "
+                       "front of the decoder, trained on image captions; --seq-len is then "
+                       "the caption's tokens)", choices=ARCHS)
+    vision: VisionShape = field(default_factory=VisionShape)
+    images: str | None = option(
+        None, "--arch mllm: a directory of PNG/JPEG images with captions.txt ('FILE<TAB>"
+        "caption' lines); default: coloured shapes drawn from --seed", metavar="DIR")
     steps: int = option(200, "optimizer steps", minimum=1)
     lr: float = option(3e-3, "AdamW learning rate", above=0, maximum=10)
     seed: int = option(0, "init and data seed", minimum=0)

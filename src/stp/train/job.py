@@ -15,12 +15,14 @@ from typing import Any
 
 from stp.models import ModelConfig, check_model
 from stp.models.emulated import emulated_builder, parse_emulate
+from stp.models.mllm_config import MLLMConfig
 from stp.runtime.mesh import ParallelDims
 from stp.schedule import Schedule
 from stp.schedule.offload import parse_policy
 from stp.train.checkpoint import check_resume, check_writable
 from stp.train.config import DTYPES, TOY_SHAPE, TrainJob
 from stp.train.data import VOCAB_SIZE, open_corpus, read_corpus
+from stp.train.mllm_job import check_mllm_job, mllm_config
 from stp.train.plan import job_partition, job_schedule
 from stp.train.pretrained import check_pretrained, checkpoint_config, job_tokenizer
 from stp.train.tokens import tokenizer_vocab
@@ -28,20 +30,22 @@ from stp.train.tokens import tokenizer_vocab
 __all__ = ["check", "model_config", "make_schedule", "stage_model"]
 
 
-def model_config(job: TrainJob) -> ModelConfig:
+def model_config(job: TrainJob) -> Any:
     """The model to train: --init-from's config.json (stp.train.pretrained), else stp's
     own decoder from the shape flags (TOY_SHAPE where left out), its vocabulary the
-    bytes or the --tokenizer's tokens."""
+    bytes or the --tokenizer's tokens. With --arch mllm, an MLLMConfig: a vision
+    encoder in front of that decoder (stp.train.mllm_job)."""
     if job.init_from is not None:
         return checkpoint_config(job)
     m = job.model
     layers, hidden, heads = (getattr(m, k) or v for k, v in TOY_SHAPE.items())
     found = job_tokenizer(job)
     vocab = VOCAB_SIZE if found is None else tokenizer_vocab(found[0])
-    return ModelConfig(
+    config = ModelConfig(
         vocab_size=vocab, hidden=hidden, num_layers=layers, num_heads=heads,
         num_kv_heads=m.kv_heads or heads, max_seq_len=m.seq_len, seed=job.seed,
     )
+    return mllm_config(job, config) if job.arch == "mllm" else config
 
 
 def make_schedule(job: TrainJob) -> Schedule:
@@ -68,7 +72,10 @@ def check(job: TrainJob, world_size: int | None = None) -> None:
         raise ValueError(f"--dtype {job.dtype!r} not accepted; choose one of {', '.join(DTYPES)}")
     schedule = make_schedule(job)  # a name, or a file checked against the mesh
     config = model_config(job)  # with --init-from: config.json and tensor headers checked
-    check_model(config, job.tp, schedule.num_stages)
+    if isinstance(config, MLLMConfig):  # --arch mllm: vision encoder + decoder
+        check_mllm_job(job, config, schedule)
+    else:
+        check_model(config, job.tp, schedule.num_stages)
     job_partition(job, config, schedule)  # layers per stage: one per stage, summing right
     check_pretrained(job, config)
     parse_policy(job.offload)  # ValueError naming the accepted policies

@@ -17,15 +17,18 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from stp.files import replacing
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.train.config import TrainJob
 from stp.train.data import ByteBatches, read_corpus
 from stp.train.job import make_schedule, model_config, stage_model
 from stp.train.lr import LRSchedule, adamw
+from stp.train.mllm_job import mllm_batches
 from stp.train.plan import resolved_partition, stage_layer_counts
 from stp.train.pretrained import copy_tokenizer, job_tokenizer
 from stp.train.tokens import make_batches
@@ -128,7 +131,8 @@ def run(job: TrainJob, on_step: Callable[[StepReport], None] | None = None) -> R
     """Train `job` on the initialised world (see the module doc)."""
     mesh = Mesh.from_world(ParallelDims(job.pp, job.tp, job.dp), timeout=job.timeout)
     job = _shared_out(job)
-    batches = make_batches(job, job.data)  # bytes, or tokens (stp.train.tokens)
+    batches: Any = make_batches(job, job.data) if job.arch != "mllm" else (
+        mllm_batches(job, model_config(job)))  # bytes, tokens, or images and captions
     schedule = make_schedule(job)
     job, partition = resolved_partition(job, schedule)
     options = TrainerOptions(
@@ -186,13 +190,14 @@ def _save(job: TrainJob, state: dict[str, torch.Tensor], losses: list[float]) ->
     out = job.out_dir()
     out.mkdir(parents=True, exist_ok=True)
     path = out / "checkpoint.pt"
-    torch.save(
-        {
-            "model": state,
-            "model_config": dataclasses.asdict(model_config(job)),
-            "job": dataclasses.asdict(job),
-            "losses": losses,
-        },
-        path,
-    )
+    with replacing(path) as tmp:  # a kill or a full disk keeps an earlier good file
+        torch.save(
+            {
+                "model": state,
+                "model_config": dataclasses.asdict(model_config(job)),
+                "job": dataclasses.asdict(job),
+                "losses": losses,
+            },
+            tmp,
+        )
     return os.fspath(path)

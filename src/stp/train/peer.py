@@ -408,45 +408,42 @@ def run_peer(spec: PeerSpec) -> dict[str, Any]:
 def format_table(result: dict[str, Any]) -> str:
     """The figures of one run as Markdown: per schedule, each side's median step time
     (ms, slowest rank) and stp / side min / median / max over rounds; then per side
-    each rank's median CPU ms per step and peak resident growth in a step (MiB)."""
+    and rank the median CPU ms and page faults per step and the peak resident
+    growth in a step (MiB)."""
     spec: PeerSpec = result["spec"]
     rows = result["rows"]
     others = [k for k in rows[0]["times"] if k != "stp"]
-    head = " | ".join(f"{k} ms | stp/{k} min / med / max" for k in others)
-    lines = [
-        f"pp={spec.pp} tp=1, {spec.layers} layers, hidden {spec.hidden}, seq {spec.seq_len}, "
-        f"microbatch size {spec.microbatch_size}, m={spec.microbatches}, {spec.dtype}, "
-        f"{spec.pairs} rounds",
-        "",
-        f"| schedule | stp ms | {head} |",
-        "|---" * (2 + 2 * len(others)) + "|",
-    ]
+    lines = [f"pp={spec.pp} tp=1, {spec.layers} layers, hidden {spec.hidden}, seq "
+             f"{spec.seq_len}, microbatch size {spec.microbatch_size}, m={spec.microbatches}, "
+             f"{spec.dtype}, {spec.pairs} rounds", "",
+             "| schedule | stp ms | " + " | ".join(f"{k} ms | stp/{k} min / med / max"
+                                                   for k in others) + " |",
+             "|---" * (2 + 2 * len(others)) + "|"]
     for row in rows:
-        med = {k: 1e3 * statistics.median(v) for k, v in row["times"].items()}
-        cells = [row["schedule"], f"{med['stp']:.1f}"]
-        for k in others:
-            cells += [f"{med[k]:.1f}", _ratios(row[f"ratio_{k}"])]
-        lines.append("| " + " | ".join(cells) + " |")
+        med = {k: f"{1e3 * statistics.median(v):.1f}" for k, v in row["times"].items()}
+        ratios = [f"{med[k]} | {_spread(row[f'ratio_{k}'])}" for k in others]
+        lines.append(f"| {row['schedule']} | {med['stp']} | " + " | ".join(ratios) + " |")
     lines += ["", "| schedule | side | CPU ms per rank | CPU stp/side per rank "
               "| page faults per rank | peak MiB per rank |", "|---|---|---|---|---|---|"]
     for row in rows:
-        cpu = {k: _per_rank_median(v, 0) for k, v in row["cpu"].items()}
+        cpu = {k: _per_rank(v, 0) for k, v in row["cpu"].items()}
         for side in row["cpu"]:
-            ratio = "-" if side == "stp" else ", ".join(
-                f"{a / b:.2f}" for a, b in zip(cpu["stp"], cpu[side], strict=True))
-            faults = ", ".join(f"{f:.0f}" for f in _per_rank_median(row["cpu"][side], 1))
-            peaks = (row.get("peak_mib") or {}).get(side)
-            mem = "-" if not peaks else ", ".join(
-                "?" if v is None else f"{v:.0f}" for v in peaks)
-            lines.append(f"| {row['schedule']} | {side} | "
-                         f"{', '.join(f'{1e3 * c:.0f}' for c in cpu[side])} | {ratio} | "
-                         f"{faults} | {mem} |")
+            ratio = "-" if side == "stp" else _join(
+                (a / b for a, b in zip(cpu["stp"], cpu[side], strict=True)), "{:.2f}")
+            peaks = (row.get("peak_mib") or {}).get(side) or []
+            lines.append(f"| {row['schedule']} | {side} | {_join(1e3 * c for c in cpu[side])} "
+                         f"| {ratio} | {_join(_per_rank(row['cpu'][side], 1))} | "
+                         f"{', '.join('?' if v is None else f'{v:.0f}' for v in peaks) or '-'} |")
     return "\n".join(lines)
 
 
-def _per_rank_median(rounds: list[list[tuple[float, int]]], field: int) -> list[float]:
+def _per_rank(rounds: list[list[tuple[float, int]]], field: int) -> list[float]:
     return [statistics.median(r[k][field] for r in rounds) for k in range(len(rounds[0]))]
 
 
-def _ratios(values: list[float]) -> str:
+def _join(values: Any, fmt: str = "{:.0f}") -> str:
+    return ", ".join(fmt.format(v) for v in values)
+
+
+def _spread(values: list[float]) -> str:
     return f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}"

@@ -34,85 +34,52 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from stp.models import ModelConfig, build_stage, check_model, valid_token_ratio
+from stp.models import ModelConfig, valid_token_ratio
 from stp.models.hf import DEFAULT_SHARD_BYTES, HFCheckpoint, agreeing_config, save_stages
+from stp.models.mllm_stage import MLLMStage
 from stp.models.shared_grads import SharedGrads
 from stp.runtime.errors import CommTimeout, RankError, first_line, is_timeout
 from stp.runtime.executor import Executor
-from stp.runtime.launch import in_torchrun, init_distributed
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.runtime.offload import ActivationOffloader, StepMemory, runtime_plan
 from stp.runtime.p2p import P2P
 from stp.runtime.stage_api import PipelineStage
 from stp.runtime.trace import Recorder, gather_spans, write_trace
-from stp.schedule import Schedule, registry, validate
+from stp.schedule import Schedule
 from stp.schedule.lower import lower
-from stp.schedule.placement import partition_layers
 from stp.train import checkpoint
 from stp.train.clip import counted_mask, grad_norm
 from stp.train.data import split_batch
-from stp.train.lr import LRSchedule, make_scheduler
+from stp.train.gather import gather_full_state
+from stp.train.lr import make_scheduler
 from stp.train.precision import Precision, UpdateStats, apply_update
+from stp.train.setup import (
+    StageBuilder,
+    TrainerOptions,
+    resolve_schedule,
+    stage_builder,
+    world_mesh,
+)
 from stp.train.shards import box_of, norm_key
 
 __all__ = ["Trainer", "TrainerOptions", "StageBuilder", "OptimizerFactory"]
 
-StageBuilder = Callable[..., Any]
-"""`builder(stage, num_stages, *, tp_group, tp_size, tp_rank, device, dtype)` -> a
-PipelineStage that also has `named_parameters()`, `shard_dim(name)`, `zero_grad()`."""
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-
-
-@dataclass(frozen=True)
-class TrainerOptions:
-    """How a Trainer runs (what it trains: the model, optimizer and schedule)."""
-
-    dtype: torch.dtype = torch.float32
-    """Parameter and activation dtype."""
-    device: torch.device | str | None = None
-    """None: the mesh's device (CUDA when the backend is NCCL, else the CPU)."""
-    timeout: float = 300.0
-    """Seconds every receive and collective may wait before the rank gives up."""
-    hidden: int | None = None
-    """Width of stage boundary tensors; read from a ModelConfig, needed for a builder."""
-    lookahead: int = 1
-    """Receives are posted this many compute actions early (stp.schedule.lower)."""
-    offload: str | None = None
-    """Activation offload policy (none, stp, all, selective:X; stp.runtime.offload);
-    given, even as "none", resident activation bytes are measured every step."""
-    braid: bool = True
-    """Run braided blocks unit by unit with the TP all-reduces hidden (False: the
-    unbraided baseline)."""
-    trace: bool = False
-    """Record every step (`write_trace` writes the last one)."""
-    clip_grad: float | None = None
-    """Clip the global gradient norm to this (stp.train.clip); None: measured, not clipped."""
-    lr_schedule: LRSchedule | None = None
-    """Warm-up and decay of the optimizer's lr (stp.train.lr); None: constant."""
-    partition: tuple[int, ...] | None = None
-    """Transformer layers of each global stage (uneven stages, e.g. fewer on the
-    stages holding the embedding and the output layer); None: the even split."""
-
-    def __post_init__(self) -> None:
-        if not self.timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
-        if self.clip_grad is not None and not self.clip_grad > 0:
-            raise ValueError(f"clip_grad must be > 0 (or None: no clipping), got {self.clip_grad}")
-        if self.lookahead < 1:
-            raise ValueError(f"lookahead must be >= 1, got {self.lookahead}")
 
 
 class Trainer:
     """Trains one model on a pp x tp x dp mesh with one schedule (see module doc).
 
-    `model`: a `stp.models.ModelConfig` or a StageBuilder. `optimizer`: a
+    `model`: a `stp.models.ModelConfig`, a multimodal `stp.models.mllm_config.
+    MLLMConfig` (batches: pixel bytes + tokens, targets over image + text
+    positions; stp.train.images) or a StageBuilder. `optimizer`: a
     factory taking this rank's parameters. `schedule`: a registry name, a
     schedule file (FILE.json / FILE.csv, as `stp search --out` writes) or a
     Schedule for pp ranks. `mesh`: reuse existing process groups (else they
@@ -139,13 +106,13 @@ class Trainer:
     ) -> None:
         opts = replace(options or TrainerOptions(), **option_overrides)
         dims = mesh.dims if mesh is not None else ParallelDims(pp, tp, dp)
-        schedule = self._schedule(schedule, dims, microbatches)
+        schedule = resolve_schedule(schedule, dims, microbatches)
         self.source = None if init_from is None else HFCheckpoint.open(init_from)
         """The Hugging Face checkpoint the weights were read from (init_from)."""
         if self.source is not None:
             model = agreeing_config(model, self.source)
-        builder, hidden = self._builder(model, opts, schedule.num_stages, dims.tp, self.source)
-        mesh = mesh or self._world_mesh(dims, opts)
+        builder, hidden = stage_builder(model, opts, schedule.num_stages, dims.tp, self.source)
+        mesh = mesh or world_mesh(dims, opts)
         self.mesh, self.dims, self.schedule, self.options = mesh, dims, schedule, opts
         self.dtype, self.hidden, self.timeout = opts.dtype, hidden, opts.timeout
         self.device = mesh.device if opts.device is None else torch.device(opts.device)
@@ -187,60 +154,6 @@ class Trainer:
             iter(data) if data is not None else None
         )
         self.steps_done = 0
-
-    @staticmethod
-    def _schedule(schedule: str | Schedule, dims: ParallelDims,
-                  microbatches: int | None) -> Schedule:
-        if isinstance(schedule, str):
-            from stp.train.plan import is_schedule_file, load_schedule_file
-
-            if is_schedule_file(schedule):  # validated, fitted to pp (and microbatches)
-                return load_schedule_file(schedule, dims.pp, microbatches)
-            return registry.make(schedule, dims.pp, microbatches)
-        if schedule.num_ranks != dims.pp:
-            raise ValueError(
-                f"schedule {schedule.name} has {schedule.num_ranks} ranks, not pp={dims.pp}"
-            )
-        validate(schedule)
-        return schedule
-
-    @staticmethod
-    def _builder(model: Any, opts: TrainerOptions, num_stages: int, tp: int,
-                 source: Any = None) -> tuple[StageBuilder, int]:
-        """(stage builder, boundary width) for a ModelConfig (its weights read from
-        `source`, an HFCheckpoint, when given) or a builder."""
-        if isinstance(model, ModelConfig):
-            check_model(model, tp, num_stages)
-            if opts.partition is not None:
-                partition_layers(model.num_layers, num_stages, opts.partition)  # ValueError
-            weights = {} if source is None else {"weights": source.read}
-            return functools.partial(build_stage, model, partition=opts.partition,
-                                     **weights), model.hidden
-        if opts.partition is not None:
-            raise ValueError("partition= splits a ModelConfig's layers; a stage builder "
-                             "decides its own stages' layers")
-        if isinstance(model, nn.Module) or not callable(model):
-            raise ValueError(
-                f"Trainer takes a stp.models.ModelConfig, a stage builder function, or None "
-                f"with init_from=DIR (a Hugging Face checkpoint), not a {type(model).__name__}"
-            )
-        if opts.hidden is None:
-            raise ValueError("a stage builder needs hidden= (width of boundary tensors)")
-        return model, opts.hidden
-
-    @staticmethod
-    def _world_mesh(dims: ParallelDims, opts: TrainerOptions) -> Mesh:
-        """The mesh over the whole world, initialising torch.distributed if needed
-        (from torchrun's environment, or a world of one)."""
-        device = None if opts.device is None else torch.device(opts.device)
-        if not dist.is_initialized():
-            if dims.world_size != 1 and not in_torchrun():
-                raise ValueError(
-                    f"a {dims.world_size}-rank mesh needs torch.distributed initialised "
-                    "(start under torchrun, or use `stp train`)"
-                )
-            init_distributed(timeout=opts.timeout, device=device)
-        return Mesh.from_world(dims, device=device, timeout=opts.timeout)
 
     def _norm_mask(self) -> list[bool]:
         """Which local gradients this rank adds to the global norm (stp.train.clip)."""
@@ -304,7 +217,11 @@ class Trainer:
                 raise ValueError("step() without a batch needs Trainer(..., data=...)")
             batch = next(self._data)
         tokens, targets = batch
-        if tokens.shape != targets.shape or tokens.dim() != 2:
+        # a multimodal input row is pixel bytes + tokens, its targets cover the decoder's
+        # positions (image tokens + tokens): only the rows must agree
+        packed = isinstance(self.stages[next(iter(self.stages))], MLLMStage)
+        if tokens.dim() != 2 or (tokens.shape[0] if packed else tokens.shape) != (
+                targets.shape[0] if packed else targets.shape):
             raise ValueError(
                 f"batch needs tokens and targets of one shape [B, s], got {tuple(tokens.shape)} "
                 f"and {tuple(targets.shape)}"
@@ -318,7 +235,7 @@ class Trainer:
         # the mean over the valid (not ignored) targets of the whole global batch
         ratio = valid_token_ratio(targets)
         losses = self.executor.run(inputs, tgts, scale=ratio / m,
-                                   boundary_shape=(*inputs[0].shape, self.hidden))
+                                   boundary_shape=(*tgts[0].shape, self.hidden))
         self.precision.fold()
         if self._shared is not None:
             grads = dict(zip(self.precision.names, self.precision.grads(), strict=True))
@@ -413,32 +330,7 @@ class Trainer:
         global rank 0, on the CPU, under the reference's names: TP shards
         concatenated along shard_dim, stages gathered over PP. None elsewhere.
         Collective: every rank must call it."""
-        local: dict[str, torch.Tensor] = {}
-        tp_group = self.mesh.tp_group
-        for st in self.stages.values():
-            for name, p in st.named_parameters():
-                t = p.grad if grads else p
-                t = torch.zeros_like(p) if t is None else t.detach()
-                dim = st.shard_dim(name)
-                if dim is not None and self.dims.tp > 1:
-                    parts = [torch.empty_like(t) for _ in range(self.dims.tp)]
-                    self._collective(
-                        "state gather", "the TP group", dist.all_gather, parts, t.contiguous(),
-                        group=tp_group,
-                    )
-                    unshard = getattr(st, "unshard", None)  # padding, replicated kv heads
-                    t = unshard(name, parts) if unshard else torch.cat(parts, dim=dim)
-                local[name] = t.cpu().clone()
-        c = self.mesh.coord
-        payload = local if c.tp == 0 and c.dp == 0 else {}
-        out: list[Any] | None = [None] * self.dims.world_size if self.mesh.rank == 0 else None
-        self._collective("state gather", "the world", dist.gather_object, payload, out, dst=0)
-        if out is None:
-            return None
-        merged: dict[str, torch.Tensor] = {}
-        for part in out:
-            merged.update(part)
-        return dict(sorted(merged.items()))
+        return gather_full_state(self.stages, self.mesh, self._collective, grads=grads)
 
     def save_hf(self, directory: str | os.PathLike[str], *,
                 max_shard_bytes: int | None = None) -> None:

@@ -18,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from stp.files import write_text_atomic
 from stp.schedule.ir import parse_action, passes_of
 from stp.sim.result import LANES, SimResult, Span
 
@@ -135,7 +136,6 @@ def write_trace(res: SimResult, path: str | Path, *, time_scale: float = 1000.0)
     if not res.spans:
         raise ValueError("the simulation result has no spans; simulate with record_spans=True")
     try:
-        Path(path).write_text(json.dumps(trace_json(res, time_scale=time_scale)),
-                              encoding="utf-8")
+        write_text_atomic(path, json.dumps(trace_json(res, time_scale=time_scale)))
     except OSError as e:
         raise ValueError(f"cannot write {str(path)!r}: {e.strerror or e}") from None

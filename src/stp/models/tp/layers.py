@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from stp.models.config import IGNORE_INDEX
 from stp.models.tp.wgrad import LinearGrad, NormGrad, WGradEntry
@@ -66,11 +67,14 @@ class _LinearFn(torch.autograd.Function):
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
-    sink: list[WGradEntry],
+    sink: list[WGradEntry] | None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., in] @ weight[out, in]^T (+ bias [out]) -> [..., out], with the weight
-    (and bias) gradients deferred."""
+    (and bias) gradients deferred; sink None: plain F.linear (autograd's own weight
+    gradients, for a backward that computes them at once)."""
+    if sink is None:
+        return F.linear(x, weight, bias)
     return _LinearFn.apply(x, weight, sink, bias)
 
 
@@ -105,9 +109,13 @@ class _RMSNormFn(torch.autograd.Function):
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, sink: list[WGradEntry]
+    x: torch.Tensor, weight: torch.Tensor, eps: float, sink: list[WGradEntry] | None
 ) -> torch.Tensor:
-    """RMSNorm over the last dim with the gain's gradient deferred to W."""
+    """RMSNorm over the last dim with the gain's gradient deferred to W; sink None:
+    the same maths in plain autograd ops."""
+    if sink is None:
+        xf = x.to(_compute_dtype(x.dtype))
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
     return _RMSNormFn.apply(x, weight, eps, sink)
 
 

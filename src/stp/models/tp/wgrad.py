@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LinearGrad", "NormGrad", "EmbedGrad", "WGradEntry", "WGradStore", "accumulate_grad"]
+__all__ = ["LinearGrad", "NormGrad", "EmbedGrad", "ReadyGrad", "WGradEntry", "WGradStore",
+           "accumulate_grad"]
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -83,7 +84,18 @@ class EmbedGrad:
         self.weight.grad.index_add_(0, self.local_ids, self.grad_out.to(self.weight.dtype))
 
 
-WGradEntry = LinearGrad | NormGrad | EmbedGrad
+@dataclass
+class ReadyGrad:
+    weight: torch.Tensor
+    grad: torch.Tensor
+    """A gradient autograd already computed in B (a backward whose W follows at once,
+    stp.models.decoder); W only adds it."""
+
+    def accumulate(self) -> None:
+        accumulate_grad(self.weight, self.grad)
+
+
+WGradEntry = LinearGrad | NormGrad | EmbedGrad | ReadyGrad
 
 
 class WGradStore:

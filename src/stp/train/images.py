@@ -1,0 +1,165 @@
+"""Image-caption data for the multimodal model (stp.models.mllm_config).
+
+Two sources, one batch format:
+- `ShapeImages(image_size, seed)`: images that exist on every machine, drawn
+  with Pillow from a seed: one to three coloured shapes (circle, square,
+  triangle; red, green, blue, yellow) at random sizes in distinct quadrants,
+  captioned from what was drawn ("a red circle top left, a blue square
+  bottom right."), so the caption's words past "a " can only be predicted by
+  looking at the image.
+- `ImageFolder(path, image_size)`: a user's images. The directory holds PNG or
+  JPEG files and a `captions.txt`, one line per image: the file name (relative
+  to the directory), a TAB, the caption (UTF-8, one line). Lines that are
+  empty or start with `#` are skipped. Images are converted to RGB and resized
+  to image_size x image_size.
+
+`CaptionBatches.batch(step)` gives (inputs, targets): inputs [B, P + T] int64,
+the image's P pixel bytes then T caption tokens (bytes: "\\n" + caption,
+padded with 0); targets [B, image_tokens + T]: IGNORE_INDEX on the image
+positions and on padding, else the next caption byte (the caption ends with
+"\\n"). Batch `step` is a function of (seed, step) only. `blank=True` gives
+every image as zeros: the caption-only baseline.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+from stp.models.config import IGNORE_INDEX
+from stp.models.mllm_config import MLLMConfig
+
+__all__ = ["ShapeImages", "ImageFolder", "CaptionBatches", "read_captions", "CAPTIONS_FILE"]
+
+CAPTIONS_FILE = "captions.txt"
+COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 230),
+           "yellow": (235, 210, 30)}
+SHAPES = ("circle", "square", "triangle")
+QUADRANTS = ("top left", "top right", "bottom left", "bottom right")
+
+
+class ImageSource(Protocol):
+    def __len__(self) -> int: ...
+
+    def sample(self, index: int) -> tuple[np.ndarray, str]:
+        """(pixels uint8 [H, W, 3], caption) of sample `index`."""
+        ...
+
+
+def _draw(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int, int],
+          colour: tuple[int, int, int]) -> None:
+    x0, y0, x1, y1 = box
+    if shape == "circle":
+        draw.ellipse(box, fill=colour)
+    elif shape == "square":
+        draw.rectangle(box, fill=colour)
+    else:
+        draw.polygon([((x0 + x1) // 2, y0), (x0, y1), (x1, y1)], fill=colour)
+
+
+@dataclass(frozen=True)
+class ShapeImages:
+    """Seeded synthetic images of coloured shapes with their captions (module doc)."""
+
+    image_size: int = 32
+    seed: int = 0
+    size: int = 1 << 30
+    """Samples: effectively unlimited, each drawn on demand."""
+
+    def __len__(self) -> int:
+        return self.size
+
+    def sample(self, index: int) -> tuple[np.ndarray, str]:
+        rng = random.Random(self.seed * 1_000_003 + index)
+        s, half = self.image_size, self.image_size // 2
+        img = Image.new("RGB", (s, s), (0, 0, 0))
+        draw = ImageDraw.Draw(img)
+        parts = []
+        for q in sorted(rng.sample(range(4), rng.randint(1, 3))):
+            colour, shape = rng.choice(sorted(COLOURS)), rng.choice(SHAPES)
+            side = rng.randint(max(3, half // 2), half - 1)
+            x0 = (q % 2) * half + rng.randint(0, half - side)
+            y0 = (q // 2) * half + rng.randint(0, half - side)
+            _draw(draw, shape, (x0, y0, x0 + side - 1, y0 + side - 1), COLOURS[colour])
+            parts.append(f"a {colour} {shape} {QUADRANTS[q]}")
+        return np.asarray(img, dtype=np.uint8), ", ".join(parts) + "."
+
+
+def read_captions(path: Path) -> list[tuple[str, str]]:
+    """(file name, caption) pairs of `path/captions.txt`; ValueError naming the line."""
+    listing = path / CAPTIONS_FILE
+    if not listing.is_file():
+        raise ValueError(f"--images {str(path)!r} needs a {CAPTIONS_FILE} (one 'FILE<TAB>caption' "
+                         "line per image)")
+    pairs = []
+    for n, line in enumerate(listing.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        name, tab, caption = line.partition("\t")
+        if not tab or not caption.strip():
+            raise ValueError(f"{listing}:{n}: expected 'FILE<TAB>caption', got {line[:60]!r}")
+        if not (path / name).is_file():
+            raise ValueError(f"{listing}:{n}: no image file {name!r} in {str(path)!r}")
+        pairs.append((name, caption.strip()))
+    if not pairs:
+        raise ValueError(f"{listing} lists no images")
+    return pairs
+
+
+@dataclass(frozen=True)
+class ImageFolder:
+    """A user's PNG / JPEG images with `captions.txt` (module doc)."""
+
+    path: Path
+    image_size: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_pairs", read_captions(Path(self.path)))
+
+    def __len__(self) -> int:
+        return len(self._pairs)  # type: ignore[attr-defined]
+
+    def sample(self, index: int) -> tuple[np.ndarray, str]:
+        name, caption = self._pairs[index % len(self)]  # type: ignore[attr-defined]
+        with Image.open(Path(self.path) / name) as im:
+            im = im.convert("RGB").resize((self.image_size, self.image_size))
+            return np.asarray(im, dtype=np.uint8), caption
+
+
+@dataclass(frozen=True)
+class CaptionBatches:
+    """Global batches of (inputs, targets) for the multimodal model (module doc)."""
+
+    source: ImageSource
+    config: MLLMConfig
+    text_len: int
+    batch_size: int
+    seed: int = 0
+    blank: bool = False
+
+    def _row(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pixels, caption = self.source.sample(index)
+        if self.blank:
+            pixels = np.zeros_like(pixels)
+        text = b"\n" + caption.encode("utf-8") + b"\n"
+        t = self.text_len
+        tokens = torch.zeros(t, dtype=torch.int64)
+        targets = torch.full((self.config.seq_len(t),), IGNORE_INDEX, dtype=torch.int64)
+        ids = torch.tensor(list(text[: t + 1]), dtype=torch.int64)
+        tokens[: min(t, len(ids))] = ids[:t]
+        n = self.config.vision.image_tokens
+        targets[n: n + len(ids) - 1] = ids[1:]
+        flat = torch.from_numpy(pixels.reshape(-1).astype(np.int64))
+        return torch.cat([flat, tokens]), targets
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global batch `step`: its samples are a function of (seed, step)."""
+        rng = random.Random(self.seed * 7_919 + step)
+        rows = [self._row(rng.randrange(len(self.source))) for _ in range(self.batch_size)]
+        return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])

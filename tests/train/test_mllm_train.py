@@ -1,0 +1,79 @@
+"""`stp train --arch mllm` trains with the per-step losses of the single-process
+multimodal reference (stp.models.mllm_reference, AdamW on the same batches):
+float64, 1e-9, braiding on, on pp2 x tp2 (stp), pp3 (1f1b, an uneven partition
+with the encoder sharing a stage with a decoder layer) and pp2 x dp2."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from stp.models.mllm_reference import build_mllm_reference
+from stp.train.config import ModelShape, TrainJob, VisionShape
+from stp.train.job import check, model_config
+from stp.train.lr import adamw
+from stp.train.mllm_job import mllm_batches
+
+SHAPE = ["--arch", "mllm", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "24",
+         "--vision-layers", "2", "--image-size", "16", "--patch", "4", "--microbatch-size", "1",
+         "-m", "4", "--steps", "2", "--dtype", "float64", "--timeout", "60", "--braid", "on"]
+JOB = TrainJob(arch="mllm", model=ModelShape(layers=2, hidden=64, heads=4, seq_len=24),
+               vision=VisionShape(image_size=16, patch=4, vision_layers=2), microbatches=4,
+               microbatch_size=1, steps=2, dtype="float64")
+
+
+def _reference_losses(job: TrainJob, steps: int) -> list[float]:
+    cfg = model_config(job)
+    model = build_mllm_reference(cfg, torch.float64)
+    opt = adamw(job.lr)(list(model.parameters()))
+    batches, out = mllm_batches(job, cfg), []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = model.loss(*batches.batch(step))
+        loss.backward()
+        opt.step()
+        out.append(float(loss.detach()))
+    return out
+
+
+def _stp_losses(argv: list[str], out: Path) -> list[float]:
+    cmd = [sys.executable, "-m", "stp.cli.main", "train", *SHAPE, "--json", *argv,
+           "--out", str(out)]
+    got = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert got.returncode == 0, got.stderr[-3000:]
+    return [json.loads(line)["loss"] for line in got.stdout.splitlines()]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--pp", "2", "--tp", "2", "--schedule", "stp"],
+    ["--pp", "3", "--schedule", "1f1b", "--partition", "1,2,1"],
+    ["--pp", "2", "--dp", "2", "--schedule", "1f1b"],
+], ids=["pp2-tp2-stp", "pp3-1f1b-uneven", "pp2-dp2"])
+def test_stp_train_arch_mllm_matches_one_process(argv, tmp_path):
+    dp = int(argv[argv.index("--dp") + 1]) if "--dp" in argv else 1
+    ref = _reference_losses(dataclasses.replace(JOB, dp=dp), 2)  # the same global batch
+    got = _stp_losses(argv, tmp_path)
+    assert len(got) == 2
+    assert ref[1] < ref[0]  # it trains
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)) <= 1e-9, (got, ref)
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"partition": "auto"}, "not auto"),
+    ({"data": "x.txt"}, "drop --data"),
+    ({"vision": VisionShape(vision_hidden=32)}, "must be <= the decoder hidden 64"),
+    ({"vision": VisionShape(image_size=30)}, "image_size=30 must be divisible"),
+    ({"tp": 4, "vision": VisionShape(vision_heads=2)}, "vision heads=2 must be divisible by tp=4"),
+])
+def test_bad_mllm_settings_are_refused_before_training(change, needle, tmp_path):
+    job = dataclasses.replace(JOB, out=str(tmp_path), **change)
+    with pytest.raises(ValueError, match=needle):
+        check(job)
