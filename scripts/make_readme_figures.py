@@ -12,15 +12,34 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from stp.costmodel import derive, parse_hardware, parse_model
+from stp.costmodel.mllm_costs import mllm_layered_costs
 from stp.schedule import generate
 from stp.schedule.registry import SCHEDULES
-from stp.sim import Costs, simulate
+from stp.search.partition import auto_partition
+from stp.sim import Costs, SimResult, simulate
 from stp.viz import compare_scene, save_scene, timeline_scene, to_svg
 from stp.viz.scene import Scene
 
 P, M = 4, 12
 COSTS = Costs(f=2, b=2, w=2, ar=0.4)
 """The README's quick-start costs: per-chunk T_F = T_B = T_W = 1, T_AR = 0.2."""
+
+
+MLLM_MODEL, MLLM_HARDWARE, MLLM_PP, MLLM_M = "mllm-qwen2vl-7b,tp=8", "a800-80g", 2, 8
+"""The multimodal picture: Qwen2-VL-7B's shapes, STP with `--partition auto`."""
+
+
+def mllm_stp() -> SimResult:
+    """STP on the multimodal preset with the partition `--partition auto` picks
+    (the vision encoder and a few decoder layers on stage 0: uneven stages)."""
+    model = parse_model(MLLM_MODEL)
+    hw = parse_hardware(MLLM_HARDWARE)
+    d = derive(model, hw, MLLM_PP)
+    layered = mllm_layered_costs(model, hw, MLLM_PP, d.costs, d.mem)  # type: ignore[arg-type]
+    sch = generate("stp", MLLM_PP, MLLM_M)
+    got = auto_partition(sch, layered, layered.num_layers or 0)
+    return simulate(sch, stages=layered.table(got.counts))
 
 
 def figures() -> dict[str, Scene]:
@@ -34,6 +53,7 @@ def figures() -> dict[str, Scene]:
     return {
         f"stp_p{P}_m{M}": timeline_scene(stp),
         f"compare_p{P}_m{M}": compare_scene(results),
+        f"mllm_stp_p{MLLM_PP}_m{MLLM_M}": timeline_scene(mllm_stp()),
     }
 
 

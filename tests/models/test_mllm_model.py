@@ -11,7 +11,7 @@ from stp.models import IGNORE_INDEX, ModelConfig
 from stp.models.mllm_config import MLLMConfig, VisionConfig
 from stp.models.mllm_reference import build_mllm_reference
 from stp.models.mllm_stage import build_mllm_stage
-from stp.train.images import CaptionBatches, ShapeImages
+from stp.train.images import CaptionBatches, ShapeImages, image_choices
 
 DEC = ModelConfig(vocab_size=256, hidden=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   max_seq_len=64, seed=1)
@@ -69,3 +69,15 @@ def test_shape_images_are_seeded_and_captioned():
     inputs, targets = _batch()
     n = CFG.vision.image_tokens
     assert (targets[:, :n] == IGNORE_INDEX).all() and (targets[:, n] == ord("a")).all()
+
+
+def test_image_dependent_targets_are_the_bytes_the_image_decides():
+    caption = "a top left red circle, a bottom right cyan triangle."
+    marked = "".join(c for c, m in zip(caption, image_choices(caption), strict=True) if m)
+    assert marked == "tlrc,brct."
+    batches = CaptionBatches(ShapeImages(16, seed=5), CFG, text_len=60, batch_size=3)
+    inputs, targets, choices = batches.image_batch(0)
+    assert all(torch.equal(a, b) for a, b in zip(batches.batch(0), (inputs, targets), strict=True))
+    assert choices.shape == targets.shape and choices.any(axis=1).all()
+    assert (targets[choices] != IGNORE_INDEX).all()
+    assert set(bytes(targets[choices].tolist()).decode()) <= set("tbl" "rgypc" "s,.")

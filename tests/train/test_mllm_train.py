@@ -21,11 +21,14 @@ from stp.train.job import check, model_config
 from stp.train.lr import adamw
 from stp.train.mllm_job import mllm_batches
 
-SHAPE = ["--arch", "mllm", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "24",
-         "--vision-layers", "2", "--image-size", "16", "--patch", "4", "--microbatch-size", "1",
+# tiny shapes: the runs are start-up bound; the widths still split over tp 2
+SHAPE = ["--arch", "mllm", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "12",
+         "--vision-layers", "2", "--image-size", "8", "--patch", "2", "--vision-hidden", "8",
+         "--microbatch-size", "1",
          "-m", "4", "--steps", "2", "--dtype", "float64", "--timeout", "60", "--braid", "on"]
-JOB = TrainJob(arch="mllm", model=ModelShape(layers=2, hidden=64, heads=4, seq_len=24),
-               vision=VisionShape(image_size=16, patch=4, vision_layers=2), microbatches=4,
+JOB = TrainJob(arch="mllm", model=ModelShape(layers=2, hidden=32, heads=4, seq_len=12),
+               vision=VisionShape(image_size=8, patch=2, vision_layers=2, vision_hidden=8),
+               microbatches=4,
                microbatch_size=1, steps=2, dtype="float64")
 
 
@@ -69,9 +72,10 @@ def test_stp_train_arch_mllm_matches_one_process(argv, tmp_path):
 @pytest.mark.parametrize("change, needle", [
     ({"partition": "auto"}, "not auto"),
     ({"data": "x.txt"}, "drop --data"),
-    ({"vision": VisionShape(vision_hidden=32)}, "must be <= the decoder hidden 64"),
+    ({"vision": VisionShape(vision_hidden=16)}, "must be <= the decoder hidden 32"),
     ({"vision": VisionShape(image_size=30)}, "image_size=30 must be divisible"),
-    ({"tp": 4, "vision": VisionShape(vision_heads=2)}, "vision heads=2 must be divisible by tp=4"),
+    ({"tp": 4, "vision": dataclasses.replace(JOB.vision, vision_heads=2)},
+     "vision heads=2 must be divisible by tp=4"),
 ])
 def test_bad_mllm_settings_are_refused_before_training(change, needle, tmp_path):
     job = dataclasses.replace(JOB, out=str(tmp_path), **change)

@@ -131,8 +131,9 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default=None, metavar="NAME[,key=val..]",
         help="derive costs and memory from a model: a preset (zb-1.5b, zb-6.2b, zb-14.6b, "
-        "zb-28.3b, qwen2-12.1b, qwen2-26.3b) and/or fields (layers, hidden, heads, kv_heads, "
-        "ffn, vocab, sequence, micro_batch, tp, ...); --cost/--mem keys override the result",
+        "zb-28.3b, qwen2-12.1b, qwen2-26.3b; multimodal: mllm-qwen2vl-7b with images, "
+        "resolution, ...) and/or fields (layers, hidden, heads, kv_heads, ffn, vocab, "
+        "sequence, micro_batch, tp, ...); --cost/--mem keys override the result",
     )
     p.add_argument(
         "--hardware", default=None, metavar="NAME[,key=val..]",

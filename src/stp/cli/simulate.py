@@ -159,6 +159,21 @@ def _without_offload(res: SimResult) -> SimResult:
                     stages=res.stages)
 
 
+BASELINES = ("1f1b-interleaved", "zb-v")
+"""The schedules the STP paper measures its gain against (the best of them)."""
+
+
+def stp_gain(results: list[SimResult]) -> float | None:
+    """STP's throughput gain over the fastest of `BASELINES`, as a fraction
+    (best baseline makespan / STP makespan - 1); None if STP or every baseline
+    is missing."""
+    spans = {r.schedule.name: r.makespan for r in results}
+    base = [spans[n] for n in BASELINES if n in spans]
+    if "stp" not in spans or not base:
+        return None
+    return min(base) / spans["stp"] - 1
+
+
 def run_compare(args: argparse.Namespace) -> int:
     results, skipped = compare_results(args)
     slowest = max(r.makespan for r in results)
@@ -180,6 +195,7 @@ def run_compare(args: argparse.Namespace) -> int:
             "offload": args.offload,
             "rows": rows,
             "skipped": skipped,
+            "stp_gain_over_best_baseline": stp_gain(results),
         }))
     else:
         print(f"p={args.pp} m={args.microbatches} layers/chunk={args.layers}  "
@@ -200,6 +216,9 @@ def run_compare(args: argparse.Namespace) -> int:
                 b = base[r.schedule.name]
                 row += [_fmt(b.makespan), _fmt(max(b.peak_activation))]
         print(_table(rows, header))
+        gain = stp_gain(results)
+        if gain is not None:
+            print(f"stp vs the best of {' and '.join(BASELINES)}: {gain:+.1%} throughput")
         if skipped:
             print("skipped: " + ", ".join(skipped), file=sys.stderr)
     if args.plot:

@@ -2,17 +2,20 @@
 
 from stp.costmodel.derive import Derived, derive, parse_hardware, parse_model
 from stp.costmodel.hardware import HardwareSpec, allreduce_time, p2p_time
+from stp.costmodel.mllm import MLLM_MODELS, MLLMSpec
 from stp.costmodel.model import ModelSpec, layer_activation_bytes, layer_flops, num_parameters
 from stp.costmodel.presets import HARDWARE, MODELS, STP_REPORTED, ZB_BUBBLE_RATES, ZB_PROFILED
 
 __all__ = [
     "HARDWARE",
+    "MLLM_MODELS",
     "MODELS",
     "STP_REPORTED",
     "ZB_BUBBLE_RATES",
     "ZB_PROFILED",
     "Derived",
     "HardwareSpec",
+    "MLLMSpec",
     "ModelSpec",
     "allreduce_time",
     "derive",

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from stp.costmodel.hardware import HardwareSpec, allreduce_time, p2p_time
+from stp.costmodel.mllm import MLLM_MODELS, MLLMSpec
 from stp.costmodel.model import ModelSpec, layer_activation_bytes, layer_flops
 from stp.costmodel.presets import HARDWARE, MODELS
 from stp.schedule.memory import MemCosts
@@ -68,8 +69,13 @@ class Derived:
         }
 
 
-def derive(model: ModelSpec, hardware: HardwareSpec, pp: int) -> Derived:
-    """Per-rank costs of `model` cut into `pp` pipeline ranks on `hardware`."""
+def derive(model: ModelSpec | MLLMSpec, hardware: HardwareSpec, pp: int) -> Derived:
+    """Per-rank costs of `model` cut into `pp` pipeline ranks on `hardware`
+    (a multimodal model: `stp.costmodel.mllm_costs.derive_mllm`)."""
+    if isinstance(model, MLLMSpec):
+        from stp.costmodel.mllm_costs import derive_mllm
+
+        return derive_mllm(model, hardware, pp)
     if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
         raise ValueError(f"pipeline size pp={pp!r} must be an integer >= 1")
     if pp > model.layers:
@@ -149,9 +155,13 @@ def _parse(text: str, presets: dict, cls: type, what: str) -> object:
         ) from None
 
 
-def parse_model(text: str) -> ModelSpec:
-    """`qwen2-12.1b,sequence=6144,tp=8` -> ModelSpec (preset names in MODELS)."""
-    return _parse(text, MODELS, ModelSpec, "model")  # type: ignore[return-value]
+def parse_model(text: str) -> ModelSpec | MLLMSpec:
+    """`qwen2-12.1b,sequence=6144,tp=8` -> ModelSpec (preset names in MODELS);
+    `mllm-qwen2vl-7b,images=2` -> MLLMSpec (preset names in MLLM_MODELS)."""
+    first = text.split(",", 1)[0].strip()
+    if first in MLLM_MODELS:
+        return _parse(text, MLLM_MODELS, MLLMSpec, "model")  # type: ignore[return-value]
+    return _parse(text, {**MODELS, **MLLM_MODELS}, ModelSpec, "model")  # type: ignore
 
 
 def parse_hardware(text: str) -> HardwareSpec:

@@ -13,6 +13,8 @@ Models
     `num_parameters`) with a layer count of the form k*PP - 2 for PP in
     {2, 4, 8}, as the paper splits the model with two fewer layers on the
     last stage. Override any field: `--model qwen2-12.1b,sequence=6144,tp=8`.
+  * `mllm-qwen2vl-7b`: a multimodal model (Qwen2-VL-7B's shapes), in
+    `stp.costmodel.mllm.MLLM_MODELS`.
 
 Hardware (16-bit dense peak from NVIDIA's A100 / A800 datasheets; link
 bandwidths are one direction; `efficiency` and the effective bandwidths are

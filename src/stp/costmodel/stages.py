@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from stp.costmodel.derive import derive
 from stp.costmodel.hardware import HardwareSpec, allreduce_time
+from stp.costmodel.mllm import MLLMSpec
 from stp.costmodel.model import ModelSpec
 from stp.schedule.memory import MemCosts
 from stp.sim.costs import Costs
@@ -70,11 +71,16 @@ def edge_costs(model: ModelSpec, hardware: HardwareSpec, pp: int) -> tuple[Stage
     return embed, last
 
 
-def layered_costs(model: ModelSpec, hardware: HardwareSpec, pp: int, costs: Costs,
+def layered_costs(model: ModelSpec | MLLMSpec, hardware: HardwareSpec, pp: int, costs: Costs,
                   mem: MemCosts, layers: int = 1) -> LayeredCosts:
     """Per-layer costs from `costs`/`mem` (one rank's share, as `derive` gives
     them, possibly overridden) with the model's embedding and output layer on
-    the first and last stage; a partition must sum to `model.layers`."""
+    the first and last stage; a partition must sum to `model.layers` (a
+    multimodal model: encoder and decoder layers, `stp.costmodel.mllm_costs`)."""
+    if isinstance(model, MLLMSpec):
+        from stp.costmodel.mllm_costs import mllm_layered_costs
+
+        return mllm_layered_costs(model, hardware, pp, costs, mem, layers)
     first, last = edge_costs(model, hardware, pp)
     return LayeredCosts.from_rank_share(costs, mem, pp, model.layers, layers=layers,
                                         first=first, last=last)

@@ -34,8 +34,9 @@ def _gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLLMReference(nn.Module):
-    """Encoder (patches + positions, blocks, merger) and the decoder reference over
-    [image tokens, caption tokens], mean cross-entropy over non-ignored targets."""
+    """Encoder (normalised patch embedding + positions, blocks, merger) and the decoder
+    reference over [image tokens, caption tokens], mean cross-entropy over non-ignored
+    targets."""
 
     def __init__(self, cfg: MLLMConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -68,7 +69,7 @@ class MLLMReference(nn.Module):
         cols = cols.view(b, vc.channels, p * p, grid * grid).transpose(1, 2).reshape(b, -1, grid**2)
         order = [(wi * m + a) * grid + wj * m + c for wi in range(grid // m)
                  for wj in range(grid // m) for a in range(m) for c in range(m)]
-        return cols.transpose(1, 2)[:, order] / 127.5 - 1.0
+        return cols.transpose(1, 2)[:, order] / 255.0  # pixel values in [0, 1]
 
     def _attention(self, i: int, h: torch.Tensor) -> torch.Tensor:
         vc, b, n = self.cfg.vision, h.shape[0], h.shape[1]
@@ -81,7 +82,8 @@ class MLLMReference(nn.Module):
     def image_tokens(self, pixels: torch.Tensor) -> torch.Tensor:
         """Pixel bytes [b, P] -> image tokens [b, image_tokens, hidden]."""
         vc = self.cfg.vision
-        x = self._patches(pixels) @ self._p("patch_embed.weight").t() + self._p("pos_embed")
+        x = self._patches(pixels) @ self._p("patch_embed.weight").t()
+        x = _rms(x, self._p("patch_norm.weight"), vc.norm_eps) + self._p("pos_embed")
         for i in range(vc.num_layers):
             x = x + self._attention(i, _rms(x, self._p(f"blocks.{i}.norm1.weight"), vc.norm_eps))
             h = _rms(x, self._p(f"blocks.{i}.norm2.weight"), vc.norm_eps)

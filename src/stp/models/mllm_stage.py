@@ -50,6 +50,7 @@ def mllm_specs(cfg: MLLMConfig, layers: range | None = None, *, first: bool = Tr
     specs: list[ParamSpec] = []
     if first:
         specs += [ParamSpec("vision.patch_embed.weight", (vc.hidden, vc.patch_dim), 1, "normal"),
+                  ParamSpec("vision.patch_norm.weight", (vc.hidden,), None, "ones"),
                   ParamSpec("vision.pos_embed", (vc.vision_tokens, vc.hidden), None, "normal")]
     for i in (i for i in layers if i < lv):
         specs += vision_block_specs(cfg, i)
@@ -125,7 +126,8 @@ class MLLMStage(ModelStage):
             cols = self._slices["vision.patch_embed.weight"]
             span = (0, cfg.vision.patch_dim) if cols.dim is None else (cols.start, cols.stop)
             units.append(InputUnit(cfg, p["vision.patch_embed.weight"], span,
-                                   p["vision.pos_embed"], p["embed.weight"], vocab_start))
+                                   p["vision.patch_norm.weight"], p["vision.pos_embed"],
+                                   p["embed.weight"], vocab_start))
         rope = RopeCache(dec.head_dim, dec.rope_theta, dec.rope_scaling)
         for i in self.layer_ids:
             if i < lv:

@@ -4,7 +4,8 @@ interleave encoder units as well.
 
     pixels+tokens -> InputUnit: patch embedding (row-parallel: each rank holds
                      some of a patch's values) + vocab-parallel text embedding,
-                     one all-reduce; finish adds the learned position embedding
+                     one all-reduce; finish: RMSNorm of the patch embedding, then
+                     the learned position embedding added
     packed x ------> VisionAttentionUnit: x + attn(RMSNorm(x)), full attention
                      (no causal mask), heads split over TP, all-reduce after wo
     packed x ------> VisionMLPUnit: x + fc2(gelu(fc1(RMSNorm(x)))), all-reduce after fc2
@@ -38,7 +39,8 @@ __all__ = ["InputUnit", "VisionAttentionUnit", "VisionMLPUnit", "MergerUnit",
 
 
 def patchify(pixels: torch.Tensor, vc: VisionConfig, dtype: torch.dtype) -> torch.Tensor:
-    """Pixel bytes [b, H*W*C] -> patches [b, vision_tokens, patch_dim], scaled to [-1, 1].
+    """Pixel bytes [b, H*W*C] -> patches [b, vision_tokens, patch_dim], scaled to [0, 1]
+    (a black background is then zero and adds nothing to the patch embedding).
     Patches are ordered window by window (each merge x merge window's patches
     consecutive, row-major inside and across windows), so the merger's windows
     are plain reshapes; a patch's values are (row, column, channel) row-major."""
@@ -46,7 +48,7 @@ def patchify(pixels: torch.Tensor, vc: VisionConfig, dtype: torch.dtype) -> torc
     g = vc.image_size // (p * m)
     img = pixels.reshape(b, g, m, p, g, m, p, vc.channels)
     img = img.permute(0, 1, 4, 2, 5, 3, 6, 7)  # b, wi, wj, a, c, py, px, C
-    return img.reshape(b, vc.vision_tokens, vc.patch_dim).to(dtype) / 127.5 - 1.0
+    return img.reshape(b, vc.vision_tokens, vc.patch_dim).to(dtype) / 255.0
 
 
 def pack(vis: torch.Tensor, text: torch.Tensor, cfg: MLLMConfig) -> torch.Tensor:
@@ -79,14 +81,17 @@ class AddGrad:
 
 class InputUnit(Unit):
     """Stage 0: patch embedding (row-parallel over the patch values), text embedding
-    (vocab-parallel), summed by one all-reduce; the position embedding is added in the
-    finish. No input gradient (bytes and token ids)."""
+    (vocab-parallel), summed by one all-reduce; the finish normalises each patch's
+    embedding (RMSNorm, so a patch's content reaches the encoder at unit scale, not at
+    the tiny scale of a freshly initialised projection of sparse pixels) and adds the
+    position embedding. No input gradient (bytes and token ids)."""
 
     def __init__(self, cfg: MLLMConfig, patch_w: torch.Tensor, patch_cols: tuple[int, int],
-                 pos: torch.Tensor, embed: torch.Tensor, vocab_start: int) -> None:
+                 patch_norm: torch.Tensor, pos: torch.Tensor, embed: torch.Tensor,
+                 vocab_start: int) -> None:
         super().__init__("input")
         self.cfg, self.patch_w, self.cols, self.pos = cfg, patch_w, patch_cols, pos
-        self.embed, self.vocab_start = embed, vocab_start
+        self.patch_norm, self.embed, self.vocab_start = patch_norm, embed, vocab_start
 
     def forward_partial(self, mb: int, x: torch.Tensor,
                         targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -100,15 +105,20 @@ class InputUnit(Unit):
         return pack(vis, text, self.cfg)
 
     def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
-        self._enter(mb, "F-partial", "F")
+        st = self._enter(mb, "F-partial", "F")
         vis, text = unpack(reduced, self.cfg)
-        return pack(vis + self.pos.detach(), text, self.cfg)
+        with torch.enable_grad():
+            v_in = vis.detach().requires_grad_(True)
+            h = rms_norm(v_in, self.patch_norm, self.cfg.vision.norm_eps, st.sink)
+        st.saved.update(v_in=v_in, h=h)
+        return pack(h.detach() + self.pos.detach(), text, self.cfg)
 
     def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
         st = self._enter(mb, "F", "B-partial")
         gvis, gtext = unpack(grad, self.cfg)
         owned, rows = st.saved.pop("owned"), st.saved.pop("rows")
-        st.sink.append(LinearGrad(self.patch_w, st.saved.pop("patches"), gvis))
+        (grad_v,) = torch.autograd.grad(st.saved.pop("h"), st.saved.pop("v_in"), gvis)
+        st.sink.append(LinearGrad(self.patch_w, st.saved.pop("patches"), grad_v))
         st.sink.append(AddGrad(self.pos, gvis))  # type: ignore[arg-type]
         st.sink.append(EmbedGrad(self.embed, rows[owned], gtext[owned]))
         return None

@@ -54,7 +54,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from stp.schedule.ir import Kind, Pass
+from stp.schedule.ir import Done, Kind, Pass
 
 __all__ = [
     "BuildingBlock",
@@ -273,33 +273,35 @@ def compact(slots: Mapping[Pass, int], stage_to_rank: Sequence[int]) -> dict[Pas
     num_stages = len(stage_to_rank)
     free = [0] * (max(stage_to_rank) + 1)
     out: dict[Pass, int] = {}
+    ready: dict[Done, int] = {}  # the slot after each result's pass
     for p in sorted(slots, key=lambda q: (slots[q], stage_to_rank[q.stage])):
         r = stage_to_rank[p.stage]
-        t = max([free[r]] + [out[Pass(d.stage, d.kind, d.mb)] + 1
-                             for d in p.needs(num_stages)])
+        t = max([free[r]] + [ready[d] for d in p.needs(num_stages)])
         out[p] = t
         free[r] = t + 1
+        for d in p.completes():
+            ready[d] = t + 1
     return out
 
 
 def _peaks_without_w(rank_slots: Mapping[Pass, int]) -> tuple[int, int]:
     """(peak freed at B, peak freed at W) in chunk activations of one rank's
-    passes without their W, a pending W assumed to run in each free slot."""
-    by_slot = {t: q for q, t in rank_slots.items()}
+    passes without their W, a pending W assumed to run in each free slot
+    (peaks rise only at a forward, so only the passes' slots are visited)."""
     live_b = live_w = peak_b = peak_w = pending = 0
-    for t in range(max(by_slot, default=-1) + 1):
-        q = by_slot.get(t)
-        if q is None:
-            if pending:
-                pending -= 1
-                live_w -= 1
-        elif q.kind is Kind.F:
+    last = -1
+    for t, forward in sorted((t, q.kind is Kind.F) for q, t in rank_slots.items()):
+        ran = min(pending, t - last - 1)  # W run in the free slots since the last pass
+        pending -= ran
+        live_w -= ran
+        if forward:
             live_b += 1
             live_w += 1
+            peak_b, peak_w = max(peak_b, live_b), max(peak_w, live_w)
         else:
             live_b -= 1
             pending += 1
-        peak_b, peak_w = max(peak_b, live_b), max(peak_w, live_w)
+        last = t
     return peak_b, peak_w
 
 

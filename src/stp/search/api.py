@@ -29,9 +29,10 @@ The search stops early only when every step is done: each local search has
 reached a schedule that no move of its neighbourhood improves (a move off
 the critical chains cannot shorten them; see `stp.search.moves`). Otherwise
 each step stops at its share of `time_limit` (`stp.search.run.SHARES`;
-what a step leaves goes to the next, the local search last) and the search
-at 90% of it (the rest for the final validation); `SearchResult.converged`
-says which.
+what a step leaves goes to the next, the local search last), less a reserve
+for the final validation and simulation (`Run.reserve`: at least 10% of the
+limit, more on a slow or loaded machine); `SearchResult.converged` says
+which.
 
 An exact model (the Zero Bubble paper's ILP, Appendix G) is left out: it
 needs a solver the project does not depend on, and at p = 32, m = 96 it has
@@ -220,6 +221,9 @@ def search(
         kinds=kinds, started=t0, time_limit=time_limit, stage_costs=stage_costs,
     )
     baselines = _baselines(p, m, costs, mem, memory_limit, layers, stage_costs)
+    # Nine generations and simulations: several times the final validation and
+    # simulation, on this machine under its present load.
+    run.reserve = max(0.1 * time_limit, 0.5 * (time.perf_counter() - t0))
     run.seed([(b.name, sch, b.result) for b, sch in baselines
               if sch is not None and b.result is not None and not b.note
               and _in_space(sch, placement_kind, kinds, run.braid)])

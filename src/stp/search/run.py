@@ -28,11 +28,11 @@ _EPS = 1e-9
 Score = tuple[float, float]
 Best = dict[str, tuple["Candidate", Policy, tuple[int, ...]]]
 
-SHARES = {"v": 0.3, "greedy": 0.55, "refine": 0.65, "all": 0.9}
-"""By which fraction of the time limit each step stops if it has not finished
-(V constructions, greedy grid, cap refinement, everything): a step that
-finishes early leaves its time to the next ones, the local search last. The
-last 10% are for the final validation and simulation."""
+SHARES = {"v": 0.33, "greedy": 0.6, "refine": 0.7, "all": 1.0}
+"""By which fraction of the usable time (the time limit less `Run.reserve`)
+each step stops if it has not finished (V constructions, greedy grid, cap
+refinement, everything): a step that finishes early leaves its time to the
+next ones, the local search last."""
 
 
 @dataclass
@@ -77,6 +77,11 @@ class Run:
     """False once a step was cut short by the deadline."""
     stage_costs: StageCostsFor | None = None
     """Per-stage cost tables by stage count (`stp.sim.stages`); None: uniform."""
+    reserve: float = 0.0
+    """Seconds kept at the end of the time limit for what cannot be cut short:
+    the final validation and simulation, and the step under way when time
+    runs out (`stp.search.api.search` sets it from how long the handcrafted
+    schedules took to simulate on this machine, at least 10% of the limit)."""
 
     def simulate(self, sch: Schedule) -> SimResult:
         """The simulated run of `sch` under the search's costs (per stage when given)."""
@@ -94,7 +99,7 @@ class Run:
     def until(self, step: str) -> Callable[[], bool]:
         """The out-of-time test of a step (`SHARES`); a step cut short marks
         the search as not converged."""
-        stop = self.started + SHARES[step] * self.time_limit
+        stop = self.started + SHARES[step] * (self.time_limit - self.reserve)
 
         def out() -> bool:
             if time.perf_counter() > stop:

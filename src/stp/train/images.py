@@ -3,10 +3,11 @@
 Two sources, one batch format:
 - `ShapeImages(image_size, seed)`: images that exist on every machine, drawn
   with Pillow from a seed: one to three coloured shapes (circle, square,
-  triangle; red, green, blue, yellow) at random sizes in distinct quadrants,
-  captioned from what was drawn ("a red circle top left, a blue square
-  bottom right."), so the caption's words past "a " can only be predicted by
-  looking at the image.
+  triangle; six colours) at random sizes in distinct quadrants, captioned
+  from what was drawn, position first ("a top left red circle, a bottom right
+  blue square."), so every word past "a " can only be predicted by looking
+  at the image. The position comes first so that the colour and shape are
+  read where the caption has already said where to look.
 - `ImageFolder(path, image_size)`: a user's images. The directory holds PNG or
   JPEG files and a `captions.txt`, one line per image: the file name (relative
   to the directory), a TAB, the caption (UTF-8, one line). Lines that are
@@ -35,13 +36,31 @@ from PIL import Image, ImageDraw
 from stp.models.config import IGNORE_INDEX
 from stp.models.mllm_config import MLLMConfig
 
-__all__ = ["ShapeImages", "ImageFolder", "CaptionBatches", "read_captions", "CAPTIONS_FILE"]
+__all__ = ["ShapeImages", "ImageFolder", "CaptionBatches", "read_captions", "image_choices",
+           "CAPTIONS_FILE"]
 
 CAPTIONS_FILE = "captions.txt"
+# six colours with distinct first letters, far apart in RGB
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 230),
-           "yellow": (235, 210, 30)}
+           "yellow": (235, 210, 30), "cyan": (40, 210, 220), "purple": (160, 60, 200)}
 SHAPES = ("circle", "square", "triangle")
 QUADRANTS = ("top left", "top right", "bottom left", "bottom right")
+IMAGE_WORDS = frozenset([*COLOURS, *SHAPES, "top", "bottom", "left", "right"])
+
+
+def image_choices(caption: str) -> list[bool]:
+    """Per byte of `caption` (ASCII): True where the image decides the byte (module doc):
+    the first byte of an image word, and the byte after a shape word."""
+    marks = [False] * len(caption)
+    start = 0
+    for word in caption.replace(",", " ").replace(".", " ").split(" "):
+        at = caption.index(word, start) if word else start
+        if word in IMAGE_WORDS:
+            marks[at] = True
+            if word in SHAPES and at + len(word) < len(caption):
+                marks[at + len(word)] = True
+        start = at + len(word)
+    return marks
 
 
 class ImageSource(Protocol):
@@ -87,7 +106,7 @@ class ShapeImages:
             x0 = (q % 2) * half + rng.randint(0, half - side)
             y0 = (q // 2) * half + rng.randint(0, half - side)
             _draw(draw, shape, (x0, y0, x0 + side - 1, y0 + side - 1), COLOURS[colour])
-            parts.append(f"a {colour} {shape} {QUADRANTS[q]}")
+            parts.append(f"a {QUADRANTS[q]} {colour} {shape}")
         return np.asarray(img, dtype=np.uint8), ", ".join(parts) + "."
 
 
@@ -143,7 +162,7 @@ class CaptionBatches:
     seed: int = 0
     blank: bool = False
 
-    def _row(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _row(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         pixels, caption = self.source.sample(index)
         if self.blank:
             pixels = np.zeros_like(pixels)
@@ -155,11 +174,22 @@ class CaptionBatches:
         tokens[: min(t, len(ids))] = ids[:t]
         n = self.config.vision.image_tokens
         targets[n: n + len(ids) - 1] = ids[1:]
+        # target n + j is caption byte j
+        choices = torch.zeros(targets.shape, dtype=torch.bool)
+        # a non-ASCII caption's bytes do not line up with its characters: no marks
+        marks = (image_choices(caption) if caption.isascii() else [])[: len(ids) - 1]
+        choices[n: n + len(marks)] = torch.tensor(marks, dtype=torch.bool)
         flat = torch.from_numpy(pixels.reshape(-1).astype(np.int64))
-        return torch.cat([flat, tokens]), targets
+        return torch.cat([flat, tokens]), targets, choices
+
+    def image_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Global batch `step` (inputs, targets) and a bool mask of the targets the image
+        decides (module doc), [B, image_tokens + T]."""
+        rng = random.Random(self.seed * 7_919 + step)
+        rows = [self._row(rng.randrange(len(self.source))) for _ in range(self.batch_size)]
+        return tuple(torch.stack([r[i] for r in rows]) for i in range(3))  # type: ignore[return-value]
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Global batch `step`: its samples are a function of (seed, step)."""
-        rng = random.Random(self.seed * 7_919 + step)
-        rows = [self._row(rng.randrange(len(self.source))) for _ in range(self.batch_size)]
-        return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+        inputs, targets, _ = self.image_batch(step)
+        return inputs, targets
