@@ -9,11 +9,13 @@ fills up while writing therefore leaves the earlier good file in place.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-__all__ = ["replacing", "write_text_atomic"]
+__all__ = ["read_json", "replacing", "write_text_atomic"]
 
 
 @contextlib.contextmanager
@@ -31,3 +33,20 @@ def replacing(path: str | os.PathLike[str]) -> Iterator[Path]:
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     with replacing(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def read_json(path: str | os.PathLike[str], max_bytes: int) -> Any:
+    """The JSON document in file `path`, read in bounded memory (at most
+    `max_bytes` + 1 bytes; a UTF-8 BOM is accepted). ValueError naming the
+    file when it cannot be read, is too large, or is not JSON."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(max_bytes + 1)
+    except OSError as e:
+        raise ValueError(f"cannot read {str(path)!r}: {e.strerror or e}") from None
+    if len(raw) > max_bytes:
+        raise ValueError(f"{str(path)!r} is larger than {max_bytes >> 20} MiB")
+    try:
+        return json.loads(raw.decode("utf-8-sig"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{str(path)!r} is not JSON: {str(e)[:80]}") from None

@@ -29,7 +29,6 @@ Times are milliseconds (the trace's microseconds / 1000).
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 from collections import defaultdict
@@ -37,6 +36,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from stp.files import read_json
 from stp.sim.stages import StageCost, StageCosts
 
 __all__ = ["measured_stage_costs", "load_measured"]
@@ -191,18 +191,7 @@ def _stage_of(name: str) -> int | None:
 
 def load_measured(path: str | Path) -> StageCosts:
     """`measured_stage_costs` of the trace file at `path`; ValueError naming it."""
-    p = Path(path)
-    try:
-        with p.open("rb") as fh:
-            raw = fh.read(MAX_TRACE_BYTES + 1)
-    except OSError as e:
-        raise ValueError(f"cannot read {str(path)!r}: {e.strerror or e}") from None
-    if len(raw) > MAX_TRACE_BYTES:
-        raise ValueError(f"{str(path)!r} is larger than {MAX_TRACE_BYTES >> 20} MiB")
-    try:
-        doc = json.loads(raw.decode("utf-8-sig"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ValueError(f"{str(path)!r} is not JSON: {str(e)[:80]}") from None
+    doc = read_json(path, MAX_TRACE_BYTES)
     try:
         return measured_stage_costs(doc, str(path))
     except (KeyError, TypeError, ValueError) as e:

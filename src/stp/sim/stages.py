@@ -29,12 +29,12 @@ latency) and `partition` (layers per stage, for reports) are optional.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from stp.files import read_json
 from stp.schedule.memory import MemCosts
 from stp.sim.costs import Costs
 
@@ -236,16 +236,5 @@ fits n); what the search takes, as its placements differ in stage count."""
 def load_stage_costs(path: str | Path) -> StageCosts:
     """Read a stage cost table (format in the module doc); ValueError naming
     the file and what is wrong."""
-    p = Path(path)
-    try:
-        with p.open("rb") as fh:
-            raw = fh.read(MAX_TABLE_BYTES + 1)
-    except OSError as e:
-        raise ValueError(f"cannot read {str(path)!r}: {e.strerror or e}") from None
-    if len(raw) > MAX_TABLE_BYTES:
-        raise ValueError(f"{str(path)!r} is larger than {MAX_TABLE_BYTES >> 20} MiB")
-    try:
-        obj = json.loads(raw.decode("utf-8-sig"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ValueError(f"{str(path)!r} is not JSON: {str(e)[:80]}") from None
+    obj = read_json(path, MAX_TABLE_BYTES)
     return StageCosts.from_json(obj, str(path))
