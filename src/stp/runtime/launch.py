@@ -53,6 +53,12 @@ __all__ = [
 
 GRACE_S = 3.0
 """Seconds stopped workers get to exit before SIGKILL."""
+PEER_WINDOW_S = 1.5
+"""Seconds the other ranks get to fail by themselves after the first failure."""
+QUIET_STOP = signal.SIGUSR1
+"""Ends a worker the launcher stops after another rank failed: its default action
+ends the process without a word (SIGINT/SIGTERM would make rank 0 report an
+interrupt that nobody asked for)."""
 STARTUP_S = 300.0
 """Seconds the ranks may take to start (import torch, read settings) before they
 meet; apart from the job's timeout, which bounds waits between running ranks."""
@@ -141,7 +147,10 @@ class WorkerExit:
         return 128 - self.returncode if self.returncode < 0 else self.returncode
 
     def how(self) -> str:
-        """`was killed by SIGKILL`, `exited on SIGTERM (status 143)`, `exited with status 1`."""
+        """`was killed by SIGKILL`, `exited on SIGTERM (status 143)`, `exited with status 1`,
+        `was stopped after another rank failed`."""
+        if self.stopped and self.returncode == -QUIET_STOP:
+            return "was stopped after another rank failed"
         if self.returncode < 0:
             return f"was killed by {_signal_name(-self.returncode)}"
         if self.returncode > 128 and _signal_name(self.returncode - 128) != "":
@@ -312,13 +321,21 @@ def _write_call(directory: Path, entry: Callable[..., object], args: tuple[objec
 
 
 def _supervise(workers: _Workers, interrupts: _Interrupts, grace: float) -> None:
-    """Wait until every worker ended; on the first failure or an interrupt, stop the rest."""
+    """Wait until every worker ended; on an interrupt stop the rest at once. After the
+    first failure the others get PEER_WINDOW_S to fail by themselves (a rank blocked
+    on the dead one sees the closed connection within milliseconds and says so);
+    then the rest are ended quietly (QUIET_STOP: they print nothing, the launcher
+    reports)."""
+    failed_at: float | None = None
     while workers.alive():
         ended = workers.poll()
         if interrupts.signum is not None:
             workers.stop(interrupts.signum, grace)
-        elif any(e.returncode != 0 for e in ended):
-            workers.stop(signal.SIGTERM, grace)
+            continue
+        if failed_at is None and any(e.returncode != 0 for e in ended):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at >= PEER_WINDOW_S:
+            workers.stop(QUIET_STOP, grace)
         else:
             time.sleep(0.05)
 

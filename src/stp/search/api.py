@@ -223,7 +223,8 @@ def search(
     baselines = _baselines(p, m, costs, mem, memory_limit, layers, stage_costs)
     # Nine generations and simulations: several times the final validation and
     # simulation, on this machine under its present load.
-    run.reserve = max(0.1 * time_limit, 0.5 * (time.perf_counter() - t0))
+    run.steps_from = time.perf_counter()
+    run.reserve = max(0.1 * time_limit, 0.5 * (run.steps_from - t0))
     run.seed([(b.name, sch, b.result) for b, sch in baselines
               if sch is not None and b.result is not None and not b.note
               and _in_space(sch, placement_kind, kinds, run.braid)])

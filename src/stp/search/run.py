@@ -29,10 +29,11 @@ Score = tuple[float, float]
 Best = dict[str, tuple["Candidate", Policy, tuple[int, ...]]]
 
 SHARES = {"v": 0.33, "greedy": 0.6, "refine": 0.7, "all": 1.0}
-"""By which fraction of the usable time (the time limit less `Run.reserve`)
-each step stops if it has not finished (V constructions, greedy grid, cap
-refinement, everything): a step that finishes early leaves its time to the
-next ones, the local search last."""
+"""By which fraction of the usable time (from the end of the handcrafted
+seeds to the time limit less `Run.reserve`) each step stops if it has not
+finished (V constructions, greedy grid, cap refinement, everything): a step
+that finishes early leaves its time to the next ones, the local search
+last."""
 
 
 @dataclass
@@ -77,6 +78,9 @@ class Run:
     """False once a step was cut short by the deadline."""
     stage_costs: StageCostsFor | None = None
     """Per-stage cost tables by stage count (`stp.sim.stages`); None: uniform."""
+    steps_from: float = 0.0
+    """When the steps after the handcrafted seeds began (`SHARES` divide the
+    time from there to the limit less `reserve`); 0: from `started`."""
     reserve: float = 0.0
     """Seconds kept at the end of the time limit for what cannot be cut short:
     the final validation and simulation, and the step under way when time
@@ -99,7 +103,9 @@ class Run:
     def until(self, step: str) -> Callable[[], bool]:
         """The out-of-time test of a step (`SHARES`); a step cut short marks
         the search as not converged."""
-        stop = self.started + SHARES[step] * (self.time_limit - self.reserve)
+        begin = self.steps_from or self.started
+        end = self.started + self.time_limit - self.reserve
+        stop = begin + SHARES[step] * (end - begin)
 
         def out() -> bool:
             if time.perf_counter() > stop:
