@@ -9,7 +9,10 @@ of a shared machine hits each alike:
                  (the path every unit takes at tp > 1)
   one graph      one graph per unit (tp = 1), W deferred (Zero Bubble's split B)
   plain          one graph, plain autograd: B gets the weight gradients in the
-                 same graph walk (what a full-backward microbatch runs at tp = 1)
+                 same graph walk
+  fused          the 4 layers as one unit (stp.models.chunk), W deferred
+  fused plain    the 4 layers as one unit, plain autograd (what a full-backward
+                 microbatch runs at tp = 1, the default)
   torch          the same layers as plain autograd code (stp.train.peer.DecoderPart),
                  forward and backward()
 
@@ -30,9 +33,9 @@ from stp.models import ModelConfig, ModelStage, build_stage
 from stp.train.peer import DecoderPart
 
 
-def _stage(cfg: ModelConfig, one_graph: bool, plain: bool) -> ModelStage:
-    st = build_stage(cfg, 1, 3)  # a middle stage
-    for unit in st.units:
+def _stage(cfg: ModelConfig, one_graph: bool, plain: bool, fused: bool = False) -> ModelStage:
+    st = build_stage(cfg, 1, 3, fuse_layers=fused)  # a middle stage
+    for unit in st.units if not fused else ():
         unit.one_graph = one_graph  # type: ignore[attr-defined]
     st.weights_in_backward(range(1) if plain else ())
     return st
@@ -43,7 +46,8 @@ def _variants(hidden: int) -> dict[str, Callable[[], None]]:
                       max_seq_len=128)
     x, g = torch.randn(4, 128, hidden), torch.randn(4, 128, hidden)
     stages = {"two graphs": _stage(cfg, False, False), "one graph": _stage(cfg, True, False),
-              "plain": _stage(cfg, True, True)}
+              "plain": _stage(cfg, True, True), "fused": _stage(cfg, True, False, True),
+              "fused plain": _stage(cfg, True, True, True)}
     part = DecoderPart(cfg, stages["plain"].layer_ids, first=False, last=False)
 
     def stp(st: ModelStage) -> Callable[[], None]:

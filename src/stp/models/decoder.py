@@ -43,7 +43,7 @@ from stp.models.tp.layers import (
     vocab_ce_stats,
     vocab_embedding_partial,
 )
-from stp.models.tp.wgrad import EmbedGrad, ReadyGrad, WGradEntry, WGradStore
+from stp.models.tp.wgrad import EmbedGrad, GradTaps, ReadyGrad, WGradEntry, WGradStore
 
 __all__ = ["Unit", "EmbedUnit", "AttentionUnit", "MLPUnit", "LossUnit", "RopeCache", "apply_rope"]
 
@@ -67,6 +67,8 @@ class _MbState:
     saved: dict[str, Any] = field(default_factory=dict)
     early_w: bool = False
     """W ran between backward_partial and backward_finish (a braided full backward)."""
+    taps: GradTaps | None = None
+    """The forward's linears whose output gradients B must catch (`Unit._sink`)."""
 
 
 class Unit:
@@ -102,22 +104,38 @@ class Unit:
         """The parameters this unit's forward uses (for a plain-autograd backward)."""
         return []
 
-    def _sink(self, st: _MbState, mb: int, one_graph: bool) -> list[WGradEntry] | None:
-        """Where the forward's layers defer their weight work; None: plain autograd."""
+    def _sink(self, st: _MbState, mb: int, one_graph: bool) -> GradTaps | None:
+        """Where the forward's layers defer their weight work: taps on plain F.linear
+        outputs (stp.models.tp.wgrad.GradTaps), which `_input_grad` turns into W
+        work; None: plain autograd computes the weight gradients in B."""
         native = one_graph and mb in self.weights_at_once
         st.saved["native"] = native
-        return None if native else st.sink
+        st.taps = None if native else GradTaps(st.sink)
+        return st.taps
 
     def _input_grad(
-        self, st: _MbState, output: torch.Tensor, inp: torch.Tensor, grad: torch.Tensor
+        self, st: _MbState, output: torch.Tensor | tuple[torch.Tensor, ...], inp: torch.Tensor,
+        grad: torch.Tensor
     ) -> torch.Tensor:
-        """d output / d inp applied to grad; after a plain-autograd forward, the weight
-        gradients too, from the same graph walk, into the sink for W."""
-        if not st.saved.pop("native", False):
-            return input_grad(output, inp, grad)
-        ws = [w for w in self.weights() if w.requires_grad]
-        grads = _ENGINE.run_backward((output,), (grad,), False, False, (inp, *ws), False, False)
-        st.sink.extend(ReadyGrad(w, g) for w, g in zip(ws, grads[1:], strict=True))
+        """d output / d inp applied to grad (several outputs: each gets grad, and their
+        contributions add), in one walk of the graph `_sink` prepared: the tapped
+        linears' output gradients come out of the same walk (their W work goes to
+        the sink), or, after a plain-autograd forward, the weight gradients (kept
+        for W as they are)."""
+        outs = output if isinstance(output, tuple) else (output,)
+        native, taps = st.saved.pop("native", False), st.taps
+        st.taps = None
+        extra: tuple[Any, ...] = ()
+        if native:
+            extra = tuple(w for w in self.weights() if w.requires_grad)
+        elif taps is not None:
+            extra = taps.edges()
+        grads = _ENGINE.run_backward(outs, (grad,) * len(outs), False, False, (inp, *extra),
+                                     False, False)
+        if native:
+            st.sink.extend(ReadyGrad(w, g) for w, g in zip(extra, grads[1:], strict=True))
+        elif taps is not None:
+            taps.caught(grads[1:])
         return grads[0]
 
     def forward_partial(
@@ -255,6 +273,10 @@ class _ResidualUnit(Unit):
 
     def weights(self) -> list[torch.Tensor]:
         return [w for w in (self.norm_w, *self._matrices()) if w is not None]
+
+    def branch(self, x: torch.Tensor, sink: GradTaps | None) -> torch.Tensor:
+        """f(RMSNorm(x)) in one graph, for one TP rank (stp.models.chunk)."""
+        return self._body(rms_norm(x, self.norm_w, self.eps, sink), sink)
 
     def forward_partial(
         self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
@@ -435,7 +457,7 @@ class LossUnit(Unit):
         if self.one_graph:
             st.saved["grad"] = self._input_grad(st, logits, st.saved.pop("x_in"), grad_logits)
             return None
-        return input_grad(logits, st.saved.pop("h_in"), grad_logits)
+        return self._input_grad(st, logits, st.saved.pop("h_in"), grad_logits)  # taps the head
 
     def backward_finish(self, mb: int, reduced: torch.Tensor | None) -> torch.Tensor | None:
         st = self._enter(mb, "B-partial", "B")

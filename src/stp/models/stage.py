@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stp.models.chunk import LayerChunk
 from stp.models.config import IGNORE_INDEX, ModelConfig
 from stp.models.decoder import AttentionUnit, EmbedUnit, LossUnit, MLPUnit, RopeCache, Unit
 from stp.models.init import ParamSpec, ShardSlice, init_shard, parameter_specs, tp_slice
@@ -95,6 +96,7 @@ class ModelStage(nn.Module):
         tp_group: dist.ProcessGroup | None = None,
         async_allreduce: bool = False,
         partition: tuple[int, ...] | None = None,
+        fuse_layers: bool | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -107,6 +109,8 @@ class ModelStage(nn.Module):
         self.allreduce = allreduce
         self.tp_group = tp_group
         self._async = async_allreduce and tp_size > 1
+        # One TP rank: nothing to braid, so the layers run as one unit (stp.models.chunk).
+        self.fuse_layers = tp_size == 1 if fuse_layers is None else fuse_layers
         self.specs = {s.name: s for s in specs}
         self._shard_dims = {s.name: s.shard_dim for s in specs}
         self._slices = {s.name: tp_slice(config, s, tp_size, tp_rank) for s in specs}
@@ -121,6 +125,7 @@ class ModelStage(nn.Module):
         vocab_start = tp_rank * vocab_part
         one_graph = tp_size == 1  # no all-reduce between a unit's norm and its body
         units: list[Unit] = []
+        layers: list[AttentionUnit | MLPUnit] = []
         if self.is_first:
             units.append(EmbedUnit(p["embed.weight"], vocab_start, config.pad_token_id))
         rope = RopeCache(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -128,16 +133,20 @@ class ModelStage(nn.Module):
             a, m = f"layers.{i}.attn", f"layers.{i}.mlp"
             biases = (p[f"{a}.wq.bias"], p[f"{a}.wk.bias"], p[f"{a}.wv.bias"]) if (
                 config.qkv_bias) else None
-            units.append(AttentionUnit(
+            layers.append(AttentionUnit(
                 i, p[f"layers.{i}.attn_norm.weight"], p[f"{a}.wq.weight"], p[f"{a}.wk.weight"],
                 p[f"{a}.wv.weight"], p[f"{a}.wo.weight"],
                 head_dim=config.head_dim, eps=config.norm_eps, rope=rope, biases=biases,
                 one_graph=one_graph,
             ))
-            units.append(MLPUnit(
+            layers.append(MLPUnit(
                 i, p[f"layers.{i}.mlp_norm.weight"], p[f"{m}.w1.weight"], p[f"{m}.w3.weight"],
                 p[f"{m}.w2.weight"], eps=config.norm_eps, one_graph=one_graph,
             ))
+        if self.fuse_layers and one_graph:
+            units.append(LayerChunk(layers))
+        else:
+            units.extend(layers)
         if self.is_last:
             head = self._slices["head.weight"]
             valid = vocab_part if head.dim is None else head.stop - head.start
@@ -279,7 +288,8 @@ class ModelStage(nn.Module):
 
     def shared_tensors(self) -> list[torch.Tensor]:
         """Tensors every microbatch uses besides parameters: the rotary tables."""
-        ropes = {id(u.rope): u.rope for u in self.units if isinstance(u, AttentionUnit)}
+        parts = [p for u in self.units for p in (u.parts if isinstance(u, LayerChunk) else (u,))]
+        ropes = {id(u.rope): u.rope for u in parts if isinstance(u, AttentionUnit)}
         return [t for rope in ropes.values() for t in rope.tensors()]
 
     def reset(self) -> None:
@@ -301,6 +311,7 @@ def build_stage(
     allreduce: AllReduce | None = None,
     weights: ShardSource = init_shard,
     partition: tuple[int, ...] | None = None,
+    fuse_layers: bool | None = None,
 ) -> ModelStage:
     """Materialise only stage `stage` of `num_stages` on TP rank tp_rank of tp_size.
 
@@ -313,7 +324,9 @@ def build_stage(
     tp_size == 1) runs between units. With tp_size > 1 and no tp_group, the
     default group is used if its size is tp_size.
     `weights(config, spec, tp_size, tp_rank, device=, dtype=)` gives each parameter's
-    shard: the seeded init by default, or a checkpoint's slice (stp.models.hf)."""
+    shard: the seeded init by default, or a checkpoint's slice (stp.models.hf).
+    `fuse_layers` (default: when tp_size == 1) runs the stage's layers as one unit
+    (stp.models.chunk): with one TP rank there is no all-reduce for units to hide."""
     if not isinstance(config, ModelConfig):
         raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
@@ -348,4 +361,5 @@ def build_stage(
         config, stage, num_stages, specs, tensors,
         tp_size=tp_size, tp_rank=tp_rank, allreduce=allreduce,
         tp_group=tp_group, async_allreduce=not custom, partition=partition,
+        fuse_layers=fuse_layers,
     )

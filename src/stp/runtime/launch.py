@@ -23,6 +23,7 @@ Backend: NCCL when every local rank gets its own CUDA device, gloo on CPU.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import pickle
@@ -105,7 +106,17 @@ def init_distributed(*, timeout: float, device: torch.device | None = None) -> t
         dist.init_process_group(backend, timeout=td)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
+    atexit.register(_destroy_at_exit)
     return device
+
+
+def _destroy_at_exit() -> None:
+    """Tear the process groups down before the interpreter does: a gloo group left to
+    the interpreter's shutdown sometimes ends the process with "terminate called
+    without an active exception" (SIGABRT) after a finished run, which torchrun
+    reports as a failure. A user script that destroys the group itself is left alone."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def wait_for_every_rank(startup: float = STARTUP_S) -> None:

@@ -42,6 +42,14 @@ __all__ = ["LOW_PRECISION", "Precision", "UpdateStats", "apply_update"]
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
+def _held_ids(unit: Any) -> list[int]:
+    """ids of the tensors a unit holds: its attributes, and `weights()` (a unit that
+    runs several layers, stp.models.chunk, holds them through its parts)."""
+    held = [*vars(unit).values(), *(unit.weights() if callable(getattr(unit, "weights", None))
+                                    else ())]
+    return list(dict.fromkeys(id(v) for v in held))
+
+
 class Precision:
     """The parameters the optimizer steps and their gradients, for one rank.
 
@@ -63,7 +71,7 @@ class Precision:
             master.grad = torch.zeros_like(master)  # the main grad
         index = {id(p): i for i, p in enumerate(self.model)}
         for unit in units:
-            mine = [index[id(v)] for v in vars(unit).values() if id(v) in index]
+            mine = [index[i] for i in _held_ids(unit) if i in index]
             if mine:
                 for method in ("weight", "backward_finish"):
                     if callable(getattr(unit, method, None)):

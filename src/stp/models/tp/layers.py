@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from stp.models.config import IGNORE_INDEX
-from stp.models.tp.wgrad import LinearGrad, NormGrad, WGradEntry
+from stp.models.tp.wgrad import GradTaps, LinearGrad, NormGrad, WGradEntry
 
 __all__ = [
     "linear",
@@ -67,14 +67,18 @@ class _LinearFn(torch.autograd.Function):
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
-    sink: list[WGradEntry] | None,
+    sink: list[WGradEntry] | GradTaps | None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., in] @ weight[out, in]^T (+ bias [out]) -> [..., out], with the weight
-    (and bias) gradients deferred; sink None: plain F.linear (autograd's own weight
-    gradients, for a backward that computes them at once)."""
+    (and bias) gradients deferred to the sink; sink None: plain F.linear
+    (autograd's own weight gradients, for a backward that computes them at once)."""
     if sink is None:
         return F.linear(x, weight, bias)
+    if isinstance(sink, GradTaps):
+        y = F.linear(x, weight, bias)
+        sink.linear(weight, x, y, bias)
+        return y
     return _LinearFn.apply(x, weight, sink, bias)
 
 
@@ -109,14 +113,17 @@ class _RMSNormFn(torch.autograd.Function):
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, sink: list[WGradEntry] | None
+    x: torch.Tensor, weight: torch.Tensor, eps: float,
+    sink: list[WGradEntry] | GradTaps | None,
 ) -> torch.Tensor:
     """RMSNorm over the last dim with the gain's gradient deferred to W; sink None:
-    the same maths in plain autograd ops."""
+    the same maths in plain autograd ops. The deferred form stays a Function even
+    with GradTaps: it keeps only xhat and rstd for B (plain ops would keep x as
+    well, which the caller may overwrite once the forward returns)."""
     if sink is None:
         xf = x.to(_compute_dtype(x.dtype))
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
-    return _RMSNormFn.apply(x, weight, eps, sink)
+    return _RMSNormFn.apply(x, weight, eps, sink.sink if isinstance(sink, GradTaps) else sink)
 
 
 def vocab_embedding_partial(

@@ -12,12 +12,15 @@ touches `.grad` (the PipelineStage contract: weight gradients wait for W).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 __all__ = ["LinearGrad", "NormGrad", "EmbedGrad", "ReadyGrad", "WGradEntry", "WGradStore",
-           "accumulate_grad"]
+           "GradTaps", "accumulate_grad"]
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -96,6 +99,39 @@ class ReadyGrad:
 
 
 WGradEntry = LinearGrad | NormGrad | EmbedGrad | ReadyGrad
+
+
+class GradTaps:
+    """Linear layers' weight gradients deferred without an autograd Function of our
+    own. The forward runs plain F.linear and notes each output's place in the graph
+    (a GradientEdge: the node and output index, not the tensor, so no activation is
+    kept for it); B asks the engine for the input gradient and for the gradients
+    at those places in the same walk, and `caught` turns them into W work in
+    `sink`, as the Function's backward would. Autograd computes no weight
+    gradient (none is asked for), and the walk runs no Python: a Function costs a
+    Python forward and a Python backward per linear, a hook a Python call (and a
+    hook's closure on the graph must be freed with the interpreter's lock, which a
+    communication thread may not get at exit)."""
+
+    __slots__ = ("sink", "_taps")
+
+    def __init__(self, sink: list[WGradEntry]) -> None:
+        self.sink = sink
+        self._taps: list[tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+
+    def linear(self, weight: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+               bias: torch.Tensor | None) -> None:
+        self._taps.append((get_gradient_edge(y), weight, x, bias))
+
+    def edges(self) -> tuple[Any, ...]:
+        return tuple(t[0] for t in self._taps)
+
+    def caught(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """The output gradients at `edges()`, in order, from B's graph walk."""
+        for (_, weight, x, bias), g in zip(self._taps, grads, strict=True):
+            if g is not None:
+                self.sink.append(LinearGrad(weight, x, g, bias))
+        self._taps.clear()
 
 
 class WGradStore:
