@@ -1,7 +1,9 @@
 """`stp train --arch mllm` trains with the per-step losses of the single-process
 multimodal reference (stp.models.mllm_reference, AdamW on the same batches):
 float64, 1e-9, braiding on, on pp2 x tp2 (stp), pp3 (1f1b, an uneven partition
-with the encoder sharing a stage with a decoder layer) and pp2 x dp2."""
+with the encoder sharing a stage with a decoder layer) and pp2 x dp2.
+`--partition auto` resolves to counts (vision blocks first) that the run uses,
+with the losses of a run given those counts explicitly."""
 
 from __future__ import annotations
 
@@ -15,11 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from stp.cli.main import main
 from stp.models.mllm_reference import build_mllm_reference
 from stp.train.config import ModelShape, TrainJob, VisionShape
 from stp.train.job import check, model_config
 from stp.train.lr import adamw
 from stp.train.mllm_job import mllm_batches
+from stp.train.plan import job_schedule, resolved_partition
 
 # tiny shapes: the runs are start-up bound; the widths still split over tp 2
 SHAPE = ["--arch", "mllm", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "12",
@@ -46,13 +50,17 @@ def _reference_losses(job: TrainJob, steps: int) -> list[float]:
     return out
 
 
-def _stp_losses(argv: list[str], out: Path) -> list[float]:
+def _stp_run(argv: list[str], out: Path) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "stp.cli.main", "train", *SHAPE, "--json", *argv,
            "--out", str(out)]
     got = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert got.returncode == 0, got.stderr[-3000:]
-    return [json.loads(line)["loss"] for line in got.stdout.splitlines()]
+    return got
+
+
+def _stp_losses(argv: list[str], out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in _stp_run(argv, out).stdout.splitlines()]
 
 
 @pytest.mark.parametrize("argv", [
@@ -69,8 +77,42 @@ def test_stp_train_arch_mllm_matches_one_process(argv, tmp_path):
     assert max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)) <= 1e-9, (got, ref)
 
 
+@pytest.mark.parametrize("schedule, pp", [("1f1b", 2), ("stp", 2), ("1f1b", 3)])
+def test_auto_partition_counts_vision_blocks_then_decoder_layers(schedule, pp):
+    job = dataclasses.replace(JOB, partition="auto", schedule=schedule, pp=pp)
+    check(job)  # auto is accepted
+    sch = job_schedule(job)
+    resolved, counts = resolved_partition(job, sch)
+    assert counts is not None and len(counts) == sch.num_stages and min(counts) >= 1
+    assert sum(counts) == JOB.vision.vision_layers + JOB.model.layers
+    assert resolved.partition == ",".join(map(str, counts))
+
+
+def test_stp_train_partition_auto_runs_the_counts_it_chose(tmp_path):
+    argv = ["--pp", "2", "--schedule", "1f1b"]
+    auto = _stp_run([*argv, "--partition", "auto"], tmp_path / "auto")
+    _, counts = resolved_partition(dataclasses.replace(JOB, partition="auto", pp=2,
+                                                       schedule="1f1b"),
+                                   job_schedule(dataclasses.replace(JOB, schedule="1f1b")))
+    chosen = ",".join(map(str, counts))
+    assert f"layers per global stage: {chosen}\n" in auto.stderr, auto.stderr
+    explicit = _stp_losses([*argv, "--partition", chosen], tmp_path / "explicit")
+    got = [json.loads(line)["loss"] for line in auto.stdout.splitlines()]
+    assert len(got) == 2 and got == explicit  # the same partition: the same floats
+
+
+def test_auto_partition_with_fewer_layers_than_stages_is_one_line(tmp_path, capsys):
+    # stp on pp3 has 6 global stages for 2 vision + 2 decoder layers
+    code = main(["train", *SHAPE, "--pp", "3", "--schedule", "stp", "--partition", "auto",
+                 "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and "--partition auto" in err, err
+    assert "2 vision + 2 decoder layers" in err and "6 stages" in err, err
+
+
 @pytest.mark.parametrize("change, needle", [
-    ({"partition": "auto"}, "not auto"),
+    ({"save_hf": "hf"}, "no Hugging Face layout.*--out keep the full state"),
     ({"data": "x.txt"}, "drop --data"),
     ({"vision": VisionShape(vision_hidden=16)}, "must be <= the decoder hidden 32"),
     ({"vision": VisionShape(image_size=30)}, "image_size=30 must be divisible"),

@@ -146,10 +146,14 @@ class TrainJob:
     resume: str | None = option(
         None, "continue from the latest complete checkpoint in DIR, whatever mesh and schedule "
         "wrote it (same step numbers; --steps is the total)", metavar="DIR")
-    eval_every: int = option(0, "every N steps, the mean loss on --eval-data (0: never)",
-                             minimum=0)
+    eval_every: int = option(0, "every N steps, the mean loss on --eval-data, or with --arch "
+                             "mllm on held-out images (0: never)", minimum=0)
     eval_data: str | None = option(None, "held-out text file or directory for --eval-every",
                                    metavar="PATH")
+    eval_images: str | None = option(
+        None, "--arch mllm: held-out images for --eval-every, a directory like --images "
+        "(needed with --images); default: generated shapes from a stream the training never "
+        "draws from", metavar="DIR")
     timeout: float = option(
         120.0, "seconds a rank may wait on a peer before all ranks stop", above=0)
     offload: str = option(

@@ -56,9 +56,10 @@ class Evaluator:
         inputs = [x.to(t.device) for x in split_batch(tokens, d.dp, c.dp, m)]
         tgts = [x.to(t.device) for x in split_batch(targets, d.dp, c.dp, m)]
         try:
-            with torch.no_grad():
+            with torch.no_grad():  # boundary: decoder positions (a multimodal input row
+                # is pixel bytes + tokens; its targets span image tokens + tokens)
                 losses = self.executor.run(inputs, tgts,
-                                           boundary_shape=(*inputs[0].shape, t.hidden))
+                                           boundary_shape=(*tgts[0].shape, t.hidden))
         finally:
             for st in t.stages.values():
                 reset = getattr(st, "reset", None)

@@ -19,7 +19,15 @@ the image's P pixel bytes then T caption tokens (bytes: "\\n" + caption,
 padded with 0); targets [B, image_tokens + T]: IGNORE_INDEX on the image
 positions and on padding, else the next caption byte (the caption ends with
 "\\n"). Batch `step` is a function of (seed, step) only. `blank=True` gives
-every image as zeros: the caption-only baseline.
+every image as zeros: the caption-only baseline. `in_order=True` takes the
+samples in order instead (batch `step` holds samples step*B .. step*B + B - 1,
+wrapping round): a held-out set is then covered evenly.
+
+Held-out images: `ShapeImages(held_out=True)` draws from a second stream whose
+samples are seeded by keys of another kind (a string, the training stream's
+are integers), so no held-out sample is drawn from a training sample's seed;
+tiny images can still coincide by chance (an 8-pixel image has few distinct
+single shapes). `check_folder` checks a directory before a run reads it.
 """
 
 from __future__ import annotations
@@ -36,8 +44,8 @@ from PIL import Image, ImageDraw
 from stp.models.config import IGNORE_INDEX
 from stp.models.mllm_config import MLLMConfig
 
-__all__ = ["ShapeImages", "ImageFolder", "CaptionBatches", "read_captions", "image_choices",
-           "CAPTIONS_FILE"]
+__all__ = ["ShapeImages", "ImageFolder", "CaptionBatches", "read_captions", "check_folder",
+           "image_choices", "CAPTIONS_FILE"]
 
 CAPTIONS_FILE = "captions.txt"
 # six colours with distinct first letters, far apart in RGB
@@ -90,12 +98,16 @@ class ShapeImages:
     seed: int = 0
     size: int = 1 << 30
     """Samples: effectively unlimited, each drawn on demand."""
+    held_out: bool = False
+    """The held-out stream: samples seeded apart from the training stream's (module doc)."""
 
     def __len__(self) -> int:
         return self.size
 
     def sample(self, index: int) -> tuple[np.ndarray, str]:
-        rng = random.Random(self.seed * 1_000_003 + index)
+        # a str seed becomes an integer of over 512 bits (its sha512 appended): no training key
+        key = f"held-out {self.seed} {index}" if self.held_out else self.seed * 1_000_003 + index
+        rng = random.Random(key)
         s, half = self.image_size, self.image_size // 2
         img = Image.new("RGB", (s, s), (0, 0, 0))
         draw = ImageDraw.Draw(img)
@@ -110,14 +122,20 @@ class ShapeImages:
         return np.asarray(img, dtype=np.uint8), ", ".join(parts) + "."
 
 
-def read_captions(path: Path) -> list[tuple[str, str]]:
-    """(file name, caption) pairs of `path/captions.txt`; ValueError naming the line."""
+def read_captions(path: Path, flag: str = "--images") -> list[tuple[str, str]]:
+    """(file name, caption) pairs of `path/captions.txt`; ValueError naming `flag` or
+    the line."""
     listing = path / CAPTIONS_FILE
     if not listing.is_file():
-        raise ValueError(f"--images {str(path)!r} needs a {CAPTIONS_FILE} (one 'FILE<TAB>caption' "
+        raise ValueError(f"{flag} {str(path)!r} needs a {CAPTIONS_FILE} (one 'FILE<TAB>caption' "
                          "line per image)")
+    try:
+        text = listing.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag}: cannot read {listing} as UTF-8 text: "
+                         f"{getattr(e, 'strerror', None) or e}") from None
     pairs = []
-    for n, line in enumerate(listing.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.startswith("#"):
             continue
         name, tab, caption = line.partition("\t")
@@ -127,8 +145,24 @@ def read_captions(path: Path) -> list[tuple[str, str]]:
             raise ValueError(f"{listing}:{n}: no image file {name!r} in {str(path)!r}")
         pairs.append((name, caption.strip()))
     if not pairs:
-        raise ValueError(f"{listing} lists no images")
+        raise ValueError(f"{flag}: {listing} lists no images")
     return pairs
+
+
+def check_folder(path: str, flag: str) -> None:
+    """ValueError naming `flag` unless `path` is a directory whose captions.txt is
+    readable and lists at least one image, every one of which opens as an image (the
+    header only: a held-out set is read first after some steps of training)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path!r} is not a directory")
+    for name, _ in read_captions(folder, flag):
+        try:
+            with Image.open(folder / name):
+                pass
+        except OSError as e:  # PIL's UnidentifiedImageError is an OSError
+            raise ValueError(f"{flag}: {str(folder / name)!r} is not a readable PNG/JPEG image "
+                             f"({getattr(e, 'strerror', None) or e})") from None
 
 
 @dataclass(frozen=True)
@@ -161,6 +195,8 @@ class CaptionBatches:
     batch_size: int
     seed: int = 0
     blank: bool = False
+    in_order: bool = False
+    """Batch `step` holds samples step*B .. step*B + B - 1, wrapping round (module doc)."""
 
     def _row(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         pixels, caption = self.source.sample(index)
@@ -185,8 +221,13 @@ class CaptionBatches:
     def image_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Global batch `step` (inputs, targets) and a bool mask of the targets the image
         decides (module doc), [B, image_tokens + T]."""
-        rng = random.Random(self.seed * 7_919 + step)
-        rows = [self._row(rng.randrange(len(self.source))) for _ in range(self.batch_size)]
+        n, b = len(self.source), self.batch_size
+        if self.in_order:
+            picks = [(step * b + r) % n for r in range(b)]
+        else:
+            rng = random.Random(self.seed * 7_919 + step)
+            picks = [rng.randrange(n) for _ in range(b)]
+        rows = [self._row(i) for i in picks]
         return tuple(torch.stack([r[i] for r in rows]) for i in range(3))  # type: ignore[return-value]
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -121,7 +121,11 @@ def _check_training(job: TrainJob) -> None:
     """Learning-rate schedule, evaluation, resume and --out (created, written to)."""
     if job.lr_schedule != "constant" and job.min_lr > job.lr:
         raise ValueError(f"--min-lr {job.min_lr:g} is above --lr {job.lr:g}; give --min-lr <= --lr")
-    if job.eval_every and job.eval_data is None:
+    if job.eval_images is not None and job.arch != "mllm":
+        raise ValueError(f"--eval-images {job.eval_images!r} is held-out images for --arch mllm; "
+                         "for text give --eval-data PATH")
+    # --arch mllm evaluates on held-out images (stp.train.mllm_job checks them)
+    if job.eval_every and job.eval_data is None and job.arch != "mllm":
         raise ValueError("--eval-every needs --eval-data PATH (held-out text)")
     if job.eval_data is not None and len(read_corpus(job.eval_data)) < job.model.seq_len + 2:
         raise ValueError(f"--eval-data {job.eval_data!r} is shorter than --seq-len + 2 bytes")

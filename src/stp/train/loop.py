@@ -28,7 +28,7 @@ from stp.train.config import TrainJob
 from stp.train.data import ByteBatches, read_corpus
 from stp.train.job import make_schedule, model_config, stage_model
 from stp.train.lr import LRSchedule, adamw
-from stp.train.mllm_job import mllm_batches
+from stp.train.mllm_job import mllm_batches, mllm_eval_batches
 from stp.train.plan import resolved_partition, stage_layer_counts
 from stp.train.pretrained import copy_tokenizer, job_tokenizer
 from stp.train.tokens import make_batches
@@ -100,10 +100,20 @@ so evaluations compare)."""
 
 
 def _eval_batches(job: TrainJob) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    if not job.eval_every or job.eval_data is None or job.emulate is not None:
+    """The EVAL_BATCHES held-out global batches: --eval-data's, or with --arch mllm
+    held-out images (stp.train.mllm_job.mllm_eval_batches)."""
+    if not job.eval_every or job.emulate is not None:
         return []
-    data = make_batches(job, job.eval_data) if job_tokenizer(job) else ByteBatches.from_bytes(
-        read_corpus(job.eval_data), job.model.seq_len, job.global_batch, job.seed)
+    data: Any
+    if job.arch == "mllm":
+        data = mllm_eval_batches(job, model_config(job))
+    elif job.eval_data is None:
+        return []
+    elif job_tokenizer(job):
+        data = make_batches(job, job.eval_data)
+    else:
+        data = ByteBatches.from_bytes(read_corpus(job.eval_data), job.model.seq_len,
+                                      job.global_batch, job.seed)
     return [data.batch(i) for i in range(EVAL_BATCHES)]
 
 

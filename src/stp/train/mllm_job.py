@@ -4,6 +4,10 @@ The decoder's shape comes from the usual flags (stp.train.job.model_config);
 the encoder's from `TrainJob.vision`. `--seq-len` is the caption's tokens:
 the decoder sees image tokens + seq-len positions. The data are seeded
 coloured-shape images (stp.train.images.ShapeImages), or `--images DIR`.
+`--partition` counts vision blocks first, then decoder layers; `auto` asks the
+multimodal cost model (stp.train.mllm_plan). `--eval-every` evaluates on
+held-out images: `--eval-images DIR`, or with generated shapes a held-out
+stream of them (never the training images).
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from stp.models.mllm_config import MLLMConfig, VisionConfig
 from stp.models.mllm_stage import check_mllm
 from stp.schedule import Schedule
 from stp.train.config import TrainJob
-from stp.train.images import CaptionBatches, ImageFolder, ShapeImages
+from stp.train.images import CaptionBatches, ImageFolder, ShapeImages, check_folder
+from stp.train.mllm_plan import check_auto_fits
 
-__all__ = ["mllm_config", "check_mllm_job", "mllm_batches"]
+__all__ = ["mllm_config", "check_mllm_job", "mllm_batches", "mllm_eval_batches"]
 
 
 def mllm_config(job: TrainJob, decoder: ModelConfig) -> MLLMConfig:
@@ -38,20 +43,36 @@ def mllm_config(job: TrainJob, decoder: ModelConfig) -> MLLMConfig:
 
 def check_mllm_job(job: TrainJob, config: MLLMConfig, schedule: Schedule) -> None:
     """ValueError for settings `--arch mllm` does not take, or a model that does not fit."""
+    if job.save_hf is not None:
+        raise ValueError("--arch mllm cannot --save-hf: stp's vision encoder and merger have no "
+                         "Hugging Face layout to write; the checkpoints in --out keep the full "
+                         "state (continue with --resume); drop --save-hf")
     for flag, value in (("--init-from", job.init_from), ("--tokenizer", job.tokenizer),
                         ("--data", job.data), ("--eval-data", job.eval_data),
-                        ("--save-hf", job.save_hf), ("--emulate-compute", job.emulate)):
+                        ("--emulate-compute", job.emulate)):
         if value is not None:
             raise ValueError(f"--arch mllm trains on images (--images DIR or generated shapes); "
                              f"drop {flag}")
-    if job.partition == "auto":
-        raise ValueError("--arch mllm: give --partition as layer counts (vision blocks first, "
-                         "then decoder layers), not auto")
+    if job.partition == "auto":  # before check_mllm: the message names --partition auto
+        check_auto_fits(config, schedule.num_stages)
     check_mllm(config, job.tp, schedule.num_stages)
     if job.images is not None:
         if not Path(job.images).is_dir():
             raise ValueError(f"--images {job.images!r} is not a directory")
         ImageFolder(Path(job.images), job.vision.image_size)  # reads captions.txt
+    _check_eval(job)
+
+
+def _check_eval(job: TrainJob) -> None:
+    """--eval-every's held-out images: --eval-images, or generated ones."""
+    if job.eval_images is not None and not job.eval_every:
+        raise ValueError(f"--eval-images {job.eval_images!r} is read by --eval-every N; give "
+                         "--eval-every N or drop --eval-images")
+    if job.eval_every and job.images is not None and job.eval_images is None:
+        raise ValueError("--eval-every with --images needs --eval-images DIR (held-out images "
+                         "with their captions.txt): the training images are no held-out set")
+    if job.eval_images is not None:
+        check_folder(job.eval_images, "--eval-images")
 
 
 def mllm_batches(job: TrainJob, config: MLLMConfig, *, blank: bool = False) -> CaptionBatches:
@@ -60,3 +81,17 @@ def mllm_batches(job: TrainJob, config: MLLMConfig, *, blank: bool = False) -> C
     source = (ShapeImages(size, job.seed) if job.images is None
               else ImageFolder(Path(job.images), size))
     return CaptionBatches(source, config, job.model.seq_len, job.global_batch, job.seed, blank)
+
+
+def mllm_eval_batches(job: TrainJob, config: MLLMConfig) -> CaptionBatches:
+    """The held-out global batches of --eval-every, in order: --eval-images, or the
+    generated shapes' held-out stream (stp.train.images)."""
+    size = config.vision.image_size
+    if job.eval_images is not None:
+        source: ShapeImages | ImageFolder = ImageFolder(Path(job.eval_images), size)
+    elif job.images is None:
+        source = ShapeImages(size, job.seed, held_out=True)
+    else:  # check_mllm_job refuses this: never evaluate on the training images
+        raise ValueError("--eval-every with --images needs --eval-images DIR")
+    return CaptionBatches(source, config, job.model.seq_len, job.global_batch, job.seed,
+                          in_order=True)

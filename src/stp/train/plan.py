@@ -10,7 +10,8 @@ summing to the model's layers, or `auto`, the partition with the shortest
 simulated step under costs derived from the model's shape
 (`stp.search.partition`; FLOPs and bytes from `stp.costmodel`, on the
 default hardware preset: only the ratio of a layer to the output layer
-matters for the choice).
+matters for the choice; `--arch mllm`: vision blocks first, then decoder
+layers, priced by the multimodal cost model, stp.train.mllm_plan).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import dataclasses
 from pathlib import Path
 
 from stp.models import ModelConfig
+from stp.models.mllm_config import MLLMConfig
 from stp.schedule import Schedule, registry
 from stp.sim.layered import check_partition, parse_partition
 from stp.train.config import TrainJob
@@ -76,14 +78,19 @@ def job_schedule(job: TrainJob) -> Schedule:
     return registry.make(job.schedule, job.pp, job.num_microbatches)
 
 
-def job_partition(job: TrainJob, config: ModelConfig,
+def job_partition(job: TrainJob, config: ModelConfig | MLLMConfig,
                   schedule: Schedule) -> tuple[int, ...] | None:
-    """The layers of each global stage `--partition` asks for (None: even)."""
+    """The layers of each global stage `--partition` asks for (None: even); for
+    --arch mllm vision blocks first, then decoder layers (stp.train.mllm_plan)."""
     if job.partition is None:
         return None
     part = parse_partition(job.partition)
     if isinstance(part, tuple):
         return check_partition(part, schedule.num_stages, config.num_layers)
+    if isinstance(config, MLLMConfig):  # vision blocks first, then decoder layers
+        from stp.train.mllm_plan import mllm_auto_partition
+
+        return mllm_auto_partition(job, config, schedule)
     if config.num_layers < schedule.num_stages:
         raise ValueError(f"--partition auto: the model's {config.num_layers} layers cannot "
                          f"fill the schedule's {schedule.num_stages} stages")
