@@ -173,3 +173,10 @@ def test_eval_images_without_arch_mllm_exits_2(tmp_path, capsys):
     err = _one_line_exit_2(["--steps", "2", "--eval-every", "2", "--eval-images", str(held),
                             "--out", str(tmp_path / "o")], capsys)
     assert "--eval-images" in err and "--arch mllm" in err, err
+
+
+def test_images_without_arch_mllm_exits_2(tmp_path, capsys):
+    folder = _folder(tmp_path / "imgs", COLOURS, "t")
+    err = _one_line_exit_2(["--steps", "2", "--images", str(folder),
+                            "--out", str(tmp_path / "o")], capsys)
+    assert "--images" in err and "--arch mllm" in err, err

@@ -121,6 +121,9 @@ def _check_training(job: TrainJob) -> None:
     """Learning-rate schedule, evaluation, resume and --out (created, written to)."""
     if job.lr_schedule != "constant" and job.min_lr > job.lr:
         raise ValueError(f"--min-lr {job.min_lr:g} is above --lr {job.lr:g}; give --min-lr <= --lr")
+    if job.images is not None and job.arch != "mllm":
+        raise ValueError(f"--images {job.images!r} is image-caption data for --arch mllm; "
+                         "for text give --data PATH")
     if job.eval_images is not None and job.arch != "mllm":
         raise ValueError(f"--eval-images {job.eval_images!r} is held-out images for --arch mllm; "
                          "for text give --eval-data PATH")
