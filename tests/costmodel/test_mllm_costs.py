@@ -93,3 +93,20 @@ def test_a_partition_must_count_vision_and_decoder_layers(capsys, counts):
     assert "32 vision + 28 decoder = 60" in err and err.count("\n") == 1, err
     assert main(["simulate", "--schedule", "1f1b", "--pp", "2", "-m", "4",
                  "--model", "mllm-qwen2vl-7b", "--partition", "33,27"]) == 0
+
+
+def test_more_stages_than_decoder_layers_prices_the_head_in_the_same_bytes():
+    """The encoder's blocks fill the pipeline, so pp may exceed the decoder's layers;
+    the head's memory, in units of one rank's share, grows with pp and nothing else."""
+    from dataclasses import replace
+
+    from stp.costmodel.mllm_costs import derive_mllm
+
+    spec = replace(MLLM_MODELS["mllm-qwen2vl-7b"], layers=2)
+    hw = parse_hardware("a800-80g")
+    last = {}
+    for pp in (2, 3):
+        d = derive_mllm(spec, hw, pp)
+        last[pp] = mllm_layered_costs(spec, hw, pp, d.costs, d.mem).last
+    assert last[3].f == last[2].f
+    assert last[3].mem_b == pytest.approx(last[2].mem_b * 3 / 2, rel=1e-12)

@@ -183,8 +183,13 @@ def mllm_layered_costs(spec: MLLMSpec, hardware: HardwareSpec, pp: int, costs: C
                          c.mem_w * bytes_scale * mem_ratio)
 
     view = decoder_view(spec)
-    embed, head = edge_costs(view, hardware, pp)
-    edge_scale = derive(view, hardware, pp).bytes_per_unit / unit  # edge_costs' units -> ours
+    # edge_costs states memory in the decoder-only view's unit and edge_scale turns it
+    # back into bytes / ours, so the view's pp cancels out; capped at the decoder's
+    # layers, as the view alone cannot have more stages than layers (the encoder's
+    # blocks fill the rest of the pipeline)
+    view_pp = min(pp, view.layers)
+    embed, head = edge_costs(view, hardware, view_pp)
+    edge_scale = derive(view, hardware, view_pp).bytes_per_unit / unit  # their units -> ours
     first = _total([(fit(embed, edge_scale), 1), (fit(_patch_embed(spec, hardware)), 1)])
     first = replace(first, ar_b=0.0)
     block, _ = _vision_block(spec, hardware)

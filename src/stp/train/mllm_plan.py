@@ -63,10 +63,7 @@ def mllm_auto_partition(job: TrainJob, config: MLLMConfig,
     spec = mllm_spec(job, config)
     hw = HARDWARE[HARDWARE_PRESET]
     # pp only sets the memory unit (one rank's share) of the tables, not a time, and
-    # the search has no memory limit, so the choice does not depend on it; capped at
-    # the decoder's layers because mllm_layered_costs prices the embedding and the
-    # output layer with the decoder-only derive, which refuses pp > decoder layers
-    pp = min(job.pp, spec.layers)
-    d = derive_mllm(spec, hw, pp)
-    layered = mllm_layered_costs(spec, hw, pp, d.costs, d.mem)
+    # the search has no memory limit, so the choice does not depend on it
+    d = derive_mllm(spec, hw, job.pp)
+    layered = mllm_layered_costs(spec, hw, job.pp, d.costs, d.mem)
     return auto_partition(schedule, layered, spec.total_layers).counts
