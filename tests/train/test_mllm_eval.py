@@ -180,3 +180,11 @@ def test_images_without_arch_mllm_exits_2(tmp_path, capsys):
     err = _one_line_exit_2(["--steps", "2", "--images", str(folder),
                             "--out", str(tmp_path / "o")], capsys)
     assert "--images" in err and "--arch mllm" in err, err
+
+
+def test_eval_data_with_arch_mllm_points_to_held_out_images(tmp_path, capsys):
+    text = tmp_path / "held.txt"
+    text.write_text("held-out text " * 50, encoding="utf-8")
+    err = _one_line_exit_2([*SHAPE, "--steps", "2", "--eval-every", "2", "--eval-data", str(text),
+                            "--out", str(tmp_path / "o")], capsys)
+    assert "--eval-data" in err and "--eval-images" in err, err

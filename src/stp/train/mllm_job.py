@@ -47,9 +47,12 @@ def check_mllm_job(job: TrainJob, config: MLLMConfig, schedule: Schedule) -> Non
         raise ValueError("--arch mllm cannot --save-hf: stp's vision encoder and merger have no "
                          "Hugging Face layout to write; the checkpoints in --out keep the full "
                          "state (continue with --resume); drop --save-hf")
+    if job.eval_data is not None:
+        raise ValueError(f"--arch mllm evaluates on held-out images, not text: drop --eval-data "
+                         f"{job.eval_data!r} (held-out shapes are generated; with --images give "
+                         "--eval-images DIR)")
     for flag, value in (("--init-from", job.init_from), ("--tokenizer", job.tokenizer),
-                        ("--data", job.data), ("--eval-data", job.eval_data),
-                        ("--emulate-compute", job.emulate)):
+                        ("--data", job.data), ("--emulate-compute", job.emulate)):
         if value is not None:
             raise ValueError(f"--arch mllm trains on images (--images DIR or generated shapes); "
                              f"drop {flag}")
