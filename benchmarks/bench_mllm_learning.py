@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from stp.files import write_text_atomic
 from stp.models import IGNORE_INDEX
 from stp.train.config import ModelShape, TrainJob, VisionShape
 from stp.train.job import model_config
@@ -178,7 +179,7 @@ def main() -> None:
     text = "\n".join(head + [""] + seeds_table(rows, seconds, steps)) + "\n"
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text, encoding="utf-8")
+    write_text_atomic(args.out, text)
 
 
 def intro(steps: int, seconds: float) -> list[str]:

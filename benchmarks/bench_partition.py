@@ -25,6 +25,7 @@ from pathlib import Path
 
 from stp.costmodel import derive, parse_hardware, parse_model
 from stp.costmodel.stages import head_flops, layered_costs
+from stp.files import write_text_atomic
 from stp.schedule import generate
 from stp.search.partition import auto_partition
 
@@ -89,7 +90,7 @@ def main() -> None:
     lines.append(f"Total time: {time.perf_counter() - t0:.0f} s on one core.")
     text = "\n".join(lines) + "\n"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text, encoding="utf-8")
+    write_text_atomic(args.out, text)
     print(text)
 
 
