@@ -10,7 +10,7 @@ of a shared machine hits each alike:
   one graph      one graph per unit (tp = 1), W deferred (Zero Bubble's split B)
   plain          one graph, plain autograd: B gets the weight gradients in the
                  same graph walk
-  fused          the 4 layers as one unit (stp.models.chunk), W deferred
+  fused          the 4 layers as one unit (stp.models.decoder.chunk), W deferred
   fused plain    the 4 layers as one unit, plain autograd (what a full-backward
                  microbatch runs at tp = 1, the default)
   torch          the same layers as plain autograd code (stp.train.peer.DecoderPart),

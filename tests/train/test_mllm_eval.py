@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from stp.cli.main import main
-from stp.models.mllm_reference import build_mllm_reference
+from stp.models.mllm.reference import build_mllm_reference
 from stp.train.config import ModelShape, TrainJob, VisionShape
 from stp.train.job import check, model_config
 from stp.train.loop import EVAL_BATCHES, _eval_batches

@@ -1,5 +1,5 @@
 """`stp train --arch mllm` trains with the per-step losses of the single-process
-multimodal reference (stp.models.mllm_reference, AdamW on the same batches):
+multimodal reference (stp.models.mllm.reference, AdamW on the same batches):
 float64, 1e-9, braiding on, on pp2 x tp2 (stp), pp3 (1f1b, an uneven partition
 with the encoder sharing a stage with a decoder layer) and pp2 x dp2.
 `--partition auto` resolves to counts (vision blocks first) that the run uses,
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from stp.cli.main import main
-from stp.models.mllm_reference import build_mllm_reference
+from stp.models.mllm.reference import build_mllm_reference
 from stp.train.config import ModelShape, TrainJob, VisionShape
 from stp.train.job import check, model_config
 from stp.train.lr import adamw

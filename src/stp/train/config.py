@@ -66,7 +66,7 @@ ARCHS = ("decoder", "mllm")
 
 @dataclass(frozen=True)
 class VisionShape:
-    """The vision encoder of `--arch mllm` (stp.models.mllm_config.VisionConfig): images
+    """The vision encoder of `--arch mllm` (stp.shapes.mllm.VisionConfig): images
     of image_size**2 pixels cut into patch x patch patches, merge x merge of them one
     decoder token placed before the caption's --seq-len tokens."""
 

@@ -1,7 +1,7 @@
 """stp's runtime against PyTorch's own: `torch.distributed.pipelining`, side by side.
 
 Both sides train the same decoder (same layers per stage, same initial values,
-stp.models.init), on the same batch, dtype, microbatches and schedule, on pp
+stp.models.decoder.init), on the same batch, dtype, microbatches and schedule, on pp
 ranks with tp=1 (PyTorch's pipelining runs no TP by itself):
 
 * stp: `Trainer.step`, the executor running stp's lowered schedule;
