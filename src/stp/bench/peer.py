@@ -16,7 +16,7 @@ microbatches (weight gradients are the mean over microbatches: stp seeds each
 backward with 1/m, PyTorch divides by m at the end), all-reduce the mean loss
 over the world so every rank returns it, the global gradient norm (stp's
 Trainer computes it every step, to skip a non-finite step), one optimizer step.
-The PyTorch side lives in stp.train.peer_torch. Steps alternate
+The PyTorch side lives in stp.bench.peer_torch. Steps alternate
 inside one process group (stp, torch, torch-csv, stp, ...), so the drift of a
 shared machine hits every side; each round gives one ratio stp / torch.
 """
@@ -39,9 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stp.models import ModelConfig
-from stp.schedule import registry
-from stp.train.peer_torch import (
+from stp.bench.peer_torch import (
     TORCH_CLASSES,
     DecoderPart,
     TorchSide,
@@ -49,6 +47,8 @@ from stp.train.peer_torch import (
     lm_loss,
     torch_schedule,
 )
+from stp.models import ModelConfig
+from stp.schedule import registry
 from stp.train.trainer import Trainer
 
 __all__ = ["PeerSpec", "DecoderPart", "lm_loss", "build_torch_stages", "torch_schedule",
