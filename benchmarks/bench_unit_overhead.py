@@ -13,7 +13,7 @@ of a shared machine hits each alike:
   fused          the 4 layers as one unit (stp.models.chunk), W deferred
   fused plain    the 4 layers as one unit, plain autograd (what a full-backward
                  microbatch runs at tp = 1, the default)
-  torch          the same layers as plain autograd code (stp.bench.peer.DecoderPart),
+  torch          the same layers as plain autograd code (stp.bench.peer_torch.DecoderPart),
                  forward and backward()
 
     python3 benchmarks/bench_unit_overhead.py [--hidden 64,256] [--rounds 100]
@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from stp.bench.peer import DecoderPart
+from stp.bench.peer_torch import DecoderPart
 from stp.models import ModelConfig, ModelStage, build_stage
 
 

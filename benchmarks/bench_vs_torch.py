@@ -59,7 +59,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = _args(argv)
-    from stp.bench.peer import PeerSpec, format_table, run_peer
+    from stp.bench.peer import PeerSpec, run_peer
+    from stp.bench.peer_table import format_table
 
     sections = []
     for size in args.sizes.split(","):

@@ -18,7 +18,7 @@ pytest.importorskip("torch.distributed.pipelining")
 import torch  # noqa: E402
 from _dist import run_dist  # noqa: E402
 
-from stp.bench.peer import DecoderPart, TorchSide, lm_loss  # noqa: E402
+from stp.bench.peer_torch import DecoderPart, TorchSide, lm_loss  # noqa: E402
 from stp.models import ModelConfig, build_reference  # noqa: E402
 from stp.schedule import registry  # noqa: E402
 from stp.schedule.placement import stage_layers  # noqa: E402

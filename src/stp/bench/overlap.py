@@ -1,44 +1,33 @@
-"""The measured side of `stp bench` (stp.cli.bench prints and simulates).
+"""`stp bench overlap` (2 processes, tp = 2): one stage of `layers` layers; the
+same work, F of microbatch 1 and B of microbatch 0, run as two lone passes and
+as one braided block (STP paper arXiv 2510.27257, Fig. 3), in emulated and in
+real compute. Exposed all-reduce time is compute-stream time spent launching
+and waiting for all-reduces (stp.runtime.braid.RunnerStats), the held tails of
+the block included.
 
-* `overlap_worker` (2 processes, tp = 2): one stage of `layers` layers; the
-  same work, F of microbatch 1 and B of microbatch 0, run as two lone passes
-  and as one braided block (STP paper arXiv 2510.27257, Fig. 3), in emulated and in real
-  compute. Exposed all-reduce time is compute-stream time spent launching
-  and waiting for all-reduces (stp.runtime.braid.RunnerStats), the held
-  tails of the block included.
-* `fidelity_worker` (4 processes, pp = 2 x tp = 2): measures the all-reduce
-  of one unit's [b, s, h] partial sum and the one-way point-to-point time,
-  then runs each schedule on emulated stages (stp.models.emulated) and times
-  the executor's steps, for the simulator to predict with the same costs.
-
-Both run under stp.runtime.launch.launch_local; global rank 0 returns the
-figures.
+Runs under stp.runtime.launch.launch_local (`entry`); global rank 0 returns the
+figures, stp.cli.bench prints them.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from stp.bench.collectives import measure_allreduce
+from stp.bench.world import in_world
 from stp.models import ModelConfig, build_stage
-from stp.models.emulated import EmulatedStage, UnitTimes, hold
+from stp.models.emulated import EmulatedStage, UnitTimes
 from stp.runtime.braid import UnitRunner
-from stp.runtime.executor import Executor
-from stp.runtime.launch import init_distributed
 from stp.runtime.mesh import Mesh, ParallelDims
-from stp.runtime.p2p import P2P
-from stp.runtime.trace import Recorder, gather_spans
 from stp.schedule.ir import Block, Kind, Pass
-from stp.schedule.lower import lower
-from stp.schedule.registry import make as make_schedule
 
-__all__ = ["OverlapSettings", "FidelitySettings", "measure_allreduce", "measure_p2p",
-           "overlap_worker", "fidelity_worker", "entry"]
+__all__ = ["OverlapSettings", "overlap_worker", "entry"]
 
 
 @dataclass(frozen=True)
@@ -53,78 +42,6 @@ class OverlapSettings:
     repeats: int = 10
     modes: tuple[str, ...] = ("emulated", "real")
     timeout: float = 120.0
-
-
-@dataclass(frozen=True)
-class FidelitySettings:
-    schedules: tuple[str, ...] = ("1f1b-interleaved", "zb-v", "stp")
-    microbatches: int = 8
-    layers: int = 2
-    """Layers per chunk (stage): a pass is 2 x layers units."""
-    hidden: int = 256
-    seq_len: int = 128
-    microbatch_size: int = 4
-    unit: UnitTimes = UnitTimes(6e-3, 6e-3, 4e-3)
-    steps: int = 3
-    warmup: int = 1
-    braid: bool = True
-    timeout: float = 120.0
-    trace: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def measure_allreduce(
-    group: dist.ProcessGroup, shape: tuple[int, ...], repeats: int = 30, after: float = 0.0
-) -> tuple[float, float]:
-    """(launch, completion) seconds of a sum all-reduce of `shape` floats: the mean
-    time of the async launch call, and the mean time from its return to the end of
-    the wait. `after` > 0: each one follows an emulated unit of that many seconds,
-    as in a run (on a VM, an all-reduce after an idle wait is several times slower
-    than back to back); else each follows a barrier."""
-    t = torch.zeros(shape)
-    launch, done = [], []
-    for k in range(repeats + 3):
-        if after > 0:
-            hold(after)
-        else:
-            dist.barrier(group=group)
-        start = time.perf_counter()
-        work = dist.all_reduce(t, group=group, async_op=True)
-        mid = time.perf_counter()
-        work.wait()
-        if k >= 3:
-            launch.append(mid - start)
-            done.append(time.perf_counter() - mid)
-    return statistics.mean(launch), statistics.mean(done)
-
-
-def measure_p2p(mesh: Mesh, shape: tuple[int, ...], repeats: int = 30) -> float:
-    """Median one-way seconds of a `shape` send between pipeline ranks 0 and 1
-    (half a ping-pong), measured by pipeline rank 0 and shared with all."""
-    t = torch.zeros(shape)
-    pp, peers, group = mesh.coord.pp, mesh.ranks["pp"], mesh.pp_group
-    times = []
-    for k in range(repeats + 3):
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        if pp == 0:
-            dist.send(t, peers[1], group=group)
-            dist.recv(t, peers[1], group=group)
-        elif pp == 1:
-            dist.recv(t, peers[0], group=group)
-            dist.send(t, peers[0], group=group)
-        if k >= 3:
-            times.append((time.perf_counter() - start) / 2)
-    out = [statistics.median(times)]
-    dist.broadcast_object_list(out, src=peers[0], group=group)
-    return float(out[0])
-
-
-def _mean_over(mesh: Mesh, value: float) -> float:
-    """Mean of `value` over every rank of the world."""
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t) / mesh.dims.world_size
 
 
 def _overlap_stage(mode: str, s: OverlapSettings, mesh: Mesh) -> Any:
@@ -188,56 +105,6 @@ def overlap_worker(s: OverlapSettings) -> dict[str, Any] | None:
     return out if mesh.rank == 0 else None
 
 
-def fidelity_worker(s: FidelitySettings) -> dict[str, Any] | None:
-    """See the module doc; returns the figures on global rank 0."""
-    mesh = Mesh.from_world(ParallelDims(pp=2, tp=2), timeout=s.timeout)
-    shape = (s.microbatch_size, s.seq_len, s.hidden)
-    launch, done = measure_allreduce(mesh.tp_group, shape, 60, after=s.unit.f)
-    iso = sum(measure_allreduce(mesh.tp_group, shape))
-    out: dict[str, Any] = {
-        "launch_s": _mean_over(mesh, launch), "allreduce_s": _mean_over(mesh, done),
-        "allreduce_isolated_s": _mean_over(mesh, iso), "p2p_s": measure_p2p(mesh, shape),
-        "rows": [],
-    }
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 256, (s.microbatch_size, s.seq_len), generator=gen)
-    for name in s.schedules:
-        sch = make_schedule(name, 2, s.microbatches)
-        pp = mesh.coord.pp
-        stages = {st: EmulatedStage(st, sch.num_stages, layers=s.layers, hidden=s.hidden,
-                                    times=s.unit, tp_group=mesh.tp_group, tp_size=2)
-                  for st in sch.stages_of(pp)}
-        p2p = P2P(mesh.pp_group, mesh.ranks["pp"], sch.num_stages, timeout=s.timeout,
-                  where=mesh.describe())
-        rec = Recorder(mesh.rank, [sch.chunk_of(x) for x in range(sch.num_stages)]) \
-            if s.trace else None
-        ex = Executor(lower(sch), pp, stages, p2p, boundary_shape=shape, dtype=torch.float32,
-                      where=mesh.describe(), braid=s.braid, recorder=rec)
-        m = sch.num_microbatches
-        steps = []
-        for k in range(s.warmup + s.steps):
-            dist.barrier()
-            start = time.perf_counter()
-            ex.run([ids] * m, [ids] * m)
-            ends: list[Any] = [None] * mesh.dims.world_size
-            dist.all_gather_object(ends, (start, time.perf_counter()))
-            if k >= s.warmup:
-                steps.append(max(e for _, e in ends) - min(b for b, _ in ends))
-        st = ex.runner.stats if ex.runner is not None else None
-        row: dict[str, Any] = {"schedule": name, "measured": statistics.median(steps),
-                               "steps": steps, "chunks": sch.chunks,
-                               "launch_s": st.launch_s / max(1, st.launched) if st else 0.0,
-                               "wait_s_per_step": st.wait_s / (s.warmup + s.steps) if st else 0.0}
-        if rec is not None:
-            row["spans"] = gather_spans(rec)
-        out["rows"].append(row)
-    return out if mesh.rank == 0 else None
-
-
-def entry(kind: str, settings: Any) -> dict[str, Any] | None:
-    """A launched worker (module level, spawned by name): `kind` overlap or fidelity."""
-    init_distributed(timeout=settings.timeout)
-    try:
-        return (overlap_worker if kind == "overlap" else fidelity_worker)(settings)
-    finally:
-        dist.destroy_process_group()
+def entry(settings: OverlapSettings) -> dict[str, Any] | None:
+    """A launched worker (module level: launch_local spawns it by name)."""
+    return in_world(overlap_worker, settings, settings.timeout)

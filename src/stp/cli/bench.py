@@ -113,10 +113,11 @@ def _register_peer(bs: argparse._SubParsersAction) -> None:
 
 def _launch(kind: str, settings: Any, nprocs: int) -> dict[str, Any]:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see stp.cli.train
-    from stp.bench.overlap import entry
+    from stp.bench import fidelity, overlap
     from stp.runtime.launch import launch_local
 
-    result = launch_local(entry, (kind, settings), nprocs)
+    entry = overlap.entry if kind == "overlap" else fidelity.entry
+    result = launch_local(entry, (settings,), nprocs)
     if result.exitcode:
         raise ValueError(f"bench {kind}: rank(s) {result.failed_ranks} failed with status "
                          f"{result.exitcode}")
@@ -157,7 +158,7 @@ def run_overlap(args: argparse.Namespace) -> int:
 
 
 def run_fidelity(args: argparse.Namespace) -> int:
-    from stp.bench.overlap import FidelitySettings
+    from stp.bench.fidelity import FidelitySettings
     from stp.models.emulated import UnitTimes
     from stp.schedule.registry import get
     from stp.schedule.registry import make as make_schedule
@@ -216,8 +217,9 @@ def run_fidelity(args: argparse.Namespace) -> int:
 
 
 def run_peer(args: argparse.Namespace) -> int:
-    from stp.bench.peer import PeerSpec, format_table
+    from stp.bench.peer import PeerSpec
     from stp.bench.peer import run_peer as measure
+    from stp.bench.peer_table import format_table
     from stp.models import ModelConfig
     from stp.schedule.registry import make as make_schedule
 
