@@ -11,6 +11,8 @@ import argparse
 import sys
 from importlib import import_module
 
+from stp.cli.common import EXIT_USAGE
+
 __all__ = ["main", "build_parser", "CliError"]
 
 SUBCOMMANDS = (
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (CliError, ValueError) as e:
         print(f"stp: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("stp: interrupted", file=sys.stderr)
         return 130
