@@ -45,13 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for mod_name in SUBCOMMANDS:
-        try:
-            mod = import_module(mod_name)
-        except ModuleNotFoundError as e:
-            if e.name == mod_name:  # subcommand not built yet
-                continue
-            raise
-        mod.register(sub)
+        import_module(mod_name).register(sub)
     return parser
 
 
