@@ -271,7 +271,6 @@ def dump_json(schedule: Schedule) -> str:
         "num_ranks": schedule.num_ranks,
         "num_microbatches": schedule.num_microbatches,
         "stage_to_rank": list(schedule.stage_to_rank),
-        "offload_chunk": schedule.offload_chunk,
         "meta": _json_meta(schedule.meta),
     }
     lines = ["{"]
@@ -329,10 +328,12 @@ def parse_json(text: str, *, check: bool = True) -> Schedule:
     if len(placement) > MAX_STAGES:  # type: ignore[arg-type]
         raise ValueError(f"JSON schedule: stage_to_rank lists {len(placement)} stages; "  # type: ignore[arg-type]
                          f"at most {MAX_STAGES} are read")
-    offload_chunk = obj.get("offload_chunk", 0)  # optional: a hand-written file may omit it
-    if not isinstance(offload_chunk, int) or isinstance(offload_chunk, bool):
-        raise ValueError(f"JSON schedule: offload_chunk={brief(offload_chunk)} must be a chunk "
-                         "index")
+    # Files written before the `stp` offload policy fixed its chunk carry
+    # offload_chunk, always 0; another value asks for what stp no longer does.
+    chunk = obj.get("offload_chunk", 0)
+    if type(chunk) is not int or chunk != 0:
+        raise ValueError(f"JSON schedule: offload_chunk={brief(chunk)}: the stp offload policy "
+                         "moves chunk 0 only; drop the key")
     meta = obj.get("meta", {})
     if not isinstance(meta, dict):
         raise ValueError(f"JSON schedule: meta={brief(meta)} must be an object")
@@ -361,7 +362,6 @@ def parse_json(text: str, *, check: bool = True) -> Schedule:
         stage_to_rank=tuple(placement),  # type: ignore[arg-type]
         actions=tuple(actions),
         meta={k: _tuples(v) for k, v in meta.items()},
-        offload_chunk=offload_chunk,
     )
     if check:
         validate(sch)  # ScheduleError names rank and position (= index in actions[rank])

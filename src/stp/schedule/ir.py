@@ -226,13 +226,6 @@ class Schedule:
     stage_to_rank: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
     meta: dict[str, object] = field(default_factory=dict, compare=False)
-    offload_chunk: int = 0
-    """The chunk index (per rank, 0..chunks-1) whose activations the STP
-    offload variant copies to host memory ("Synergistic Tensor and Pipeline
-    Parallelism", arXiv 2510.27257, offloading schedule). On the V placement
-    chunk 0's forward runs first and its backward last, so its activations
-    live longest: the long gap hides the copy out and back, and they are most
-    of the peak; chunk 1 mostly stays resident. 0 for every generator today."""
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
@@ -253,11 +246,6 @@ class Schedule:
             counts[r] += 1
         if len(set(counts)) != 1:
             raise ValueError(f"placement gives ranks unequal stage counts {counts}")
-        if not 0 <= self.offload_chunk < self.chunks:
-            raise ValueError(
-                f"offload_chunk={self.offload_chunk!r} is not a chunk index; "
-                f"accepted are 0..{self.chunks - 1} ({self.chunks} chunks per rank)"
-            )
 
     # -- derived facts -------------------------------------------------------
 
