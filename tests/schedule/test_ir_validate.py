@@ -2,7 +2,8 @@
 
 import pytest
 
-from stp.schedule.ir import Block, Done, Kind, Pass, Schedule, parse_action, v_placement
+from stp.schedule.io import from_rows, parse_action
+from stp.schedule.ir import Block, Done, Kind, Pass, Schedule, v_placement
 from stp.schedule.memory import MemCosts, peak_by_order
 from stp.schedule.validate import ScheduleError, validate
 
@@ -100,10 +101,10 @@ def test_v_placement_chunk_index():
 
 
 def test_from_rows_infers_placement_and_rejects_stage_on_two_ranks():
-    sch = Schedule.from_rows([["0F0", "0B0"], ["1F0", "1B0"]])
+    sch = from_rows([["0F0", "0B0"], ["1F0", "1B0"]])
     assert sch.stage_to_rank == (0, 1) and sch.num_microbatches == 1
     with pytest.raises(ValueError, match="row 1 .* cell 0: stage 0"):
-        Schedule.from_rows([["0F0"], ["0B0"]])
+        from_rows([["0F0"], ["0B0"]])
 
 
 def test_mem_costs_in_memory_model():
