@@ -13,7 +13,7 @@ of a shared machine hits each alike:
   fused          the 4 layers as one unit (stp.models.decoder.chunk), W deferred
   fused plain    the 4 layers as one unit, plain autograd (what a full-backward
                  microbatch runs at tp = 1, the default)
-  torch          the same layers as plain autograd code (stp.train.peer.DecoderPart),
+  torch          the same layers as plain autograd code (stp.bench.peer_torch.DecoderPart),
                  forward and backward()
 
     python3 benchmarks/bench_unit_overhead.py [--hidden 64,256] [--rounds 100]
@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import torch
 
+from stp.bench.peer_torch import DecoderPart
 from stp.models import ModelConfig, ModelStage, build_stage
-from stp.train.peer import DecoderPart
 
 
 def _stage(cfg: ModelConfig, one_graph: bool, plain: bool, fused: bool = False) -> ModelStage:

@@ -1,7 +1,7 @@
 """stp's runtime against PyTorch's `torch.distributed.pipelining`, side by side.
 
 Same decoder, batch, dtype, microbatches and schedule on both runtimes, pp=2,
-tp=1, gloo on the CPU (stp.train.peer has the details): stp's Trainer step
+tp=1, gloo on the CPU (stp.bench.peer has the details): stp's Trainer step
 against PyTorch's schedule class of the same name, and against
 `_PipelineScheduleRuntime` running stp's exported CSV (the exact same order).
 Steps alternate stp, torch, torch-csv, ... in one process group, so a shared
@@ -59,7 +59,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = _args(argv)
-    from stp.train.peer import PeerSpec, format_table, run_peer
+    from stp.bench.peer import PeerSpec, run_peer
+    from stp.bench.peer_table import format_table
 
     sections = []
     for size in args.sizes.split(","):

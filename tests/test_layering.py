@@ -53,7 +53,8 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"schedule", "sim", "viz", "runtime", "torch"},
     "models": {"schedule", "sim", "costmodel", "runtime", "models", "torch"},
     "train": PURE | {"runtime", "models", "train", "torch"},
-    "cli": PURE | {"runtime", "models", "train", "cli", "torch"},
+    "bench": PURE | {"runtime", "models", "train", "bench", "torch"},
+    "cli": PURE | {"runtime", "models", "train", "bench", "cli", "torch"},
 }
 
 
@@ -217,7 +218,7 @@ def test_every_package_has_a_row():
 @pytest.mark.parametrize("layer,forbidden", [
     ("runtime", "stp.models.decoder.stage"), ("runtime", "stp.train.trainer"),
     ("runtime", "stp.cli.main"), ("schedule", "torch"), ("sim", "torch.nn"),
-    ("models", "stp.train.job"),
+    ("models", "stp.train.job"), ("train", "stp.bench.peer"),
 ])
 def test_the_check_sees_a_forbidden_import(layer, forbidden):
     """Negative control: the table refuses the arrows the issue names."""

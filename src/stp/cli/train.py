@@ -33,6 +33,7 @@ import os
 import sys
 from typing import Any
 
+from stp.cli.common import EXIT_USAGE
 from stp.cli.flags import add_flags, from_args
 from stp.cli.train_supervise import (
     StepTracker,
@@ -189,7 +190,7 @@ def _under_torchrun(job: Any, as_json: bool) -> int:
         if os.environ.get("RANK") == "0" or (
                 isinstance(e, SettingsDiffer) and os.environ.get("LOCAL_RANK") == "0"):
             say(f"stp: error: {e}")
-        return 2
+        return EXIT_USAGE
     code = _train_here(resolved, as_json)
     if code:
         sys.stderr.flush()

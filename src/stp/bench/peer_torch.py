@@ -1,4 +1,4 @@
-"""The PyTorch side of the peer benchmark (stp.train.peer): stp's decoder layers as
+"""The PyTorch side of the peer benchmark (stp.bench.peer): stp's decoder layers as
 a plain-autograd module, PyTorch's `PipelineStage`s over it and its schedule
 classes, and one training step of that side doing the work `Trainer.step` does.
 """
