@@ -61,14 +61,18 @@ def main(argv: list[str]) -> int:
     args = _args(argv)
     from stp.bench.peer import PeerSpec, run_peer
     from stp.bench.peer_table import format_table
+    from stp.shapes import ModelConfig
 
     sections = []
     for size in args.sizes.split(","):
+        shape = SIZES[size]
+        model = ModelConfig(hidden=shape["hidden"], num_layers=args.layers, num_heads=4,
+                            num_kv_heads=4, max_seq_len=shape["seq_len"])
         spec = PeerSpec(
-            schedules=tuple(args.schedules.split(",")), layers=args.layers,
-            microbatch_size=args.microbatch_size, microbatches=args.microbatches,
-            pairs=args.rounds, csv=not args.no_csv, profile_rank=args.profile_rank,
-            **SIZES[size],
+            schedules=tuple(args.schedules.split(",")), model=model,
+            seq_len=shape["seq_len"], microbatch_size=args.microbatch_size,
+            microbatches=args.microbatches, pairs=args.rounds, csv=not args.no_csv,
+            profile_rank=args.profile_rank,
         )
         start = time.perf_counter()
         result = run_peer(spec)

@@ -32,9 +32,9 @@ __all__ = ["OverlapSettings", "overlap_worker", "entry"]
 
 @dataclass(frozen=True)
 class OverlapSettings:
-    layers: int = 8
-    hidden: int = 256
-    heads: int = 4
+    model: ModelConfig = ModelConfig(hidden=256, num_layers=8, num_heads=4, num_kv_heads=4,
+                                     max_seq_len=128)
+    """The stage's model ("real" mode; "emulated" takes its layers and width)."""
     seq_len: int = 128
     microbatch_size: int = 4
     unit: UnitTimes = UnitTimes(6e-3, 6e-3, 6e-3)
@@ -46,11 +46,10 @@ class OverlapSettings:
 
 def _overlap_stage(mode: str, s: OverlapSettings, mesh: Mesh) -> Any:
     if mode == "emulated":
-        return EmulatedStage(0, 1, layers=s.layers, hidden=s.hidden, times=s.unit,
+        return EmulatedStage(0, 1, layers=s.model.num_layers, hidden=s.model.hidden,
+                             times=s.unit,
                              tp_group=mesh.tp_group, tp_size=2)
-    cfg = ModelConfig(hidden=s.hidden, num_layers=s.layers, num_heads=s.heads,
-                      num_kv_heads=s.heads, max_seq_len=s.seq_len)
-    return build_stage(cfg, 0, 1, tp_group=mesh.tp_group, tp_size=2, tp_rank=mesh.coord.tp)
+    return build_stage(s.model, 0, 1, tp_group=mesh.tp_group, tp_size=2, tp_rank=mesh.coord.tp)
 
 
 def overlap_worker(s: OverlapSettings) -> dict[str, Any] | None:
@@ -59,7 +58,7 @@ def overlap_worker(s: OverlapSettings) -> dict[str, Any] | None:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (s.microbatch_size, s.seq_len + 1), generator=gen)
     tokens, targets = ids[:, :-1], ids[:, 1:]
-    shape = (s.microbatch_size, s.seq_len, s.hidden)
+    shape = (s.microbatch_size, s.seq_len, s.model.hidden)
     out: dict[str, Any] = {"allreduce_s": sum(measure_allreduce(mesh.tp_group, shape))}
     for mode in s.modes:
         stage = _overlap_stage(mode, s, mesh)

@@ -24,7 +24,7 @@ shared machine hits every side; each round gives one ratio stp / torch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,11 +48,11 @@ class PeerSpec:
     schedules: tuple[str, ...] = ("1f1b", "1f1b-interleaved", "zb-v")
     """stp schedule names; each must be in TORCH_CLASSES (csv=True runs it by CSV too)."""
     pp: int = 2
-    layers: int = 8
-    hidden: int = 256
-    heads: int = 4
-    kv_heads: int = 4
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(
+        hidden=256, num_layers=8, num_heads=4, num_kv_heads=4, max_seq_len=128))
+    """The model both sides train (stp's decoder; torch's side builds the same one)."""
     seq_len: int = 128
+    """Tokens per sequence (at most the model's max_seq_len)."""
     microbatch_size: int = 4
     microbatches: int = 8
     dtype: str = "float32"
@@ -78,20 +78,18 @@ class PeerSpec:
             raise ValueError(f"dtype {self.dtype!r} not accepted; use float32, float64 or bfloat16")
         if self.pairs < 1 or self.warmup < 1:
             raise ValueError(f"pairs and warmup must be >= 1, got {self.pairs}, {self.warmup}")
+        if self.seq_len > self.model.max_seq_len:
+            raise ValueError(f"seq_len {self.seq_len} exceeds the model's max_seq_len "
+                             f"{self.model.max_seq_len}")
         if self.profile_rank is not None and not 0 <= self.profile_rank < self.pp:
             raise ValueError(f"profile_rank must be in [0, pp={self.pp}), got {self.profile_rank}")
-
-    def model(self) -> ModelConfig:
-        return ModelConfig(hidden=self.hidden, num_layers=self.layers, num_heads=self.heads,
-                           num_kv_heads=self.kv_heads, max_seq_len=self.seq_len)
-
 
 Sides = dict[str, Callable[[], float]]
 
 
 def _sides(spec: PeerSpec, name: str) -> Sides:
     """One step of each side of schedule `name` on this rank, as callables."""
-    config, dtype = spec.model(), getattr(torch, spec.dtype)
+    config, dtype = spec.model, getattr(torch, spec.dtype)
     schedule = registry.make(name, spec.pp, spec.microbatches)
 
     def optimizer(ps: list[nn.Parameter]) -> Any:

@@ -18,7 +18,8 @@ def format_table(result: dict[str, Any]) -> str:
     spec: PeerSpec = result["spec"]
     rows = result["rows"]
     others = [k for k in rows[0]["times"] if k != "stp"]
-    lines = [f"pp={spec.pp} tp=1, {spec.layers} layers, hidden {spec.hidden}, seq "
+    lines = [f"pp={spec.pp} tp=1, {spec.model.num_layers} layers, hidden {spec.model.hidden}, "
+             f"seq "
              f"{spec.seq_len}, microbatch size {spec.microbatch_size}, m={spec.microbatches}, "
              f"{spec.dtype}, {spec.pairs} rounds", "",
              "| schedule | stp ms | " + " | ".join(f"{k} ms | stp/{k} min / med / max"

@@ -127,20 +127,22 @@ def _launch(kind: str, settings: Any, nprocs: int) -> dict[str, Any]:
 def run_overlap(args: argparse.Namespace) -> int:
     from stp.bench.overlap import OverlapSettings
     from stp.models.emulated import UnitTimes
+    from stp.shapes import ModelConfig
 
     modes = ("emulated", "real") if args.mode == "both" else (args.mode,)
-    s = OverlapSettings(
-        layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
-        microbatch_size=args.microbatch_size, unit=UnitTimes(*_unit_ms(args.unit_ms)),
-        repeats=args.repeats, modes=modes,
-    )
     if args.hidden % args.heads or (args.hidden // args.heads) % 2 or args.heads % 2:
         raise ValueError(f"--hidden {args.hidden} / --heads {args.heads}: heads must be even "
                          "(tp=2) and divide hidden into even head widths")
+    model = ModelConfig(hidden=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                        num_kv_heads=args.heads, max_seq_len=args.seq_len)
+    s = OverlapSettings(model=model, seq_len=args.seq_len,
+                        microbatch_size=args.microbatch_size,
+                        unit=UnitTimes(*_unit_ms(args.unit_ms)), repeats=args.repeats,
+                        modes=modes)
     res = _launch("overlap", s, 2)
     ms = 1e3
-    print(f"tp=2, one stage of {s.layers} layers, microbatch [{s.microbatch_size}, "
-          f"{s.seq_len}, {s.hidden}]; one all-reduce of it: {res['allreduce_s'] * ms:.2f} ms")
+    print(f"tp=2, one stage of {model.num_layers} layers, microbatch [{s.microbatch_size}, "
+          f"{s.seq_len}, {model.hidden}]; one all-reduce of it: {res['allreduce_s'] * ms:.2f} ms")
     print("exposed: compute-stream time in all-reduce launches + waits (launches alone)")
     print(f"{'mode':9s} {'ARs':>4s} {'sequential':>20s} {'braided':>20s} {'wall seq':>9s} "
           f"{'wall braid':>10s} {'hidden':>7s} {'waits hidden':>12s}")
@@ -224,12 +226,11 @@ def run_peer(args: argparse.Namespace) -> int:
     from stp.schedule.registry import make as make_schedule
 
     names = tuple(n.strip() for n in args.schedules.split(",") if n.strip())
-    spec = PeerSpec(schedules=names, pp=2, layers=args.layers, hidden=args.hidden,
-                    heads=args.heads, kv_heads=args.heads, seq_len=args.seq_len,
+    model = ModelConfig(hidden=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                        num_kv_heads=args.heads, max_seq_len=args.seq_len)  # a bad shape
+    spec = PeerSpec(schedules=names, pp=2, model=model, seq_len=args.seq_len,
                     microbatch_size=args.microbatch_size, microbatches=args.microbatches,
                     pairs=args.pairs, csv=args.csv == "on")  # ValueError names a bad schedule
-    ModelConfig(hidden=args.hidden, num_layers=args.layers, num_heads=args.heads,
-                num_kv_heads=args.heads, max_seq_len=args.seq_len)  # refuse a bad shape
     for n in names:
         sch = make_schedule(n, spec.pp, spec.microbatches)
         if sch.chunks * spec.pp > args.layers:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stp.train.families import MODULES as FAMILY_MODULES
+
 __all__ = ["ARCHS", "DTYPES", "LR_SCHEDULES", "TOY_SHAPE", "ModelShape", "TrainJob",
            "VisionShape", "option"]
 
@@ -61,7 +63,8 @@ class ModelShape:
     seq_len: int = option(64, "tokens per sequence", minimum=1, maximum=2**20)
 
 
-ARCHS = ("decoder", "mllm")
+ARCHS = tuple(FAMILY_MODULES)
+"""The model families `--arch` names (the registry, stp.train.families)."""
 
 
 @dataclass(frozen=True)
