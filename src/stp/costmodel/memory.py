@@ -51,9 +51,10 @@ from stp.sim.costs import OffloadCosts
 from stp.sim.engine import simulate
 from stp.sim.layered import even_partition
 from stp.sim.offload import plan_offload
+from stp.sim.result import SimResult
 
 __all__ = ["DTYPE_BYTES", "CATEGORIES", "Layout", "Features", "RankMemory", "MemoryEstimate",
-           "estimate", "format_bytes", "rank_parameters"]
+           "estimate", "format_bytes", "memory_of_run", "rank_parameters"]
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 CATEGORIES = ("weights", "grads", "masters", "optimizer", "activations_peak", "buffers")
@@ -196,15 +197,28 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, layout: Layout,
     plan = plan_offload(sch, features.offload, derived.costs, derived.mem, oc, stages=table)
     res = simulate(sch, derived.costs, derived.mem, offload=plan if len(plan) else None,
                    offload_costs=oc, record_spans=False, stages=table)
-    act_scale = derived.bytes_per_unit * DTYPE_BYTES[features.dtype] / 2
-    params = rank_parameters(spec, sch.num_stages, sch.stage_to_rank, counts)
+    return memory_of_run(spec, res, derived.bytes_per_unit, features, dp=layout.dp)
+
+
+def memory_of_run(spec: ModelSpec, res: SimResult, bytes_per_unit: float,
+                  features: Features = Features(), dp: int = 1) -> MemoryEstimate:
+    """Bytes per rank of a simulated run of `spec` (its per-stage table
+    priced from `spec`; memory units of `bytes_per_unit` bytes, as
+    `derive` gives them); the layout is read off the run."""
+    sch = res.schedule
+    counts = (res.stages.partition if res.stages is not None and res.stages.partition
+              else even_partition(spec.layers, sch.num_stages))
+    layout = Layout(pp=sch.num_ranks, tp=spec.tp, dp=dp, microbatches=sch.num_microbatches,
+                    microbatch_size=spec.micro_batch, seq_len=spec.sequence, schedule=sch.name)
+    act_scale = bytes_per_unit * DTYPE_BYTES[features.dtype] / 2
+    params = rank_parameters(spec, sch.num_stages, sch.stage_to_rank, tuple(counts))
     ranks = tuple(_rank(r, n, res.ranks[r].peak_activation * act_scale, spec, sch.chunks,
                         layout, features)
                   for r, n in enumerate(params))
     notes = []
     splits = any(p.kind is Kind.W for acts in sch.actions for a in acts for p in passes_of(a))
-    if features.recompute == "full" and splits:
-        notes.append(f"{layout.schedule} defers W: full recomputation's inputs kept for a "
+    if spec.recompute == "full" and splits:
+        notes.append(f"{sch.name} defers W: full recomputation's inputs kept for a "
                      "deferred W are not counted (stp.costmodel.model)")
     return MemoryEstimate(ranks, layout, features, tuple(notes))
 
