@@ -115,7 +115,7 @@ def add_size_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
     )
 
 
-def add_cost_args(p: argparse.ArgumentParser) -> None:
+def add_cost_args(p: argparse.ArgumentParser, *, recompute_auto: bool = False) -> None:
     p.add_argument(
         "--cost", default=None, metavar="f=..,b=..,w=..,ar=..,comm=..",
         help="times of one microbatch through one rank's share (default f=b=w=1, ar=comm=0; "
@@ -145,9 +145,12 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
         "host_bandwidth, memory)",
     )
     p.add_argument(
-        "--recompute", choices=("none", "selective", "full"), default=None,
+        "--recompute", default=None,
+        choices=("none", "selective", "full", *(("auto",) if recompute_auto else ())),
         help="with --model: activation recomputation (selective: the attention core; full: "
-        "the whole layer from its input), charged to B and taken off M_B / M_W",
+        "the whole layer from its input), charged to B and taken off M_B / M_W"
+        + ("; auto: per stage, what the memory limit needs (memory in M_B without "
+           "recomputation)" if recompute_auto else ""),
     )
 
 
@@ -235,7 +238,7 @@ def costs_from_args(args: argparse.Namespace) -> tuple[Costs, MemCosts]:
         if hardware is not None:
             raise ValueError("--hardware needs --model (the model the costs are derived for)")
         return parse_costs(args.cost), parse_mem(args.mem)
-    from stp.costmodel import derive, parse_hardware, parse_model
+    from stp.costmodel import derive, parse_hardware
 
     for flag, text in (("--model", model), ("--hardware", hardware or "")):
         if not text.isascii():
@@ -250,13 +253,12 @@ def costs_from_args(args: argparse.Namespace) -> tuple[Costs, MemCosts]:
 
 def model_from_args(args: argparse.Namespace) -> object:
     """The --model spec, with --recompute applied (a decoder's field)."""
-    from stp.costmodel import ModelSpec, parse_model
+    from stp.costmodel import parse_model
+    from stp.costmodel.model import decoder_only
 
     spec = parse_model(args.model)
     mode = getattr(args, "recompute", None)
-    if mode is None:
+    if mode in (None, "auto"):  # auto: the search's choice (stp.search.recompute)
         return spec
-    if not isinstance(spec, ModelSpec):
-        raise ValueError("--recompute applies to decoder models; a multimodal --model has "
-                         "no recomputation formulas yet")
+    spec = decoder_only(spec, "--recompute")
     return dataclasses.replace(spec, recompute=mode)

@@ -30,7 +30,7 @@ from stp.costmodel.memory import (
     estimate,
     format_bytes,
 )
-from stp.costmodel.model import RECOMPUTE_MODES, ModelSpec
+from stp.costmodel.model import RECOMPUTE_MODES, ModelSpec, decoder_only
 from stp.schedule.limits import MAX_MICROBATCHES, MAX_RANKS
 
 __all__ = ["register", "run", "model_spec"]
@@ -91,9 +91,7 @@ def model_spec(text: str) -> ModelSpec:
     from stp.costmodel import parse_model
 
     spec = parse_model(text)
-    if not isinstance(spec, ModelSpec):
-        raise ValueError(f"--model {text.split(',')[0]}: stp memory covers decoder models")
-    return spec
+    return decoder_only(spec, "stp memory")
 
 
 def estimate_from_args(args: argparse.Namespace) -> MemoryEstimate:

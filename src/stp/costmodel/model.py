@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-__all__ = ["RECOMPUTE_MODES", "ModelSpec", "layer_flops", "layer_activation_bytes",
+__all__ = ["RECOMPUTE_MODES", "ModelSpec", "decoder_only", "layer_flops", "layer_activation_bytes",
            "num_parameters"]
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -177,3 +177,13 @@ def num_parameters(spec: ModelSpec, *, tied_embeddings: bool = False) -> int:
     per_layer = h * (h + 2 * kd) + h * h + spec.mlp_matrices * h * f
     embed = spec.vocab * h * (1 if tied_embeddings else 2)
     return spec.layers * per_layer + embed
+
+
+def decoder_only(spec: object, feature: str) -> ModelSpec:
+    """`spec` when it is a decoder's; else a one-line ValueError saying that
+    `feature` has formulas for decoders only (the multimodal encoder has none
+    yet). Callers above the cost model ask here instead of testing classes."""
+    if not isinstance(spec, ModelSpec):
+        raise ValueError(f"{feature} covers decoder models; a {type(spec).__name__} has no "
+                         "formulas for it yet")
+    return spec

@@ -82,17 +82,23 @@ def search_recompute(model: ModelSpec, hardware: HardwareSpec, pp: int, m: int, 
                          f"needs, {need:g} M_B (one microbatch's layer inputs)")
     tried: dict[str, float | None] = dict.fromkeys(RECOMPUTE_MODES)
     best: tuple[str, SearchResult] | None = None
+    refusal = ""
     for mode in feasible:
         lc, mem = costs_by_mode[mode]
         d = derive_decoder(replace(model, recompute=mode), hardware, pp)
-        res = search(pp, m, d.costs, mem, memory_limit=memory_limit,
-                     time_limit=time_limit / len(feasible), layers=layers,
-                     stage_costs=lambda n, lc=lc: lc.table(even_partition(model.layers, n)),
-                     **options)  # type: ignore[arg-type]
+        try:
+            res = search(pp, m, d.costs, mem, memory_limit=memory_limit,
+                         time_limit=time_limit / len(feasible), layers=layers,
+                         stage_costs=lambda n, lc=lc: lc.table(even_partition(model.layers, n)),
+                         **options)  # type: ignore[arg-type]
+        except ValueError as e:  # the first or last stage's extras do not fit
+            refusal = str(e)
+            continue
         tried[mode] = res.result.makespan
         if best is None or res.result.makespan < best[1].result.makespan - _EPS:
             best = (mode, res)
-    assert best is not None
+    if best is None:
+        raise ValueError(f"{refusal} (with full recomputation too)")
     mode, res = best
     modes = _per_stage(res, mode, costs_by_mode, memory_limit, model.layers)
     return RecomputeChoice(res, modes, tried)

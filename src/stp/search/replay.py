@@ -2,10 +2,11 @@
 
 Exact where the simulator's model reduces to whole passes: no TP collective
 (costs.tp_time = 0: no all-reduce, all-gather or reduce-scatter), one layer
-per chunk and no braided block. Then a pass starts when its rank is free and its inputs are there (plus `comm` from another
-rank) and takes F = f/v, B = b/v, W = w/v, BW = (b+w)/v ("Zero Bubble Pipeline
-Parallelism", arXiv 2401.10241, section 2), which is what `stp.sim.simulate`
-computes; `tests/search/test_v_search.py` checks the two agree. Elsewhere the
+per chunk and no braided block. Then a pass starts when its rank is free and
+its inputs are there (plus `comm` from another rank) and takes F = f/v,
+B = b/v, W = w/v, BW = (b+w)/v ("Zero Bubble Pipeline Parallelism", arXiv
+2401.10241, section 2), which is what `stp.sim.simulate` computes;
+`tests/search/test_v_search.py` checks the two agree. Elsewhere the
 search calls the simulator.
 """
 
