@@ -143,6 +143,7 @@ def _print(est: MemoryEstimate, args: argparse.Namespace) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
     peak = est.peak
     print(f"peak: rank {peak.rank} (each of its {lay.tp * lay.dp} TP x DP peers), "
-          f"{format_bytes(peak.total)}; largest category {peak.largest}")
+          f"{format_bytes(peak.total)}; largest category {peak.largest}; simulated step "
+          f"{est.step_time:.4g} ms")
     for note in est.notes:
         print(f"note: {note}")

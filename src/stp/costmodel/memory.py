@@ -136,6 +136,9 @@ class MemoryEstimate:
     layout: Layout
     features: Features
     notes: tuple[str, ...] = ()
+    step_time: float | None = None
+    """The simulated step (makespan) the activations came from, in the cost
+    model's milliseconds."""
 
     @property
     def peak(self) -> RankMemory:
@@ -146,7 +149,7 @@ class MemoryEstimate:
         return {"memory": self.peak.to_json(), "peak_rank": self.peak.rank,
                 "ranks": [{"rank": r.rank, "parameters": r.parameters, **r.to_json()}
                           for r in self.ranks],
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "step_ms": self.step_time}
 
 
 def _layer_parameters(spec: ModelSpec) -> float:
@@ -220,7 +223,7 @@ def memory_of_run(spec: ModelSpec, res: SimResult, bytes_per_unit: float,
     if spec.recompute == "full" and splits:
         notes.append(f"{sch.name} defers W: full recomputation's inputs kept for a "
                      "deferred W are not counted (stp.costmodel.model)")
-    return MemoryEstimate(ranks, layout, features, tuple(notes))
+    return MemoryEstimate(ranks, layout, features, tuple(notes), res.makespan)
 
 
 def _rank(rank: int, params: int, activations: float, spec: ModelSpec, chunks: int,
