@@ -82,3 +82,17 @@ def test_cost_model_charges_gather_and_scatter_with_sp():
     assert sp.ar == 0 and sp.ag == sp.rs == pytest.approx(plain.ar / 2)
     assert sp.tp_time == pytest.approx(plain.tp_time)
     assert sp.comm < plain.comm  # the p2p message is s/t rows
+
+
+@pytest.mark.parametrize("costs", [Costs(f=2, b=2, w=2, ar=0.4),
+                                   Costs(f=2, b=2, w=2, ag=0.15, rs=0.25)])
+def test_collective_time_is_exposed_plus_hidden(costs: Costs):
+    """Each rank runs the F and the B of every microbatch through its share:
+    2 m x (ar + ag + rs) of collectives, of which what the stream did not
+    wait for ran hidden."""
+    m = 8
+    res = simulate(generate("stp", 2, m), costs, layers=2, record_spans=False)
+    for r in res.ranks:
+        assert r.tp_total == pytest.approx(2 * m * costs.tp_time)
+        assert r.hidden_tp == pytest.approx(r.tp_total - r.exposed_tp)
+        assert 0 < r.hidden_tp < r.tp_total

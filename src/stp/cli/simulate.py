@@ -102,9 +102,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     print(f"makespan {_fmt(res.makespan)}  bubble_rate {res.bubble_rate:.2%}  "
           f"pp_bubble {_fmt(res.pp_bubble)}  tp_bubble {_fmt(res.tp_bubble)}  "
           f"(critical rank {res.critical_rank.rank})")
-    header = ["rank", "span", "compute", "exposed_tp", "idle", "peak_act"]
-    rows = [[str(r.rank), _fmt(r.span), _fmt(r.compute), _fmt(r.exposed_tp), _fmt(r.idle),
-             _fmt(r.peak_activation)] for r in res.ranks]
+    header = ["rank", "span", "compute", "tp_total", "exposed_tp", "hidden_tp", "idle",
+              "peak_act"]
+    rows = [[str(r.rank), _fmt(r.span), _fmt(r.compute), _fmt(r.tp_total), _fmt(r.exposed_tp),
+             _fmt(r.hidden_tp), _fmt(r.idle), _fmt(r.peak_activation)] for r in res.ranks]
     if plan is not None:
         base = simulate(sch, costs, mem, layers=args.layers, record_spans=False,
                         stages=stages)

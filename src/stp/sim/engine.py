@@ -133,7 +133,7 @@ class _Rank:
         self.d2h = self.h2d = 0.0
         """Offload copy lanes free."""
         self.first_f = float("inf")
-        self.last_end = self.busy = self.tp_wait = self.off_wait = 0.0
+        self.last_end = self.busy = self.tp_wait = self.off_wait = self.tp_total = 0.0
         self.mem_events: list[MemEvent] = []
         self.waiting: Done | None = None
         """A result the next action needs that was missing when last checked."""
@@ -149,6 +149,7 @@ class _Rank:
             exposed_tp=self.tp_wait,
             peak_activation=peak,
             exposed_offload=self.off_wait,
+            tp_total=self.tp_total,
         )
 
 
@@ -277,6 +278,7 @@ class _Simulation:
                 base, gather_wait = self._chain_start(rank, passes[c], t, ready[c], lead)
                 tp_wait += gather_wait
                 if lead > 0:
+                    rank.tp_total += lead
                     sink.allreduce(it, ready[c], ready[c] + lead, "AG")
             else:
                 base = t
@@ -293,6 +295,7 @@ class _Simulation:
                 ag = ag_times[c][kind] if it.unit != last_unit[c] else 0.0
                 trail = ar_times[c][kind] + rs + ag
                 if trail > 0:
+                    rank.tp_total += trail
                     a0 = max(e, tp)
                     tp = chain_ar[c] = a0 + trail
                     sink.allreduce(it, a0, tp, "RS+AG" if ag > 0 else "RS" if rs > 0 else "AR")
