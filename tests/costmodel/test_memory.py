@@ -108,3 +108,38 @@ def test_published_presets():
     assert num_parameters(MODELS["qwen2-72b"]) == pytest.approx(72.7e9, rel=0.01)
     assert num_parameters(MODELS["llama3-405b"]) == pytest.approx(405.8e9, rel=0.01)
     assert parse_hardware("h100-80g").memory == 81559 * 2**20
+
+
+def test_a_run_config_is_estimated_as_its_spec():
+    """`estimate` takes the ModelConfig a run builds (the entry point `stp train`
+    flags can reach) and prices it as a decoder without dropout."""
+    cfg = ModelConfig(vocab_size=1024, hidden=512, num_layers=8, num_heads=8, num_kv_heads=8,
+                      ffn_hidden=1536)
+    from_config = estimate(cfg, HW, LAYOUT)
+    from_spec = estimate(replace(SPEC, dropout=False, flash_attention=True), HW, LAYOUT)
+    assert from_config.to_json()["ranks"] == from_spec.to_json()["ranks"]
+    with pytest.raises(ValueError, match="covers decoder models"):
+        from stp.costmodel import MLLM_MODELS
+
+        estimate(next(iter(MLLM_MODELS.values())), HW, LAYOUT)
+
+
+def test_dropout_masks_are_what_the_formula_adds():
+    """Korthikanti's 10h replicated bytes hold two 1-byte masks (2h) and the
+    5 a s^2 b scores term one mask (a s^2 b)."""
+    from stp.costmodel.model import layer_activation_bytes
+
+    s, b, h, a, t = SPEC.sequence, SPEC.micro_batch, SPEC.hidden, SPEC.heads, 2
+    spec = replace(SPEC, tp=t)
+    with_masks = layer_activation_bytes(spec)[0]
+    without = layer_activation_bytes(replace(spec, dropout=False))[0]
+    assert with_masks - without == pytest.approx(2 * s * b * h + a * s * s * b / t)
+
+
+def test_an_explicit_partition_moves_the_parameters():
+    even = estimate(SPEC, HW, LAYOUT).ranks
+    uneven = estimate(SPEC, HW, replace(LAYOUT, partition=(1, 3, 3, 1))).ranks
+    assert uneven[0].parameters < even[0].parameters  # zb-v: rank 0 holds stages 0 and 3
+    assert sum(r.parameters for r in uneven) == sum(r.parameters for r in even)
+    with pytest.raises(ValueError, match="sums to 7"):
+        estimate(SPEC, HW, replace(LAYOUT, partition=(1, 3, 2, 1)))

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from stp.cli.common import EXIT_USAGE, int_in, microbatch_count, pp_count
+from stp.costmodel import derive
 from stp.costmodel.budget import over_budget, parse_size
 from stp.costmodel.memory import (
     CATEGORIES,
@@ -61,6 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int_in(1, MAX_SEQ_LEN), default=None,
                    help="tokens per sequence (default: the preset's sequence, else 4096)")
     p.add_argument("--schedule", default="stp", help="schedule name (default stp)")
+    p.add_argument("--partition", default=None, metavar="auto|L0,L1,..",
+                   help="layers per global stage (default: the even split; auto: the "
+                   "simulator's choice, as `stp simulate --partition auto`)")
     p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bfloat16",
                    help="compute dtype (default bfloat16: fp32 masters and gradients)")
     p.add_argument("--sequence-parallel", action="store_true",
@@ -108,7 +113,35 @@ def estimate_from_args(args: argparse.Namespace) -> MemoryEstimate:
     from stp.cli.common import check_work, generated_stages
 
     check_work(generated_stages(args), m, 1, f"--pp {args.pp} -m {m}")
-    return estimate(spec, parse_hardware(args.hardware), layout, feats)
+    hardware = parse_hardware(args.hardware)
+    if args.partition is not None:
+        layout = replace(layout, partition=_partition(args.partition, spec, hardware, layout,
+                                                      feats))
+    return estimate(spec, hardware, layout, feats)
+
+
+def _partition(text: str, spec: ModelSpec, hardware: object, layout: Layout,
+               feats: Features) -> tuple[int, ...]:
+    """--partition: explicit counts, or `auto` (`stp.search.partition`: the even
+    and balanced splits, then single-layer moves while the step shortens)."""
+    from stp.costmodel.stages import layered_costs
+    from stp.schedule import generate
+    from stp.search.partition import auto_partition
+    from stp.sim.layered import parse_partition
+
+    part = parse_partition(text)
+    if part != "auto":
+        return part  # type: ignore[return-value]
+    priced = replace(spec, tp=layout.tp, sequence=layout.seq_len,
+                     micro_batch=layout.microbatch_size,
+                     sequence_parallel=feats.sequence_parallel, recompute=feats.recompute)
+    d = derive(priced, hardware, layout.pp)  # type: ignore[arg-type]
+    layered = layered_costs(priced, hardware, layout.pp, d.costs, d.mem)  # type: ignore
+    sch = generate(layout.schedule, layout.pp, layout.microbatches)
+    if priced.layers < sch.num_stages:
+        raise ValueError(f"the model's {priced.layers} layers cannot fill {sch.num_stages} "
+                         f"stages of {layout.schedule} at pp={layout.pp}")
+    return auto_partition(sch, layered, priced.layers).counts
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,8 +22,9 @@ _HF_FIELDS = (("hidden_size", "hidden"), ("num_hidden_layers", "layers"),
 
 def spec_from_config(config: ModelConfig, *, seq_len: int, microbatch_size: int = 1,
                      tp: int = 1, flash_attention: bool = True) -> ModelSpec:
-    """The cost model's view of `config` (a decoder; `flash_attention`: the
-    runtime's fused attention keeps no s x s scores)."""
+    """The cost model's view of `config` (a decoder without dropout, as stp's
+    runtime builds it; `flash_attention`: the fused attention kernel keeps no
+    s x s scores)."""
     if not isinstance(config, ModelConfig):
         raise ValueError(f"a memory estimate needs a decoder ModelConfig, not a "
                          f"{type(config).__name__}")
@@ -33,7 +34,7 @@ def spec_from_config(config: ModelConfig, *, seq_len: int, microbatch_size: int 
     return ModelSpec(layers=config.num_layers, hidden=config.hidden, heads=config.num_heads,
                      kv_heads=config.num_kv_heads, ffn=config.ffn, vocab=config.vocab_size,
                      sequence=seq_len, micro_batch=microbatch_size, tp=tp, gated_mlp=True,
-                     flash_attention=flash_attention, name="config")
+                     flash_attention=flash_attention, dropout=False, name="config")
 
 
 def spec_from_hf_json(obj: object, where: str) -> ModelSpec:
@@ -55,6 +56,6 @@ def spec_from_hf_json(obj: object, where: str) -> ModelSpec:
     name = str(obj.get("model_type", "config.json"))[:40]
     try:
         return ModelSpec(**vals, sequence=1, gated_mlp=act in ("silu", "swiglu"),
-                         flash_attention=True, name=name)
+                         flash_attention=True, dropout=False, name=name)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None

@@ -42,14 +42,16 @@ from dataclasses import dataclass, replace
 
 from stp.costmodel.decoder_costs import derive_decoder
 from stp.costmodel.hardware import HardwareSpec
-from stp.costmodel.model import RECOMPUTE_MODES, ModelSpec
+from stp.costmodel.configs import spec_from_config
+from stp.costmodel.model import RECOMPUTE_MODES, ModelSpec, decoder_only
 from stp.costmodel.stages import layered_costs
 from stp.schedule.ir import Kind, passes_of
 from stp.schedule.offload import parse_policy
 from stp.schedule.registry import generate
 from stp.sim.costs import OffloadCosts
 from stp.sim.engine import simulate
-from stp.sim.layered import even_partition
+from stp.shapes import ModelConfig
+from stp.sim.layered import check_partition, even_partition
 from stp.sim.offload import plan_offload
 from stp.sim.result import SimResult
 
@@ -71,12 +73,19 @@ class Layout:
     microbatch_size: int = 1
     seq_len: int = 4096
     schedule: str = "stp"
+    partition: tuple[int, ...] | None = None
+    """Layers per global stage (None: the even split, `stp.sim.layered`)."""
 
     def __post_init__(self) -> None:
         for key in ("pp", "tp", "dp", "microbatches", "microbatch_size", "seq_len"):
             val = getattr(self, key)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"{key}={val!r} must be an integer >= 1")
+        if self.partition is not None:
+            object.__setattr__(self, "partition", tuple(self.partition))
+            if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1
+                       for c in self.partition):
+                raise ValueError(f"partition {self.partition}: layer counts >= 1 expected")
 
 
 @dataclass(frozen=True)
@@ -115,6 +124,12 @@ class RankMemory:
     optimizer: float
     activations_peak: float
     buffers: float
+
+    def __post_init__(self) -> None:
+        for key in ("rank", "parameters", *CATEGORIES):
+            val = getattr(self, key)
+            if isinstance(val, bool) or not isinstance(val, int | float) or not val >= 0:
+                raise ValueError(f"rank memory {key}={val!r} must be a number >= 0")
 
     @property
     def total(self) -> float:
@@ -178,14 +193,15 @@ def rank_parameters(spec: ModelSpec, num_stages: int, stage_to_rank: tuple[int, 
     return [int(round(x)) for x in out]
 
 
-def estimate(model: ModelSpec, hardware: HardwareSpec, layout: Layout,
+def estimate(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout: Layout,
              features: Features = Features()) -> MemoryEstimate:
-    """Bytes per pipeline rank of a training step (module doc). `model`'s tp,
-    sequence, micro_batch, sequence_parallel and recompute are taken from
-    `layout` and `features`."""
-    if not isinstance(model, ModelSpec):
-        raise ValueError(f"memory estimates cover decoder models (a ModelSpec), not a "
-                         f"{type(model).__name__}")
+    """Bytes per pipeline rank of a training step (module doc). `model` is a
+    cost-model spec or the `ModelConfig` a run builds (`stp.costmodel.configs`);
+    its tp, sequence, micro_batch, sequence_parallel and recompute are taken
+    from `layout` and `features`."""
+    if isinstance(model, ModelConfig):
+        model = spec_from_config(model, seq_len=layout.seq_len)
+    model = decoder_only(model, "a memory estimate")
     spec = replace(model, tp=layout.tp, sequence=layout.seq_len,
                    micro_batch=layout.microbatch_size,
                    sequence_parallel=features.sequence_parallel, recompute=features.recompute)
@@ -194,7 +210,8 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, layout: Layout,
         raise ValueError(f"the model's {spec.layers} layers cannot fill {sch.num_stages} "
                          f"stages of {layout.schedule} at pp={layout.pp}")
     derived = derive_decoder(spec, hardware, layout.pp)
-    counts = even_partition(spec.layers, sch.num_stages)
+    counts = (even_partition(spec.layers, sch.num_stages) if layout.partition is None
+              else check_partition(layout.partition, sch.num_stages, spec.layers))
     table = layered_costs(spec, hardware, layout.pp, derived.costs, derived.mem).table(counts)
     oc = OffloadCosts(bandwidth=hardware.host_bandwidth / 1e3, act_bytes=derived.bytes_per_unit)
     plan = plan_offload(sch, features.offload, derived.costs, derived.mem, oc, stages=table)
@@ -212,7 +229,8 @@ def memory_of_run(spec: ModelSpec, res: SimResult, bytes_per_unit: float,
     counts = (res.stages.partition if res.stages is not None and res.stages.partition
               else even_partition(spec.layers, sch.num_stages))
     layout = Layout(pp=sch.num_ranks, tp=spec.tp, dp=dp, microbatches=sch.num_microbatches,
-                    microbatch_size=spec.micro_batch, seq_len=spec.sequence, schedule=sch.name)
+                    microbatch_size=spec.micro_batch, seq_len=spec.sequence, schedule=sch.name,
+                    partition=tuple(counts))
     act_scale = bytes_per_unit * DTYPE_BYTES[features.dtype] / 2
     params = rank_parameters(spec, sch.num_stages, sch.stage_to_rank, tuple(counts))
     ranks = tuple(_rank(r, n, res.ranks[r].peak_activation * act_scale, spec, sch.chunks,

@@ -97,6 +97,11 @@ class ModelSpec:
     name: str = "custom"
     recompute: str = "none"
     """Activation recomputation: none, selective (the attention core) or full."""
+    dropout: bool = True
+    """The layer keeps dropout masks (Korthikanti's formulas count them: 2 s b h
+    bytes after attention and the MLP, `a s^2 b` after the softmax). stp's own
+    decoder, Llama and Qwen2 train without dropout: specs made from their
+    configs (`stp.costmodel.configs`) set False, and those bytes go."""
 
     def __post_init__(self) -> None:
         for fl in fields(self):
@@ -149,14 +154,15 @@ def layer_activation_bytes(spec: ModelSpec) -> tuple[float, float]:
     s, b, h, f, t = spec.sequence, spec.micro_batch, spec.hidden, spec.ffn, spec.tp
     kd = spec.kv_heads * spec.head_dim
     g = spec.mlp_matrices
-    replicated = 10 * h
+    replicated = 10 * h if spec.dropout else 8 * h  # less the two 1-byte dropout masks
     split = 2 * h + 4 * kd + 2 * h + 2 * (g - 1) * f + 2 * f
     if spec.sequence_parallel:
         m_b = s * b * (replicated + split) / t
     else:
         m_b = s * b * (replicated + split / t)
     if not spec.flash_attention and spec.recompute == "none":
-        m_b += 5 * spec.heads * s * s * b / t  # scores, softmax, dropout mask
+        per_score = 5 if spec.dropout else 4  # scores, softmax (2 bytes each), dropout mask
+        m_b += per_score * spec.heads * s * s * b / t
     sp = t if spec.sequence_parallel else 1
     m_w = 2 * s * b * (
         (h / sp + (h + 2 * kd) / t)  # QKV: input, output gradient
