@@ -40,17 +40,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from stp.costmodel.configs import spec_from_config
 from stp.costmodel.decoder_costs import derive_decoder
 from stp.costmodel.hardware import HardwareSpec
-from stp.costmodel.configs import spec_from_config
 from stp.costmodel.model import RECOMPUTE_MODES, ModelSpec, decoder_only
 from stp.costmodel.stages import layered_costs
 from stp.schedule.ir import Kind, passes_of
 from stp.schedule.offload import parse_policy
 from stp.schedule.registry import generate
+from stp.shapes import ModelConfig
 from stp.sim.costs import OffloadCosts
 from stp.sim.engine import simulate
-from stp.shapes import ModelConfig
 from stp.sim.layered import check_partition, even_partition
 from stp.sim.offload import plan_offload
 from stp.sim.result import SimResult
