@@ -93,3 +93,14 @@ def test_search_recompute_auto_reports_the_choice(capsys):
     assert out["recompute_tried"]["none"] is None
     assert len(out["recompute"]) == 4 and set(out["recompute"]) != {"none"}
     assert max(out["peak_activation"]) <= 0.9 + 1e-9
+
+
+def test_search_takes_its_limit_from_a_byte_budget(capsys):
+    argv = ["search", "--pp", "2", "-m", "4", "--model", "zb-1.5b,layers=4,vocab=1000",
+            "--time-limit", "1", "--json"]
+    out = _json(capsys, [*argv, "--memory-budget", "40GiB"])
+    assert out["memory_limit"] > 0 and max(out["peak_activation"]) <= out["memory_limit"]
+    assert main([*argv, "--memory-budget", "1MiB"]) == 2
+    assert "model states" in capsys.readouterr().err
+    assert main(argv) == 2  # neither a limit nor a budget
+    assert "--memory-limit" in capsys.readouterr().err
