@@ -148,10 +148,18 @@ def run(args: argparse.Namespace) -> int:
     budget = None if args.memory_budget is None else parse_size(args.memory_budget)
     est = estimate_from_args(args)
     verdict = None if budget is None else over_budget(est, budget)
+    from stp.costmodel import parse_hardware
+
+    device = parse_hardware(args.hardware).memory
     if args.json:
-        print(json.dumps(est.to_json()))
+        print(json.dumps({**est.to_json(), "device_memory": device or None}))
     else:
         _print(est, args)
+        if device:
+            room = device - est.peak.total
+            print(f"device memory ({args.hardware.split(',')[0]}): {format_bytes(device)}; "
+                  + (f"{format_bytes(room)} to spare" if room >= 0
+                     else f"short by {format_bytes(-room)}"))
     if verdict is not None:
         import sys
 
