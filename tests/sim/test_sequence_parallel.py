@@ -96,3 +96,33 @@ def test_collective_time_is_exposed_plus_hidden(costs: Costs):
         assert r.tp_total == pytest.approx(2 * m * costs.tp_time)
         assert r.hidden_tp == pytest.approx(r.tp_total - r.exposed_tp)
         assert 0 < r.hidden_tp < r.tp_total
+
+
+def test_a_stage_table_carries_the_collectives():
+    """The uniform shorthand and its table give the same run; a table file
+    names ag and rs per stage and reads back."""
+    from stp.sim.stages import StageCosts
+
+    costs = Costs(f=2, b=2, w=1, ag=0.2, rs=0.3, comm=0.1)
+    sch = generate("zb-v", 2, 6)
+    table = StageCosts.uniform(costs, simulate(sch, costs).mem, sch.num_stages, 2, layers=2)
+    assert table.stages[0].ag == pytest.approx(0.1) and table.stages[0].rs == pytest.approx(0.15)
+    assert StageCosts.from_json(table.to_json()) == table
+    uniform = simulate(sch, costs, layers=2, record_spans=False)
+    tabled = simulate(sch, costs, layers=2, record_spans=False, stages=table)
+    assert tabled.makespan == pytest.approx(uniform.makespan)
+    assert tabled.tp_bubble == pytest.approx(uniform.tp_bubble)
+
+
+def test_cost_flag_takes_ag_and_rs(capsys):
+    import json
+
+    from stp.cli.main import main
+
+    assert main(["simulate", "--schedule", "zb-h1", "--pp", "1", "-m", "1", "--cost",
+                 "f=2,b=2,w=2,ag=0.3,rs=0.5", "--layers", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["makespan"] == pytest.approx(6 + 2 * 0.8)
+    assert out["ranks"][0]["tp_total"] == pytest.approx(1.6)
+    assert main(["simulate", "--schedule", "zb-h1", "--pp", "1", "-m", "1", "--cost",
+                 "ag=0.3,ag=0.1"]) == 2
