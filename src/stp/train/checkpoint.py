@@ -52,6 +52,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from stp.train import integrity
+from stp.train.ckpt_read import SafeReader
 from stp.train.shards import Box, BoxLoadPlanner, BoxSavePlanner, box_of
 
 __all__ = ["checkpoint_name", "complete_checkpoints", "latest", "read_info", "save", "load",
@@ -94,8 +96,11 @@ def latest(path: str | Path) -> Path:
 
 
 def read_info(path: str | Path) -> dict[str, Any]:
-    """The checkpoint's stp.json: step, mesh, schedule, dtype, model."""
-    return json.loads((Path(path) / INFO).read_text())
+    """The checkpoint's stp.json: step, mesh, schedule, dtype, model (ValueError naming
+    the file when it is not a JSON object)."""
+    from stp.files import read_json_object
+
+    return read_json_object(Path(path) / INFO)
 
 
 # -- what a trainer holds -------------------------------------------------------------------
@@ -211,9 +216,11 @@ def save(trainer: Any, directory: str | Path, *, keep: int | None = None) -> Pat
     _agree(rank, error)
     state, boxes = _save_state(trainer)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=BoxSavePlanner(boxes))
+    digests = integrity.shard_digests(tmp)  # each rank hashes its own files
     if rank == 0:
         try:
             (tmp / INFO).write_text(json.dumps(_info(trainer), indent=1) + "\n")
+            integrity.write_manifest(tmp, digests)  # verified before a resume loads
             _publish(tmp, final, keep)
         except OSError as e:
             error = f"cannot finish checkpoint {str(final)!r}: {e}"
@@ -289,11 +296,24 @@ def _apply_optimizer_state(trainer: Any, state: dict[str, Any]) -> None:
             group.update(saved)
 
 
+def _damage(path: Path) -> str | None:
+    try:
+        integrity.verify(path)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def load(trainer: Any, path: str | Path) -> dict[str, Any]:
     """Load checkpoint `path` (a `step-N` directory) into `trainer`, whatever mesh
     and schedule wrote it; returns its stp.json. Collective."""
     path = Path(path)
-    reader = dcp.FileSystemReader(path)
+    rank = dist.get_rank()
+    box = [_damage(path) if rank == 0 else None]  # rank 0 verifies before any rank reads
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise integrity.DamagedCheckpoint(box[0])
+    reader = SafeReader(path)  # never plain pickle: stp.train.ckpt_read
     keys = reader.read_metadata().state_dict_metadata
     state, boxes, wholes = _load_state(trainer, keys, repr(str(path)))
     dcp.load(state, storage_reader=reader, planner=BoxLoadPlanner(boxes))
@@ -331,6 +351,7 @@ def check_resume(path: str | Path, model: dict[str, Any] | None) -> Path:
     """The checkpoint `--resume path` would load; ValueError when there is none, or
     when its model shape differs from `model` (dataclasses.asdict of a ModelConfig)."""
     found = latest(path)
+    integrity.verify(found)  # checksums and .metadata, before any worker starts
     saved = read_info(found).get("model")
     if saved is not None and model is not None:
         for key in sorted(set(saved) | set(model)):

@@ -9,7 +9,6 @@ one left out takes the checkpoint's value.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -51,7 +50,9 @@ def checkpoint_config(job: Any) -> ModelConfig:
 def _raw_config(job: Any) -> dict[str, Any] | None:
     if job.init_from is None:
         return None
-    return json.loads((Path(job.init_from) / "config.json").read_text())
+    from stp.files import read_json_object
+
+    return read_json_object(Path(job.init_from) / "config.json")
 
 
 def job_tokenizer(job: Any) -> tuple[Path, int] | None:
