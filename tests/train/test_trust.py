@@ -1,0 +1,201 @@
+"""Checkpoints that cannot run code or lie (stp.train.ckpt_read, stp.train.integrity).
+
+A tiny single-process Trainer writes step-1 and step-2; each test damages a copy:
+a `.metadata` whose pickle would run a payload runs nothing and is refused, a
+flipped bit, a cut or deleted shard, a file `.metadata` names that is missing
+are refused in one line naming the file and the earlier intact step."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from stp.models import ModelConfig
+from stp.train import checkpoint, integrity
+from stp.train.ckpt_read import SafeReader, UnsafeCheckpoint, read_metadata, safe_load_bytes
+from stp.train.trainer import Trainer
+
+CONFIG = ModelConfig(vocab_size=32, hidden=16, num_layers=2, num_heads=2, num_kv_heads=2,
+                     ffn_hidden=32, max_seq_len=16, seed=3)
+STEP1, STEP2 = "step-00000001", "step-00000002"
+
+
+def _trainer() -> Trainer:
+    return Trainer(CONFIG, None, "1f1b", pp=1, microbatches=2)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tok = torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(step))
+    return tok[:, :-1], tok[:, 1:]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ckpt") / "run"
+    trainer = _trainer()
+    for step in range(2):
+        trainer.step(_batch(step))
+        trainer.save(str(root))
+    return root
+
+
+@pytest.fixture
+def run(saved: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(saved, out)
+    return out
+
+
+class Payload:
+    """Unpickling this calls os.system: it creates the marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _refusal(fn, *args) -> str:
+    with pytest.raises(ValueError) as e:
+        fn(*args)
+    text = str(e.value)
+    assert "\n" not in text and "weights_only" not in text
+    return text
+
+
+def test_a_saved_checkpoint_has_a_manifest_and_verifies(run: Path) -> None:
+    for step in (STEP1, STEP2):
+        assert (run / step / integrity.MANIFEST).is_file()
+        integrity.verify(run / step)
+    assert checkpoint.check_resume(run, None).name == STEP2
+
+
+def test_a_metadata_payload_runs_nothing_and_is_refused(run: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+    (run / STEP2 / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    (run / STEP2 / integrity.MANIFEST).unlink()  # past the checksums: the unpickler itself
+    line = _refusal(read_metadata, run / STEP2)
+    assert "posix.system" in line and ".metadata" in line
+    line = _refusal(checkpoint.check_resume, run, None)
+    assert f"{STEP1} is intact" in line
+    with pytest.raises(UnsafeCheckpoint):
+        SafeReader(run / STEP2).read_metadata()
+    with pytest.raises(ValueError, match="posix.system"):
+        Trainer.resume(str(run / STEP2), CONFIG, None, "1f1b", pp=1, microbatches=2)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("payload", ["exec", "eval", "getattr"])
+def test_other_globals_are_refused_by_name(tmp_path: Path, payload: str) -> None:
+    (tmp_path / ".metadata").write_bytes(
+        f"cbuiltins\n{payload}\n(Vprint(1)\ntR.".encode())
+    assert f"builtins.{payload}" in _refusal(read_metadata, tmp_path)
+
+
+def test_a_value_payload_runs_nothing(tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+    buf = io.BytesIO()
+    torch.save({"lr": Payload(marker)}, buf)
+    buf.seek(0)
+    assert "scheduler" in _refusal(safe_load_bytes, buf, "scheduler")
+    assert not marker.exists()
+
+
+def test_a_data_file_outside_the_directory_is_refused(run: Path) -> None:
+    md = read_metadata(run / STEP2)
+    for info in md.storage_data.values():
+        info.relative_path = "../../etc/passwd"
+    (run / STEP2 / ".metadata").write_bytes(pickle.dumps(md))
+    assert "../../etc/passwd" in _refusal(read_metadata, run / STEP2)
+
+
+@pytest.mark.parametrize("content", [b"", b"\x80", b"\x80\x04K\x01.", b"garbage" * 10])
+def test_a_damaged_metadata_is_one_line(tmp_path: Path, content: bytes) -> None:
+    (tmp_path / ".metadata").write_bytes(content)
+    assert ".metadata" in _refusal(read_metadata, tmp_path)
+
+
+def test_a_flipped_bit_names_the_file_and_the_intact_step(run: Path) -> None:
+    shard = run / STEP2 / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    line = _refusal(checkpoint.check_resume, run, None)
+    assert "__0_0.distcp" in line and "checksum" in line
+    assert f"{run / STEP1} is intact" in line
+    with pytest.raises(ValueError, match="checksum"):
+        Trainer.resume(str(run), CONFIG, None, "1f1b", pp=1, microbatches=2)
+
+
+def test_a_truncated_or_deleted_shard_names_the_file(run: Path) -> None:
+    shard = run / STEP2 / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert "truncated" in _refusal(integrity.verify, run / STEP2)
+    shard.unlink()
+    assert "__0_0.distcp is missing" in _refusal(integrity.verify, run / STEP2)
+
+
+def test_both_damaged_says_no_step_is_intact(run: Path) -> None:
+    for step in (STEP1, STEP2):
+        (run / step / "__0_0.distcp").unlink()
+    assert "no earlier complete step" in _refusal(checkpoint.check_resume, run, None)
+
+
+def test_without_a_manifest_a_missing_data_file_is_still_found(run: Path) -> None:
+    (run / STEP2 / integrity.MANIFEST).unlink()
+    (run / STEP2 / "__0_0.distcp").unlink()
+    line = _refusal(integrity.verify, run / STEP2)
+    assert "__0_0.distcp is missing (named in" in line
+
+
+def test_an_old_checkpoint_without_a_manifest_loads_with_a_warning(run: Path) -> None:
+    (run / STEP2 / integrity.MANIFEST).unlink()
+    said: list[str] = []
+    integrity.verify(run / STEP2, warn=said.append)
+    assert len(said) == 1 and "no stp.sha256.json" in said[0]
+    again = Trainer.resume(str(run), CONFIG, None, "1f1b", pp=1, microbatches=2)
+    assert again.steps_done == 2
+
+
+@pytest.mark.parametrize("content", [b"[1, 2]", b"\xff\xfe\x00", b"{", b"3"])
+def test_stp_json_that_is_no_object_names_the_file(run: Path, content: bytes) -> None:
+    (run / STEP2 / "stp.json").write_bytes(content)
+    (run / STEP2 / integrity.MANIFEST).unlink()
+    assert "stp.json" in _refusal(checkpoint.check_resume, run / STEP2, {"hidden": 16})
+
+
+def test_a_damaged_manifest_is_refused(run: Path) -> None:
+    (run / STEP2 / integrity.MANIFEST).write_text("[]")
+    assert integrity.MANIFEST in _refusal(integrity.verify, run / STEP2)
+
+
+TINY = ["train", "--pp", "1", "--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len",
+        "8", "--microbatch-size", "1", "-m", "2", "--timeout", "60"]
+
+
+def test_stp_train_resume_refuses_a_payload_checkpoint_end_to_end(run: Path,
+                                                                 tmp_path: Path) -> None:
+    """The CLI as users run it: exit 2, one line, the payload never ran. (The refusal
+    comes before the model is compared, so the in-process checkpoint serves.)"""
+    data = tmp_path / "data.txt"
+    data.write_text(Path(checkpoint.__file__).read_text()[:3000])
+    marker = tmp_path / "PWNED"
+    (run / STEP2 / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    (run / STEP2 / integrity.MANIFEST).unlink()
+    again = subprocess.run([sys.executable, "-m", "stp.cli.main", *TINY, "--steps", "3",
+                            "--data", str(data), "--resume", str(run), "--out", str(run)],
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert again.returncode == 2
+    lines = again.stderr.strip().splitlines()
+    assert len(lines) == 1 and "posix.system" in lines[0] and STEP1 in lines[0]
+    assert not marker.exists()
