@@ -202,15 +202,19 @@ def run_train(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from stp.runtime.launch import in_torchrun, launch_local
     from stp.train.job import check
+    from stp.train.outlock import hold_out
     from stp.train.plan import with_schedule_file
 
     job = from_args(TrainJob, args)
     if in_torchrun():
         return _under_torchrun(job, args.json)
+    if job.out is not None:  # first: a run in progress is the answer, not its half-written files
+        hold_out(job.out)  # one run per --out until this process ends (stp.train.outlock)
     job = with_schedule_file(job)  # -m of a schedule file, before the batch size is fixed
     check(job)
     if job.out is None:  # fixed once, after the checks: the default is a new directory
         job = dataclasses.replace(job, out=str(job.out_dir()))
+        hold_out(job.out)
     if job.world_size == 1:
         return _train_here(job, args.json)
     result = launch_local(_worker, (job, args.json), job.world_size, describe=rank_namer(job))

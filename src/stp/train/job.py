@@ -25,6 +25,7 @@ from stp.train.data import VOCAB_SIZE, open_corpus, read_corpus
 from stp.train.mllm_job import check_mllm_job, mllm_config
 from stp.train.plan import job_partition, job_schedule
 from stp.train.pretrained import check_pretrained, checkpoint_config, job_tokenizer
+from stp.train.storage import check_free_space, checkpoint_bytes
 from stp.train.tokens import tokenizer_vocab
 
 __all__ = ["check", "model_config", "make_schedule", "stage_model"]
@@ -137,3 +138,4 @@ def _check_training(job: TrainJob) -> None:
         check_resume(job.resume, model)
     if job.out is not None:  # the default is a new directory, created when chosen
         check_writable(job.out)
+        check_free_space(job.out, checkpoint_bytes(model_config(job), job.dtype))

@@ -23,12 +23,15 @@ import torch
 import torch.distributed as dist
 
 from stp.files import replacing
+from stp.runtime.launch import in_torchrun
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.train.config import TrainJob
 from stp.train.data import ByteBatches, read_corpus
+from stp.train.finite import SkipCounter
 from stp.train.job import make_schedule, model_config, stage_model
 from stp.train.lr import LRSchedule, adamw
 from stp.train.mllm_job import mllm_batches, mllm_eval_batches
+from stp.train.outlock import lock_error
 from stp.train.plan import resolved_partition, stage_layer_counts
 from stp.train.pretrained import copy_tokenizer, job_tokenizer
 from stp.train.tokens import make_batches
@@ -134,6 +137,11 @@ def _shared_out(job: TrainJob) -> TrainJob:
     """`job` with global rank 0's --out on every rank (the default names the time)."""
     box = [str(job.out_dir()) if dist.get_rank() == 0 else None]  # the default creates it
     dist.broadcast_object_list(box, src=0)
+    if in_torchrun():  # stp's own launches lock --out before any worker starts
+        error = [lock_error(box[0]) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(error, src=0)
+        if error[0]:
+            raise ValueError(error[0])
     return dataclasses.replace(job, out=box[0])
 
 
@@ -159,6 +167,7 @@ def run(job: TrainJob, on_step: Callable[[StepReport], None] | None = None) -> R
     tokens_per_step = job.global_batch * job.model.seq_len
     losses, times = [], []
     peaks: list[int] | None = None
+    skips = SkipCounter(job.max_skipped_steps)  # a run that trains nothing stops
     for step in range(trainer.steps_done, job.steps):
         start = time.perf_counter()
         loss = trainer.step(batches.batch(step))
@@ -169,9 +178,10 @@ def run(job: TrainJob, on_step: Callable[[StepReport], None] | None = None) -> R
         if resident is not None:
             old = peaks or resident
             peaks = [max(a, b) for a, b in zip(old, resident, strict=True)]
+        update = trainer.last_update
+        skips.update(update is not None and update.skipped, step + 1)
         eval_loss, saved = _after_step(job, trainer, step, evals)
         sharded = saved or sharded
-        update = trainer.last_update
         if mesh.rank == 0 and on_step is not None and update is not None:
             on_step(StepReport(step, loss, tokens_per_step / elapsed, elapsed, resident,
                                update.grad_norm, update.lr, update.skipped, eval_loss,

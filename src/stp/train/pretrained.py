@@ -87,6 +87,11 @@ def check_pretrained(job: Any, config: ModelConfig) -> None:
                          "--emulate-compute")
     if job.save_hf is not None:
         _check_save_dir(job)
+    if job.init_from is not None:  # NaN/inf weights: one line now, before any worker starts
+        from stp.models.hf import HFCheckpoint
+        from stp.train.finite import scan_hf
+
+        scan_hf(HFCheckpoint.open(job.init_from))
     found = job_tokenizer(job)
     if found is None:
         if job.init_from is not None and config.vocab_size < 256:

@@ -214,6 +214,9 @@ class HFCheckpoint:
             else:
                 t = part[:, where.start : where.stop]
             t = t.to(dtype=dtype, copy=True)  # not a view of the file's mapping
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{self.files[key]}: tensor {key} holds NaN or inf: training "
+                             "from it would skip every step")
         return pad_shard(t, where).contiguous().to(device)
 
     def full_tensors(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
