@@ -241,7 +241,8 @@ def test_stp_train_and_resume_into_a_locked_out_exit_2(held, saved: Path, capfd)
     for extra in ([], ["--resume", str(out)]):
         code = main([*TINY, "--steps", "3", "--out", str(out), *extra])
         err = capfd.readouterr().err.strip().splitlines()
-        assert code == 2 and len(err) == 1 and f"in use by another stp run (process {pid})" in err[0]
+        assert code == 2 and len(err) == 1
+        assert f"in use by another stp run (process {pid})" in err[0]
     # the in-process main above wrote nothing into the other run's directory
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("step-")) == [STEP1, STEP2]
 
