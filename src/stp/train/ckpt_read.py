@@ -117,8 +117,9 @@ def read_metadata(path: str | os.PathLike[str], rank: int | None = None) -> Meta
     except UnsafeCheckpoint:
         raise
     except Exception as e:  # noqa: BLE001 - any damage to the pickle: one line
+        text = " ".join(str(e).split())[:120]  # one line, whatever the error says
         raise UnsafeCheckpoint(f"{where}: damaged checkpoint index "
-                               f"({type(e).__name__}: {str(e)[:120]})") from None
+                               f"({type(e).__name__}: {text})") from None
     if not isinstance(md, Metadata):
         raise UnsafeCheckpoint(f"{where}: refused: holds a {type(md).__name__}, not a DCP "
                                "checkpoint index")

@@ -59,7 +59,7 @@ def cause_of(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno is not None:
         text = os.strerror(exc.errno).lower()
         return f"{text} ({errno.errorcode.get(exc.errno, exc.errno)})"
-    line = (str(exc).strip().splitlines() or [""])[0][:160]
+    line = " ".join(str(exc).split())[:160]
     return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
 
 

@@ -96,7 +96,8 @@ def _open(file: Path) -> Any:
     try:
         return safe_open(file, "pt")
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-        raise ValueError(f"{file}: not a readable safetensors file ({str(e)[:120]})") from None
+        text = " ".join(str(e).split())[:120]  # one line, whatever safetensors says
+        raise ValueError(f"{file}: not a readable safetensors file ({text})") from None
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
