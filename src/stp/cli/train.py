@@ -208,13 +208,16 @@ def run_train(args: argparse.Namespace) -> int:
     job = from_args(TrainJob, args)
     if in_torchrun():
         return _under_torchrun(job, args.json)
-    if job.out is not None:  # first: a run in progress is the answer, not its half-written files
-        hold_out(job.out)  # one run per --out until this process ends (stp.train.outlock)
+    # One run per --out until this process ends (stp.train.outlock). An existing --out
+    # is locked before the checks (a run in progress is the answer, not its half-written
+    # files); a new one after them, so that refused input leaves nothing behind.
+    if job.out is not None and os.path.isdir(job.out):
+        hold_out(job.out)
     job = with_schedule_file(job)  # -m of a schedule file, before the batch size is fixed
     check(job)
     if job.out is None:  # fixed once, after the checks: the default is a new directory
         job = dataclasses.replace(job, out=str(job.out_dir()))
-        hold_out(job.out)
+    hold_out(job.out)
     if job.world_size == 1:
         return _train_here(job, args.json)
     result = launch_local(_worker, (job, args.json), job.world_size, describe=rank_namer(job))
