@@ -381,3 +381,33 @@ def test_stp_train_with_nan_gradients_exits_non_zero(
     assert code == 1
     assert err[-1].startswith("stp: error: 3 consecutive steps (1-3) had inf/NaN gradients")
     assert not list(out.glob("step-*"))
+
+
+def test_without_a_manifest_damaged_tensor_data_is_one_line(run: Path) -> None:
+    """Damage the checksums cannot see (an old checkpoint): torch's reader fails, and
+    its advice to pass weights_only=False never reaches the user."""
+    step = run / STEP2
+    (step / integrity.MANIFEST).unlink()
+    md = read_metadata(step)
+    info = next(v for k, v in md.storage_data.items() if k.fqn.endswith("/exp_avg"))
+    data = bytearray((step / info.relative_path).read_bytes())
+    data[info.offset:info.offset + 64] = bytes(64)  # the tensor's zip header
+    (step / info.relative_path).write_bytes(bytes(data))
+    checkpoint.check_resume(run, None)  # an optimizer tensor: not scanned before launch
+    with pytest.raises(ValueError) as e:
+        Trainer.resume(str(run), CONFIG, None, "1f1b", pp=1, microbatches=2)
+    line = str(e.value)
+    assert "\n" not in line and "weights_only" not in line
+    assert str(step) in line and "damaged" in line
+
+
+def test_without_a_manifest_damaged_weights_are_refused_before_launch(run: Path) -> None:
+    step = run / STEP2
+    (step / integrity.MANIFEST).unlink()
+    md = read_metadata(step)
+    key, info = next((k, v) for k, v in md.storage_data.items() if k.fqn.startswith("model/"))
+    data = bytearray((step / info.relative_path).read_bytes())
+    data[info.offset:info.offset + 64] = bytes(64)
+    (step / info.relative_path).write_bytes(bytes(data))
+    line = _refusal(checkpoint.check_resume, run, None)
+    assert key.fqn in line and "damaged" in line

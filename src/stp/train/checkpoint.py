@@ -367,6 +367,8 @@ def check_resume(path: str | Path, model: dict[str, Any] | None) -> Path:
     integrity.verify(found)  # checksums and .metadata, before any worker starts
     finite.scan_dcp(found)  # NaN/inf weights: one line now, not a run that trains nothing
     saved = read_info(found).get("model")
+    if saved is not None and not isinstance(saved, dict):
+        raise ValueError(f"{found / INFO}: its model is not a JSON object (damaged)")
     if saved is not None and model is not None:
         for key in sorted(set(saved) | set(model)):
             if key != "seed" and saved.get(key) != model.get(key):

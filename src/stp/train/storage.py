@@ -60,6 +60,8 @@ def cause_of(exc: BaseException) -> str:
         text = os.strerror(exc.errno).lower()
         return f"{text} ({errno.errorcode.get(exc.errno, exc.errno)})"
     line = " ".join(str(exc).split())[:160]
+    if "weights_only" in line:  # torch's unpickler advice: the bytes are not a tensor
+        return "its data is damaged (not a tensor torch reads)"
     return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
 
 
