@@ -411,3 +411,15 @@ def test_without_a_manifest_damaged_weights_are_refused_before_launch(run: Path)
     (step / info.relative_path).write_bytes(bytes(data))
     line = _refusal(checkpoint.check_resume, run, None)
     assert key.fqn in line and "damaged" in line
+
+
+def test_under_torchrun_rank_0_locks_and_stps_own_workers_do_not(
+        held, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stp.runtime.watch import LAUNCHER_PID_ENV
+    from stp.train.outlock import lock_error
+
+    out, pid = held
+    monkeypatch.delenv(LAUNCHER_PID_ENV, raising=False)
+    assert f"process {pid}" in lock_error(out)  # torchrun's rank 0: refused
+    monkeypatch.setenv(LAUNCHER_PID_ENV, "1")
+    assert lock_error(out) is None  # a worker of stp's launcher: its launcher holds it

@@ -214,7 +214,8 @@ def save(trainer: Any, directory: str | Path, *, keep: int | None = None) -> Pat
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
+            # left by a run killed while saving: no live run owns it (stp.train.outlock)
+            shutil.rmtree(tmp, ignore_errors=True)
         except OSError as e:
             error = f"cannot write checkpoint directory {str(root)!r}: {e}"
     _agree(rank, error)
@@ -304,23 +305,11 @@ def _apply_optimizer_state(trainer: Any, state: dict[str, Any]) -> None:
             group.update(saved)
 
 
-def _damage(path: Path) -> str | None:
-    try:
-        integrity.verify(path)
-    except ValueError as e:
-        return str(e)
-    return None
-
-
 def load(trainer: Any, path: str | Path) -> dict[str, Any]:
     """Load checkpoint `path` (a `step-N` directory) into `trainer`, whatever mesh
     and schedule wrote it; returns its stp.json. Collective."""
     path = Path(path)
-    rank = dist.get_rank()
-    box = [_damage(path) if rank == 0 else None]  # rank 0 verifies before any rank reads
-    dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
-        raise integrity.DamagedCheckpoint(box[0])
+    integrity.verify_everywhere(path)  # rank 0 checks the files before any rank reads
     reader = SafeReader(path)  # never plain pickle: stp.train.ckpt_read
     keys = reader.read_metadata().state_dict_metadata
     state, boxes, wholes = _load_state(trainer, keys, repr(str(path)))

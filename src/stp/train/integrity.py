@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["MANIFEST", "DamagedCheckpoint", "shard_digests", "write_manifest", "verify",
-           "file_digest"]
+           "verify_everywhere", "file_digest"]
 
 MANIFEST = "stp.sha256.json"
 _CHUNK = 1 << 20
@@ -178,3 +178,20 @@ def verify(path: str | os.PathLike[str], warn: Any = None) -> None:
                 "its files are checked against .metadata but not for damaged bytes")
         (warn or (lambda s: print(s, file=sys.stderr, flush=True)))(line)
     _verified[key] = None
+
+
+def verify_everywhere(path: str | os.PathLike[str]) -> None:
+    """Collective `verify`: global rank 0 checks, every rank raises its verdict (so no
+    rank reads a damaged file, and none waits in a collective the others left)."""
+    import torch.distributed as dist
+
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            verify(path)
+        except ValueError as e:
+            error = str(e)
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise DamagedCheckpoint(box[0])

@@ -137,7 +137,7 @@ def _shared_out(job: TrainJob) -> TrainJob:
     """`job` with global rank 0's --out on every rank (the default names the time)."""
     box = [str(job.out_dir()) if dist.get_rank() == 0 else None]  # the default creates it
     dist.broadcast_object_list(box, src=0)
-    if in_torchrun():  # stp's own launches lock --out before any worker starts
+    if in_torchrun():  # under torchrun rank 0 locks --out (stp's launcher did already)
         error = [lock_error(box[0]) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(error, src=0)
         if error[0]:

@@ -67,7 +67,12 @@ def hold_out(directory: str | os.PathLike[str], flag: str = "--out") -> None:
 
 
 def lock_error(directory: str | os.PathLike[str]) -> str | None:
-    """`hold_out`'s refusal as a line (to broadcast to the other ranks), or None."""
+    """`hold_out`'s refusal as a line (to broadcast to the other ranks), or None. A
+    worker of stp's own launcher takes no lock: the launcher holds it."""
+    from stp.runtime.watch import LAUNCHER_PID_ENV
+
+    if os.environ.get(LAUNCHER_PID_ENV):
+        return None
     try:
         hold_out(directory)
     except ValueError as e:
