@@ -423,3 +423,12 @@ def test_under_torchrun_rank_0_locks_and_stps_own_workers_do_not(
     assert f"process {pid}" in lock_error(out)  # torchrun's rank 0: refused
     monkeypatch.setenv(LAUNCHER_PID_ENV, "1")
     assert lock_error(out) is None  # a worker of stp's launcher: its launcher holds it
+
+
+def test_an_index_or_manifest_that_is_a_device_is_refused_not_read_forever(run: Path) -> None:
+    for name in (".metadata", integrity.MANIFEST):
+        (run / STEP2 / name).unlink()
+        (run / STEP2 / name).symlink_to("/dev/zero")
+        assert name in _refusal(integrity.verify, run / STEP2)
+        (run / STEP2 / name).unlink()
+        shutil.copy(run / STEP1 / name, run / STEP2 / name)  # a file again, for the next

@@ -26,6 +26,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import stat
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -104,11 +105,14 @@ def read_metadata(path: str | os.PathLike[str], rank: int | None = None) -> Meta
     file = Path(path) / (METADATA if rank is None else f"__{rank}{METADATA}")
     where = str(file)
     try:
-        size = file.stat().st_size
-        if size > MAX_METADATA_BYTES:
-            raise UnsafeCheckpoint(f"{where}: refused: {size} bytes, more than a checkpoint "
-                                   "index holds")
-        data = file.read_bytes()
+        st = file.stat()
+        if not stat.S_ISREG(st.st_mode):  # a device or pipe would be read forever
+            raise UnsafeCheckpoint(f"{where}: refused: not a regular file")
+        if st.st_size > MAX_METADATA_BYTES:
+            raise UnsafeCheckpoint(f"{where}: refused: {st.st_size} bytes, more than a "
+                                   "checkpoint index holds")
+        with open(file, "rb") as fh:
+            data = fh.read(MAX_METADATA_BYTES + 1)
     except OSError as e:
         raise UnsafeCheckpoint(f"{where}: cannot read the checkpoint index: "
                                f"{e.strerror or e}") from None

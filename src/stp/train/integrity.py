@@ -91,6 +91,8 @@ def _read_manifest(path: Path) -> dict[str, dict[str, Any]] | None:
     if not file.exists():
         return None
     try:
+        if not file.is_file() or file.stat().st_size > 64 << 20:  # no device, no giant
+            raise TypeError
         raw = json.loads(file.read_bytes())
         files = raw["files"]
         if raw.get("algorithm") != "sha256" or not isinstance(files, dict):
