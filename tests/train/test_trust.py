@@ -236,6 +236,7 @@ def test_a_second_run_on_one_out_is_refused_naming_the_holder(held) -> None:
 def test_stp_train_and_resume_into_a_locked_out_exit_2(held, saved: Path, capfd) -> None:
     out, pid = held
     shutil.copytree(saved, out, dirs_exist_ok=True)  # a resumable run in the directory
+    (out / ".step-00000003.partial").mkdir()  # the holder's save in progress
     from stp.cli.main import main
 
     for extra in ([], ["--resume", str(out)]):
@@ -243,8 +244,10 @@ def test_stp_train_and_resume_into_a_locked_out_exit_2(held, saved: Path, capfd)
         err = capfd.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1
         assert f"in use by another stp run (process {pid})" in err[0]
-    # the in-process main above wrote nothing into the other run's directory
+    # the in-process main above wrote nothing into the other run's directory, and left
+    # the other run's partial alone
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("step-")) == [STEP1, STEP2]
+    assert (out / ".step-00000003.partial").is_dir()
 
 
 def test_the_lock_goes_with_its_process(tmp_path: Path) -> None:
@@ -432,3 +435,28 @@ def test_an_index_or_manifest_that_is_a_device_is_refused_not_read_forever(run: 
         assert name in _refusal(integrity.verify, run / STEP2)
         (run / STEP2 / name).unlink()
         shutil.copy(run / STEP1 / name, run / STEP2 / name)  # a file again, for the next
+
+
+@pytest.mark.slow
+def test_a_two_rank_resume_from_a_flipped_checkpoint_is_one_line(tmp_path: Path) -> None:
+    """stp's launcher with pp 2: refused before any worker starts, exit 2, one line."""
+    data = tmp_path / "data.txt"
+    data.write_text(Path(checkpoint.__file__).read_text()[:3000])
+    out = tmp_path / "out"
+    flags = [TINY[0], "--pp", "2", "--schedule", "1f1b", *TINY[3:], "--data", str(data),
+             "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.run([sys.executable, "-m", "stp.cli.main", *flags, "--steps", "2",
+                            "--save-every", "1"], capture_output=True, text=True, timeout=300,
+                           env=env)
+    assert first.returncode == 0, first.stderr
+    shard = out / STEP2 / "__1_0.distcp"
+    data_bytes = bytearray(shard.read_bytes())
+    data_bytes[len(data_bytes) // 2] ^= 1
+    shard.write_bytes(bytes(data_bytes))
+    again = subprocess.run([sys.executable, "-m", "stp.cli.main", *flags, "--steps", "3",
+                            "--resume", str(out)], capture_output=True, text=True, timeout=300,
+                           env=env)
+    lines = again.stderr.strip().splitlines()
+    assert again.returncode == 2 and len(lines) == 1, again.stderr
+    assert "__1_0.distcp does not match its checksum" in lines[0] and STEP1 in lines[0]
