@@ -153,12 +153,21 @@ def _key(path: Path) -> tuple[Any, ...]:
         return (str(path), None)
 
 
+def complete_steps(directory: Path) -> list[Path]:
+    """The complete `step-N` checkpoints in `directory`, oldest first (as
+    stp.train.checkpoint.complete_checkpoints, which imports this module)."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if p.name.startswith("step-")
+             and p.name[5:].isdigit() and (p / ".metadata").is_file()
+             and (p / "stp.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
 def _earlier_intact(path: Path) -> str:
     """`; the earlier step-N is intact (...)` or `; no earlier complete step is intact`."""
-    from stp.train.checkpoint import complete_checkpoints
-
     step = path.name
-    for older in reversed(complete_checkpoints(path.parent)):
+    for older in reversed(complete_steps(path.parent)):
         if older.name < step and _problem(older) is None:
             return f"; the earlier {older} is intact: resume from it with --resume {older}"
     return "; no earlier complete step in its directory is intact"

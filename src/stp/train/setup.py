@@ -8,7 +8,6 @@ and the process groups, each refusing bad input with one ValueError.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,15 +16,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stp.models import ModelConfig, build_stage, check_model
-from stp.models.mllm_config import MLLMConfig
-from stp.models.mllm_stage import build_mllm_stage, check_mllm
 from stp.runtime.launch import in_torchrun, init_distributed
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import Schedule, registry, validate
-from stp.schedule.placement import partition_layers
+from stp.train.families import family_of
 from stp.train.lr import LRSchedule
-from stp.train.plan import is_schedule_file, load_schedule_file
+from stp.train.schedules import is_schedule_file, load_schedule_file
 
 __all__ = ["TrainerOptions", "StageBuilder", "resolve_schedule", "stage_builder", "world_mesh"]
 
@@ -89,21 +85,15 @@ def resolve_schedule(schedule: str | Schedule, dims: ParallelDims,
 
 def stage_builder(model: Any, opts: TrainerOptions, num_stages: int, tp: int,
                   source: Any = None) -> tuple[StageBuilder, int]:
-    """(stage builder, boundary width) for a ModelConfig (its weights read from
-    `source`, an HFCheckpoint, when given) or a builder."""
-    if isinstance(model, MLLMConfig):  # vision encoder + decoder: layers counted together
-        check_mllm(model, tp, num_stages)
-        if opts.partition is not None:
-            partition_layers(model.num_layers, num_stages, opts.partition)  # ValueError
-        return functools.partial(build_mllm_stage, model, partition=opts.partition), (
-            model.hidden)
-    if isinstance(model, ModelConfig):
-        check_model(model, tp, num_stages)
-        if opts.partition is not None:
-            partition_layers(model.num_layers, num_stages, opts.partition)  # ValueError
-        weights = {} if source is None else {"weights": source.read}
-        return functools.partial(build_stage, model, partition=opts.partition,
-                                 **weights), model.hidden
+    """(stage builder, boundary width) for a model family's config (its weights read
+    from `source`, an HFCheckpoint, when given) or a builder."""
+    family = family_of(model)
+    if family is not None:
+        family.model.check(model, tp, num_stages)
+        weights = None if source is None else source.read
+        builder = family.model.stage_builder(model, num_stages, partition=opts.partition,
+                                             weights=weights)
+        return builder, family.model.hidden(model)
     if opts.partition is not None:
         raise ValueError("partition= splits a ModelConfig's layers; a stage builder "
                          "decides its own stages' layers")
@@ -115,6 +105,7 @@ def stage_builder(model: Any, opts: TrainerOptions, num_stages: int, tp: int,
     if opts.hidden is None:
         raise ValueError("a stage builder needs hidden= (width of boundary tensors)")
     return model, opts.hidden
+
 
 def world_mesh(dims: ParallelDims, opts: TrainerOptions) -> Mesh:
     """The mesh over the whole world, initialising torch.distributed if needed

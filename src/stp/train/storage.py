@@ -66,9 +66,9 @@ def cause_of(exc: BaseException) -> str:
 
 
 def _earlier(final: Path) -> str:
-    from stp.train.checkpoint import complete_checkpoints
+    from stp.train.integrity import complete_steps
 
-    older = [p for p in complete_checkpoints(final.parent) if p.name != final.name]
+    older = [p for p in complete_steps(final.parent) if p.name != final.name]
     if not older:
         return "no earlier checkpoint is in that directory"
     return f"the earlier checkpoint {older[-1]} is intact"
@@ -126,13 +126,14 @@ def checkpoint_bytes(config: Any, dtype: str) -> int:
     """About the bytes of one sharded checkpoint of `config` (a ModelConfig; 0 for
     another model): the weights in `dtype`, fp32 masters with bfloat16, AdamW's two
     moments in the optimizer's dtype."""
-    from stp.models import ModelConfig
-    from stp.models.init import parameter_specs
+    from stp.models.decoder.init import parameter_specs
 
-    if not isinstance(config, ModelConfig):
+    try:  # the decoder's specs; another family's config is not checked up front (0)
+        specs = parameter_specs(config)
+    except (AttributeError, TypeError):
         return 0
     params = 0
-    for spec in parameter_specs(config):
+    for spec in specs:
         n = 1
         for d in spec.shape:
             n *= d

@@ -41,10 +41,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stp.models import ModelConfig, valid_token_ratio
-from stp.models.hf import DEFAULT_SHARD_BYTES, HFCheckpoint, agreeing_config, save_stages
-from stp.models.mllm_stage import MLLMStage
-from stp.models.shared_grads import SharedGrads
+from stp.models.family import check_text_batch
+from stp.models.hf import DEFAULT_SHARD_BYTES, HFCheckpoint, agreeing_config
+from stp.models.tp.layers import valid_token_ratio
 from stp.runtime.errors import CommTimeout, RankError, first_line, is_timeout
 from stp.runtime.executor import Executor
 from stp.runtime.mesh import Mesh, ParallelDims
@@ -57,6 +56,7 @@ from stp.schedule.lower import lower
 from stp.train import checkpoint
 from stp.train.clip import counted_mask, grad_norm
 from stp.train.data import split_batch
+from stp.train.families import family_of
 from stp.train.gather import gather_full_state
 from stp.train.lr import make_scheduler
 from stp.train.precision import Precision, UpdateStats, apply_update
@@ -77,7 +77,7 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 class Trainer:
     """Trains one model on a pp x tp x dp mesh with one schedule (see module doc).
 
-    `model`: a `stp.models.ModelConfig`, a multimodal `stp.models.mllm_config.
+    `model`: a `stp.models.ModelConfig`, a multimodal `stp.shapes.mllm.
     MLLMConfig` (batches: pixel bytes + tokens, targets over image + text
     positions; stp.train.images) or a StageBuilder. `optimizer`: a
     factory taking this rank's parameters. `schedule`: a registry name, a
@@ -131,9 +131,11 @@ class Trainer:
                     "(stp.runtime.stage_api)"
                 )
         self.parameters = [p for st in self.stages.values() for p in st.parameters()]
-        self.model_config = model if isinstance(model, ModelConfig) else None
-        self._shared = None if self.model_config is None else SharedGrads.on_mesh(
-            self.model_config, self.stages, schedule, mesh)
+        self.family = family_of(model)
+        """The model family of `model` (stp.train.families); None for a stage builder."""
+        self.model_config = None if self.family is None else model
+        self._shared = None if self.family is None else self.family.model.shared_grads(
+            model, self.stages, schedule, mesh)
         units = [u for st in self.stages.values() for u in getattr(st, "units", ())]
         self.precision = Precision(list(self.named_parameters()), units)
         factory = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
@@ -217,15 +219,7 @@ class Trainer:
                 raise ValueError("step() without a batch needs Trainer(..., data=...)")
             batch = next(self._data)
         tokens, targets = batch
-        # a multimodal input row is pixel bytes + tokens, its targets cover the decoder's
-        # positions (image tokens + tokens): only the rows must agree
-        packed = isinstance(self.stages[next(iter(self.stages))], MLLMStage)
-        if tokens.dim() != 2 or (tokens.shape[0] if packed else tokens.shape) != (
-                targets.shape[0] if packed else targets.shape):
-            raise ValueError(
-                f"batch needs tokens and targets of one shape [B, s], got {tuple(tokens.shape)} "
-                f"and {tuple(targets.shape)}"
-            )
+        self._check_batch(tokens, targets)
         d, m, c = self.dims, self.num_microbatches, self.mesh.coord
         inputs = [t.to(self.device) for t in split_batch(tokens, d.dp, c.dp, m)]
         tgts = [t.to(self.device) for t in split_batch(targets, d.dp, c.dp, m)]
@@ -250,6 +244,14 @@ class Trainer:
         self.last_update = self._update()
         self.steps_done += 1
         return float(total)
+
+    def _check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        """ValueError unless the batch is one the model trains on (the family's rule;
+        a stage builder's: token ids and targets of one shape)."""
+        if self.family is not None:
+            self.family.model.check_batch(tokens, targets)
+        else:
+            check_text_batch(tokens, targets)
 
     def _update(self) -> UpdateStats:
         """Global grad norm, clipping, optimizer and LR step (stp.train.precision)."""
@@ -338,7 +340,8 @@ class Trainer:
         safetensors files and their index, the init_from checkpoint's tokenizer files):
         each pipeline rank writes its own stages' files (stp.models.hf.save_stages).
         Collective."""
-        if self.model_config is None:
+        if self.family is None:
             raise ValueError("save_hf needs a Trainer built from a ModelConfig or init_from")
-        save_stages(directory, self.stages, self.mesh, self.model_config, source=self.source,
-                    max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)
+        self.family.model.save_hf(directory, self.stages, self.mesh, self.model_config,
+                                  source=self.source,
+                                  max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)
