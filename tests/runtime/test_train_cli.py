@@ -29,7 +29,7 @@ def _stp(*argv: str, env: dict[str, str] | None = None, timeout: float = 120):
 
 def _json_losses(stdout: str) -> list[float]:
     rows = [json.loads(line) for line in stdout.splitlines()]  # every line is JSON
-    assert [r["step"] for r in rows] == list(range(len(rows)))
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
     for r in rows:
         assert set(r) >= {"step", "loss", "tokens_per_s"} and r["tokens_per_s"] > 0
     return [r["loss"] for r in rows]

@@ -17,7 +17,7 @@ from typing import Any
 from stp.models.emulated import parse_emulate
 from stp.runtime.mesh import ParallelDims
 from stp.schedule.offload import parse_policy
-from stp.train.checkpoint import check_resume, check_writable
+from stp.train.checkpoint import check_resume, check_writable, complete_checkpoints
 from stp.train.config import DTYPES, TrainJob
 from stp.train.data import open_corpus, read_corpus
 from stp.train.pretrained import check_pretrained
@@ -92,5 +92,10 @@ def _check_training(job: TrainJob, config: Any) -> None:
         model = None if job.emulate else dataclasses.asdict(config)
         check_resume(job.resume, model)
     if job.out is not None:  # the default is a new directory, created when chosen
+        held = complete_checkpoints(job.out)
+        if held and job.resume is None:
+            raise ValueError(f"--out {job.out!r} holds another run's checkpoints "
+                             f"({held[-1].name}); continue it with --resume {job.out}, or give "
+                             "another --out")
         check_writable(job.out)
         check_free_space(job.out, checkpoint_bytes(config, job.dtype))

@@ -32,6 +32,7 @@ from stp.train.lr import LRSchedule, adamw
 from stp.train.outlock import lock_error
 from stp.train.pretrained import copy_tokenizer
 from stp.train.resolve import Run
+from stp.train.resume import write_settings
 from stp.train.trainer import Trainer, TrainerOptions
 
 __all__ = ["StepReport", "RunSummary", "run"]
@@ -152,6 +153,8 @@ def run(resolved: Run,
     mesh = Mesh.from_world(ParallelDims(job.pp, job.tp, job.dp), timeout=job.timeout)
     resolved = _shared_out(resolved)
     job, schedule = resolved.job, resolved.schedule
+    if mesh.rank == 0:  # what a later --resume restores (stp.train.resume)
+        write_settings(job, job.out_dir())
     batches = resolved.family.batches(resolved)  # bytes, tokens, or images and captions
     args = (resolved.stage_model(), adamw(job.lr, weight_decay=job.weight_decay), schedule)
     kw = {"mesh": mesh, "options": _options(resolved), "init_from": job.init_from}

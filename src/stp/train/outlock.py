@@ -24,8 +24,9 @@ import contextlib
 import fcntl
 import os
 from pathlib import Path
+from typing import Any
 
-__all__ = ["LOCK_FILE", "OutInUse", "hold_out", "lock_error", "release_all"]
+__all__ = ["LOCK_FILE", "OutInUse", "existing_out", "hold_out", "lock_error", "release_all"]
 
 LOCK_FILE = ".stp-lock"
 _held: dict[str, int] = {}
@@ -64,6 +65,23 @@ def hold_out(directory: str | os.PathLike[str], flag: str = "--out") -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _held[key] = fd
+
+
+def existing_out(job: Any) -> str | None:
+    """The directory `job` will write that exists already: --out, or without it the run
+    directory of the checkpoint --resume continues; None for a new one (or no
+    checkpoint to resume: the checks say so)."""
+    if job.out is not None:
+        return job.out if os.path.isdir(job.out) else None
+    if job.resume is None:
+        return None
+    from stp.train.checkpoint import latest
+    from stp.train.resume import run_dir_of
+
+    try:
+        return str(run_dir_of(latest(job.resume)))
+    except ValueError:
+        return None
 
 
 def lock_error(directory: str | os.PathLike[str]) -> str | None:
