@@ -239,8 +239,9 @@ def test_stp_train_and_resume_into_a_locked_out_exit_2(held, saved: Path, capfd)
     (out / ".step-00000003.partial").mkdir()  # the holder's save in progress
     from stp.cli.main import main
 
-    for extra in ([], ["--resume", str(out)]):
-        code = main([*TINY, "--steps", "3", "--out", str(out), *extra])
+    for extra in (["--out", str(out)], ["--out", str(out), "--resume", str(out)],
+                  ["--resume", str(out)]):  # --resume alone continues in that directory
+        code = main([*TINY, "--steps", "3", *extra])
         err = capfd.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1
         assert f"in use by another stp run (process {pid})" in err[0]
