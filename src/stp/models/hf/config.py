@@ -158,26 +158,30 @@ def config_from_hf(raw: dict[str, Any], where: str = "config.json") -> ModelConf
     pad = raw.get("pad_token_id")
     if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int)):
         raise ValueError(f"{where}: pad_token_id must be an integer or null, got {_short(pad)}")
-    theta, scaling = _rope(raw, where)
     try:
-        return ModelConfig(
-            vocab_size=_int_field(raw, "vocab_size", where),
-            hidden=hidden,
-            num_layers=_int_field(raw, "num_hidden_layers", where),
-            num_heads=heads,
-            num_kv_heads=_int_field(raw, "num_key_value_heads", where, heads),
-            ffn_hidden=_int_field(raw, "intermediate_size", where),
-            max_seq_len=_int_field(raw, "max_position_embeddings", where, 2048),
-            rope_theta=theta,
-            norm_eps=_bounded_float(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
-            init_std=_bounded_float(raw.get("initializer_range", 0.02), "initializer_range",
-                                    where),
-            explicit_head_dim=None if head_dim in (None, hidden // heads) else head_dim,
-            qkv_bias=model_type == "qwen2",
-            tie_embeddings=raw.get("tie_word_embeddings", False),
-            rope_scaling=scaling,
-            pad_token_id=pad,
-        )
+        theta, scaling = _rope(raw, where)
+    except ValueError as e:  # RopeScaling's own check names no file
+        raise ValueError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
+    # every field bounded first (its own message names the file), then the model checked
+    fields = dict(
+        vocab_size=_int_field(raw, "vocab_size", where),
+        hidden=hidden,
+        num_layers=_int_field(raw, "num_hidden_layers", where),
+        num_heads=heads,
+        num_kv_heads=_int_field(raw, "num_key_value_heads", where, heads),
+        ffn_hidden=_int_field(raw, "intermediate_size", where),
+        max_seq_len=_int_field(raw, "max_position_embeddings", where, 2048),
+        rope_theta=theta,
+        norm_eps=_bounded_float(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
+        init_std=_bounded_float(raw.get("initializer_range", 0.02), "initializer_range", where),
+        explicit_head_dim=None if head_dim in (None, hidden // heads) else head_dim,
+        qkv_bias=model_type == "qwen2",
+        tie_embeddings=raw.get("tie_word_embeddings", False),
+        rope_scaling=scaling,
+        pad_token_id=pad,
+    )
+    try:
+        return ModelConfig(**fields)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{where}: {e}") from None
 
