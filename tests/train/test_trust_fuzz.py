@@ -195,12 +195,12 @@ def test_metadata_bytes_never_crash(data: bytes) -> None:
         shutil.rmtree(tmp)
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_a_pickle_built_from_allowed_pieces_stays_bounded(seed: int) -> None:
+@pytest.mark.parametrize("trial", range(3))
+def test_a_pickle_built_from_allowed_pieces_stays_bounded(trial: int) -> None:
     """Real metadata with random bytes spliced in: refused or a Metadata, nothing else."""
     step, _ = saved_step()
     good = (step / ".metadata").read_bytes()
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(trial)
     tmp = Path(tempfile.mkdtemp(prefix="stp-fuzz-splice-"))
     try:
         for _ in range(40):
