@@ -239,17 +239,26 @@ def run_train(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from stp.runtime.launch import in_torchrun, launch_local
     from stp.train.job import check
+    from stp.train.outlock import existing_out, hold_out
     from stp.train.schedules import with_schedule_file
 
     job = from_args(TrainJob, args)
     if in_torchrun():
         return _under_torchrun(job, args.json)
+    # One run per --out until this process ends (stp.train.outlock). An existing one
+    # (--out, or the run --resume continues) is locked before the checks: a run in
+    # progress is the answer, not its half-written files; a new one after them, so
+    # that refused input leaves nothing behind.
+    early = existing_out(job)
+    if early is not None:
+        hold_out(early)
     job = with_schedule_file(job)  # -m of a schedule file, before the batch size is fixed
     resolved = check(job)
     job = resolved.job
     if job.out is None:  # fixed once, after the checks: the default is a new directory
         job = dataclasses.replace(job, out=str(job.out_dir()))
         resolved = dataclasses.replace(resolved, job=job)
+    hold_out(job.out)
     if not _announce(resolved):
         return 0
     if job.world_size == 1:

@@ -22,6 +22,7 @@ from stp.train.config import DTYPES, TrainJob
 from stp.train.data import open_corpus, read_corpus
 from stp.train.pretrained import check_pretrained
 from stp.train.resolve import Run, resolve
+from stp.train.storage import check_free_space, checkpoint_bytes
 
 __all__ = ["check", "check_output_file", "model_config"]
 
@@ -97,3 +98,4 @@ def _check_training(job: TrainJob, config: Any) -> None:
                              f"({held[-1].name}); continue it with --resume {job.out}, or give "
                              "another --out")
         check_writable(job.out)
+        check_free_space(job.out, checkpoint_bytes(config, job.dtype))

@@ -81,6 +81,11 @@ def check_pretrained(job: Any, config: ModelConfig, found: Tokenizer | None) -> 
                          "--emulate-compute")
     if job.save_hf is not None:
         _check_save_dir(job)
+    if job.init_from is not None:  # NaN/inf weights: one line now, before any worker starts
+        from stp.models.hf import HFCheckpoint
+        from stp.train.finite import scan_hf
+
+        scan_hf(HFCheckpoint.open(job.init_from))
     if found is None:
         if job.init_from is not None:  # its token ids mean its tokenizer's tokens, not bytes
             raise ValueError(f"--init-from {job.init_from!r} has no tokenizer.json: a pretrained "
