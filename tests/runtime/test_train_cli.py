@@ -77,7 +77,8 @@ def test_single_process_run_prints_progress_and_summary(tmp_path: Path) -> None:
     "argv,message",
     [
         (["--tp", "3"], "--heads 4 must be divisible by --tp 3"),
-        (["--tp", "3", "--heads", "6", "--hidden", "48"], "the MLP width (from --hidden) 128 must be divisible by --tp 3"),
+        (["--tp", "3", "--heads", "6", "--hidden", "48"],
+         "the MLP width (from --hidden) 128 must be divisible by --tp 3"),
         (["--schedule", "zb-v", "--pp", "2", "--layers", "3"],
          "--layers 3 is fewer than the schedule's 4 stages"),
         (["-m", "0"], "0 must be >= 1"),
