@@ -127,3 +127,32 @@ def test_shape_errors_name_the_flags_not_the_fields(argv, line, capfd):
     code, _, err = _train(capfd, *argv, "--steps", "1")
     assert code == 2
     assert err.strip() == f"stp: error: {line}"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--seq-len", "1048576"], "is available; give a shorter --seq-len"),
+    (["--memory-budget", "1MB"], "--memory-budget 1MB: pipeline rank 0 needs an estimated"),
+    (["--memory-budget", "80XB"], "--memory-budget '80XB' is not a size"),
+])
+def test_a_run_that_cannot_fit_is_refused_before_any_worker(argv, needle, capfd, tmp_path):
+    out = tmp_path / "out"
+    code, _, err = _train(capfd, *argv, "--steps", "1", "--out", str(out))
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and needle in err, err
+    assert not any(out.glob("step-*"))  # nothing trained
+
+
+def test_the_estimate_is_close_to_what_the_default_run_holds(capfd, tmp_path):
+    """The pre-launch estimate of the README's run (the defaults) against the resident
+    activations the run measures per rank."""
+    from stp.train.config import TrainJob
+    from stp.train.memory_check import run_estimate
+    from stp.train.resolve import resolve
+
+    code, out, err = _train(capfd, "--steps", "1", "--json", "--out", str(tmp_path / "out"))
+    assert code == 0, err
+    measured = json.loads(out.splitlines()[0])["resident_activation_bytes"]
+    est = run_estimate(resolve(TrainJob()))
+    assert len(est.ranks) == len(measured) == 2
+    for rank, got in zip(est.ranks, measured, strict=True):
+        assert 0.9 * got <= rank.activations_peak <= 1.5 * got, (rank, got)

@@ -10,6 +10,7 @@ ValueError naming the flag and what would be accepted.
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from stp.schedule.offload import parse_policy
 from stp.train.checkpoint import check_resume, check_writable, complete_checkpoints
 from stp.train.config import DTYPES, TrainJob
 from stp.train.data import open_corpus, read_corpus
+from stp.train.memory_check import check_memory
 from stp.train.pretrained import check_pretrained
 from stp.train.resolve import Run, resolve
 from stp.train.storage import check_free_space, checkpoint_bytes
@@ -61,6 +63,8 @@ def check(job: TrainJob, world_size: int | None = None) -> Run:
                 f"--seq-len + 2 = {job.model.seq_len + 2}"
             )
     _check_training(job, run.config)
+    check_memory(run, None if world_size is None else int(os.environ.get(
+        "LOCAL_WORLD_SIZE", world_size)))  # before any worker allocates
     return run
 
 
