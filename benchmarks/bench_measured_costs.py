@@ -63,7 +63,8 @@ def measure(schedule: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any
                 str(args.steps), "--hidden", str(args.hidden), "--layers", str(args.layers),
                 "--seq-len", str(args.seq_len), "-m", str(args.microbatches), "--trace",
                 str(trace), "--out", str(out), "--json")
-    steps = [json.loads(line) for line in rows.splitlines() if line.startswith("{")]
+    steps = [r for r in (json.loads(line) for line in rows.splitlines() if line.startswith("{"))
+             if "loss" in r]
     measured = _traced_span(trace)
     simulated = _simulate(schedule, args, trace)
     return {"schedule": schedule, "trace": str(trace), "measured_ms": measured,

@@ -53,7 +53,7 @@ def _stp_rows(argv: list[str], out: Path) -> list[dict]:
     got = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert got.returncode == 0, got.stderr[-3000:]
-    return [json.loads(line) for line in got.stdout.splitlines()]
+    return [r for r in map(json.loads, got.stdout.splitlines()) if "loss" in r]
 
 
 def _reference_eval_losses(job: TrainJob) -> list[float]:

@@ -52,7 +52,7 @@ def _run(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Compl
 
 
 def _rows(stdout: str) -> list[dict]:
-    return [json.loads(line) for line in stdout.splitlines()]
+    return [r for r in map(json.loads, stdout.splitlines()) if "loss" in r]
 
 
 def _killer_env(directory: Path) -> dict[str, str]:

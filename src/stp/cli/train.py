@@ -133,6 +133,11 @@ def _summary(s: Any, as_json: bool) -> None:
     if job.save_hf:
         text += f"\nHugging Face checkpoint: {job.save_hf}"
     print(text, file=sys.stderr if as_json else sys.stdout, flush=True)
+    if as_json and s.memory:  # after the step lines; no "loss" key, so readers of steps skip it
+        from stp.train.loop import memory_summary
+
+        print(json.dumps({"summary": True, "steps": len(s.step_times_s),
+                          **memory_summary(s.memory)}), flush=True)
 
 
 def _train_here(resolved: Any, as_json: bool) -> int:

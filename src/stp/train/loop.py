@@ -29,6 +29,7 @@ from stp.runtime.mesh import Mesh, ParallelDims
 from stp.train.config import TrainJob
 from stp.train.finite import SkipCounter
 from stp.train.lr import LRSchedule, adamw
+from stp.train.memory_measure import CATEGORIES, measure
 from stp.train.outlock import lock_error
 from stp.train.pretrained import copy_tokenizer
 from stp.train.resolve import Run
@@ -74,6 +75,9 @@ class RunSummary:
     checkpoint: str
     sharded_checkpoint: str | None = None
     """The last sharded checkpoint written (what --resume loads)."""
+    memory: list[dict[str, int]] | None = None
+    """Each global rank's measured bytes by category and its pipeline rank `pp`
+    (stp.train.memory_measure)."""
 
     @property
     def first_loss(self) -> float | None:
@@ -190,6 +194,7 @@ def run(resolved: Run,
         trainer.save_hf(job.save_hf)
         if mesh.rank == 0:
             copy_tokenizer(job.tokenizer, job.save_hf)
+    memory = _measured_memory(trainer, peaks, mesh.rank)  # collective
     state = trainer.full_state_dict()
     if mesh.rank != 0:
         return None
@@ -199,7 +204,19 @@ def run(resolved: Run,
         device=str(mesh.device), parameters=sum(t.numel() for t in (state or {}).values()),
         losses=tuple(losses), step_times_s=tuple(times), tokens_per_step=tokens_per_step,
         resident_activation_bytes=peaks, checkpoint=os.fspath(path), sharded_checkpoint=sharded,
+        memory=memory,
     )
+
+
+def _measured_memory(trainer: Trainer, peaks: list[int] | None,
+                     rank: int) -> list[dict[str, int]] | None:
+    """Every global rank's measured bytes by category (stp.train.memory_measure), with
+    its pipeline rank, on global rank 0 (None elsewhere). Collective."""
+    mine = measure(trainer, None if peaks is None else peaks[rank])
+    mine["pp"] = trainer.mesh.coord.pp
+    everyone: list[Any] = [None] * trainer.dims.world_size
+    dist.all_gather_object(everyone, mine)
+    return everyone if rank == 0 else None
 
 
 def _save(job: TrainJob, config: Any, state: dict[str, torch.Tensor],
@@ -218,3 +235,11 @@ def _save(job: TrainJob, config: Any, state: dict[str, torch.Tensor],
             tmp,
         )
     return os.fspath(path)
+
+
+def memory_summary(memory: list[dict[str, int]]) -> dict[str, Any]:
+    """`--json`'s closing object's memory part, as `stp memory --json` gives it: the
+    heaviest rank's categories, its pipeline rank, and every global rank's."""
+    peak = max(memory, key=lambda m: m["total"])
+    return {"memory": {k: peak[k] for k in (*CATEGORIES, "total")}, "peak_rank": peak["pp"],
+            "ranks": memory}
