@@ -94,7 +94,8 @@ class SearchResult:
     baselines: list[Baseline] = field(default_factory=list)
     converged: bool = False
     """True when the search stopped because no step had anything left to try
-    (every local search at a local optimum), False when time ran out."""
+    (every local search at a local optimum), False when the time limit or the
+    evaluation budget (`max_evaluations`) ran out."""
 
     def to_json(self) -> dict[str, object]:
         """`stp simulate --json` fields of the found schedule, plus the search's own."""
