@@ -66,7 +66,10 @@ def _lost_send(rank: int, world: int) -> None:
     progs[0] = tuple(a for a in progs[0] if str(a) != "0SEND_F0")
     broken = LoweredSchedule(sch, tuple(progs), low.lookahead)
     stages = {s: ToyStage(s, 2, 2) for s in sch.stages_of(rank)}
-    p2p = P2P(mesh.pp_group, mesh.ranks["pp"], 2, timeout=TIMEOUT, where=mesh.describe())
+    # Rank 1 is the one to time out; rank 0 waits longer, so that rank 1 being
+    # scheduled late after the barrier (a loaded machine) cannot swap the roles.
+    timeout = TIMEOUT if rank == 1 else 4 * TIMEOUT
+    p2p = P2P(mesh.pp_group, mesh.ranks["pp"], 2, timeout=timeout, where=mesh.describe())
     ex = Executor(broken, rank, stages, p2p, boundary_shape=(MBS, SEQ, HIDDEN),
                   dtype=torch.float64, where=mesh.describe())
     tokens, targets = _batch(2)
