@@ -51,8 +51,35 @@ def test_units_are_cut_as_the_simulator_cuts_a_pass():
 def test_hold_waits_at_least_its_duration():
     start = time.perf_counter()
     hold(0.005)
-    took = time.perf_counter() - start
-    assert 0.005 <= took < 0.1
+    assert time.perf_counter() - start >= 0.005
+
+
+class _VirtualClock:
+    """perf_counter advancing 1 us a reading and sleep advancing it exactly: how
+    long hold waits, independent of the machine's load."""
+
+    def __init__(self) -> None:
+        self.now, self.slept = 0.0, []
+
+    def perf_counter(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_hold_sleeps_short_of_the_deadline_then_spins_to_it(monkeypatch):
+    import stp.models.emulated as emulated
+
+    clock = _VirtualClock()
+    monkeypatch.setattr(emulated, "time", clock)
+    hold(0.005)
+    # It never sleeps past the deadline (the last ~0.3 ms are spun) and returns
+    # at the first reading past it.
+    assert 0.005 <= clock.now <= 0.005 + 2e-6 * 2
+    assert sum(clock.slept) <= 0.005 and clock.slept
 
 
 def _run_stage(first: bool, last: bool) -> tuple[list, UnitRunner, EmulatedStage]:

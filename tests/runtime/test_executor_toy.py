@@ -5,6 +5,9 @@ mean cross-entropy, cut into stages; it implements PipelineStage with a real
 B/W split (B: autograd to the stage input only; W: autograd to the weights
 only). Every schedule in the registry runs on 2 pipeline ranks in one spawn,
 and the loss and every gradient must equal a single-process autograd run.
+In the same spawn, broken variants: bugs planted in the executor (each
+microbatch's loss given the next one's targets; the loss gradient not
+scaled by 1 / m) must fail the same comparison.
 """
 
 from __future__ import annotations
@@ -125,12 +128,29 @@ def _actions_run(recorder: Recorder, actions) -> list[str]:
     return run
 
 
+def _next_targets(ex: Executor, m: int) -> None:
+    ex.runner.targets = lambda mb: ex._targets[(mb + 1) % m]
+
+
+def _unscaled(ex: Executor, m: int) -> None:
+    plain = ex.run
+    ex.run = lambda inputs, targets, scale=None, **kw: plain(inputs, targets, scale=1.0, **kw)
+
+
+BUGS = {"broken: next microbatch's targets": _next_targets, "broken: loss not scaled by 1/m":
+        _unscaled}
+"""Bugs planted in one Executor (after it is built): name -> plant(executor, m)."""
+
+
 def _run_all_schedules(rank: int, world: int) -> dict[str, tuple[float, float]]:
-    """pp = world: every schedule, toy stages, executor only (no Trainer)."""
+    """pp = world: every schedule, toy stages, executor only (no Trainer); then
+    1F1B again with each planted bug."""
     dims = ParallelDims(pp=world)
     mesh = Mesh.from_world(dims, timeout=30)
     out = {}
-    for name in registry.names():
+    runs = [(name, name, None) for name in registry.names()]
+    runs += [(bug, "1f1b", plant) for bug, plant in BUGS.items()]
+    for label, name, plant in runs:
         sch = make_schedule(name, world)
         m, num_layers = sch.num_microbatches, 2 * sch.num_stages
         stages = {s: ToyStage(s, sch.num_stages, num_layers) for s in sch.stages_of(rank)}
@@ -138,6 +158,8 @@ def _run_all_schedules(rank: int, world: int) -> dict[str, tuple[float, float]]:
         recorder = Recorder(rank, [sch.chunk_of(s) for s in range(sch.num_stages)])
         ex = Executor(lower(sch), rank, stages, p2p, boundary_shape=(MBS, SEQ, HIDDEN),
                       dtype=torch.float64, recorder=recorder)
+        if plant is not None:
+            plant(ex, m)
         tokens, targets = _batch(m)
         losses = ex.run(list(tokens.chunk(m)), list(targets.chunk(m)))
         # The trace lines up with the schedule action for action.
@@ -155,7 +177,7 @@ def _run_all_schedules(rank: int, world: int) -> dict[str, tuple[float, float]]:
                 float((grads[n] - g).abs().max() / g.abs().max()) for n, g in ref_grads.items()
             )
             assert set(grads) == set(ref_grads)
-            out[name] = (abs(loss - ref_loss) / abs(ref_loss), worst)
+            out[label] = (abs(loss - ref_loss) / abs(ref_loss), worst)
     # The Trainer over a stage builder, fed by an iterator: step() without a batch.
     m = 4
     tokens, targets = _batch(m, seed=5)
@@ -170,14 +192,25 @@ def _run_all_schedules(rank: int, world: int) -> dict[str, tuple[float, float]]:
     return out
 
 
-def test_every_schedule_matches_autograd_on_two_ranks():
-    res = run_dist(_run_all_schedules, 2, timeout=150)[0]
+@pytest.fixture(scope="module")
+def two_ranks() -> dict:
+    return run_dist(_run_all_schedules, 2, timeout=150)[0]
+
+
+def test_every_schedule_matches_autograd_on_two_ranks(two_ranks: dict):
+    res = {k: v for k, v in two_ranks.items() if k not in BUGS}
     loss, ref_loss = res.pop("trainer")
     assert abs(loss - ref_loss) <= 1e-12 * abs(ref_loss)
     assert set(res) == set(registry.names())
     for name, (loss_err, grad_err) in res.items():
         assert loss_err <= 1e-12, (name, loss_err)
         assert grad_err <= 1e-9, (name, grad_err)
+
+
+def test_planted_executor_bugs_fail_the_comparison(two_ranks: dict):
+    for bug in BUGS:
+        loss_err, grad_err = two_ranks[bug]
+        assert loss_err > 1e-12 or grad_err > 1e-9, (bug, loss_err, grad_err)
 
 
 def test_executor_refuses_wrong_stages():

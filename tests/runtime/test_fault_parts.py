@@ -163,7 +163,8 @@ def test_signal_watcher_exits_at_once_without_a_traceback() -> None:
     start = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 143 and time.monotonic() - start < 5
+    # "At once": well before the watched sleep's 60 s, with room for a loaded machine.
+    assert proc.returncode == 143 and time.monotonic() - start < 20
     assert out == f"stopping on {int(signal.SIGTERM)}\n" and err == ""
 
 

@@ -405,3 +405,59 @@ def test_passes_out_of_order_raise_and_state_is_freed():
     st.forward(1, ids)
     st.reset()
     assert st.pending_backward() == [] and st.pending_weight() == []
+
+
+# -- broken variants: bugs planted in the stages must fail the parity checks above ----
+
+
+def _eps_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    import stp.models.decoder.units as decoder
+
+    plain = decoder.rms_norm
+    monkeypatch.setattr(decoder, "rms_norm", lambda x, w, eps, sink: plain(x, w, 0.0, sink))
+
+
+def _rope_turned_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    import stp.models.decoder.units as decoder
+
+    def backwards(x, cos, sin):
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([x2, -x1], dim=-1) * sin
+
+    monkeypatch.setattr(decoder, "apply_rope", backwards)
+
+
+def _loss_scale_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    plain = ModelStage.backward_input
+    monkeypatch.setattr(ModelStage, "backward_input",
+                        lambda self, mb, grad, scale=1.0: plain(self, mb, grad, 1.0))
+
+
+def _every_rank_holds_rank_0s_shard(monkeypatch: pytest.MonkeyPatch) -> None:
+    import stp.models.decoder.init as init
+
+    plain = init.tp_slice
+    monkeypatch.setattr(init, "tp_slice", lambda c, spec, size, rank: plain(c, spec, size, 0))
+
+
+def _stages_parity() -> None:
+    test_stages_match_reference(2, "deferred")
+
+
+STAGE_BUGS = {
+    "RMSNorm eps dropped": (_eps_dropped, _stages_parity),
+    "rotary turn reversed": (_rope_turned_back, _stages_parity),
+    "loss scale dropped in B": (_loss_scale_dropped, _stages_parity),
+    "TP ranks share one shard": (_every_rank_holds_rank_0s_shard,
+                                 test_tp2_in_lockstep_matches_reference_slices),
+}
+
+
+@pytest.mark.parametrize("bug", STAGE_BUGS)
+def test_planted_bug_fails_stage_parity(bug: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    plant, check = STAGE_BUGS[bug]
+    check()  # the check holds on the code as it is ...
+    reference(2)  # (the reference is computed, and cached, without the bug)
+    plant(monkeypatch)
+    with pytest.raises(AssertionError):  # ... and reports the planted bug
+        check()

@@ -13,6 +13,14 @@ Criterion per tensor: max |dist - ref| <= TOL * max |ref|, with
            all-reduce of partial sums rounds differently).
 
 One spawn per mesh; every applicable schedule runs inside that process group.
+
+Broken variant (default suite, one 4-process spawn, one schedule): bugs
+planted in the runtime must fail the same comparison at the same
+tolerances: DP averaging removed (pp2-tp1-dp2, float64), and a TP
+all-reduce that rounds its partial sums to a 16-bit format (pp2-tp2-dp1,
+float32: a real bug whose gradient error, ~3e-3, a tolerance of 1e-2 would
+miss), beside the correct runs on both meshes, which pass (so the default
+suite checks DP and float32 TP parity on the code as it is, too).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import torch.distributed as dist
 from _dist import run_dist
 from _parity import compare_with_reference, random_batch, sgd, two_steps
 
+import stp.models.decoder.stage
 from stp.models import ModelConfig
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
@@ -92,3 +101,68 @@ def test_every_schedule_matches_the_reference(mesh: tuple[int, int, int]) -> Non
             for k in ("loss", "grad", "param") if not r[k] <= tol[k]
         ]
     assert not bad, "\n".join(bad)
+
+
+def _rounding(fmt: torch.dtype) -> list[tuple[object, str, object]]:
+    """The stages' TP all-reduces (synchronous and launched) summing partial sums
+    first rounded to `fmt`."""
+    make, launch = stp.models.decoder.stage.make_allreduce, stp.models.decoder.stage.launch_sum
+
+    def make_rounding(group, tp_size):
+        inner = make(group, tp_size)
+        return lambda t: inner(t.to(fmt).to(t.dtype))
+
+    def launch_rounding(tensor, group):
+        tensor.copy_(tensor.to(fmt))  # in place: the launch reduces this very tensor
+        return launch(tensor, group)
+
+    return [(stp.models.decoder.stage, "make_allreduce", make_rounding),
+            (stp.models.decoder.stage, "launch_sum", launch_rounding)]
+
+
+def _skip_dp_average(self) -> None:
+    pass
+
+
+BROKEN = {
+    "no DP averaging": ((2, 1, 2), "float64", [(Trainer, "_reduce_dp_grads", _skip_dp_average)]),
+    "TP all-reduce of float16 partial sums": ((2, 2, 1), "float32", _rounding(torch.float16)),
+    "none (float32)": ((2, 2, 1), "float32", []),
+    "none (pp2-tp1-dp2)": ((2, 1, 2), "float64", []),
+}
+"""Planted bug: (mesh, dtype, [(owner, attribute, replacement)])."""
+BROKEN_SCHEDULE, BROKEN_M = "1f1b", 2
+
+
+def _broken_worker(rank: int, world: int) -> dict:
+    out, meshes = {}, {}
+    for bug, (dims, dtype_name, patches) in BROKEN.items():
+        if dims not in meshes:
+            meshes[dims] = Mesh.from_world(ParallelDims(*dims), timeout=60)
+        mesh = meshes[dims]
+        kept = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
+        for owner, attr, planted in patches:
+            setattr(owner, attr, planted)
+        try:
+            dtype = getattr(torch, dtype_name)
+            sch = make_schedule(BROKEN_SCHEDULE, dims[0], BROKEN_M)
+            trainer = Trainer(CONFIG, sgd, sch, mesh=mesh, dtype=dtype, timeout=60)
+            batches = [_batch(dims[2] * sch.num_microbatches * MBS, step) for step in range(2)]
+            losses, grads, params = two_steps(trainer, batches)
+        finally:
+            for owner, attr, value in kept:
+                setattr(owner, attr, value)
+        if rank == 0:
+            out[bug] = (dtype_name, compare_with_reference(CONFIG, dtype, batches, losses,
+                                                           grads, params))
+    return out
+
+
+def test_planted_bugs_fail_the_comparison() -> None:
+    res = run_dist(_broken_worker, 4, timeout=240)[0]
+    assert set(res) == set(BROKEN)
+    for bug, (dtype_name, r) in res.items():
+        tol = TOL[dtype_name]
+        print(f"{bug}: loss {r['loss']:.1e} grad {r['grad']:.1e} param {r['param']:.1e}")
+        caught = any(not r[k] <= tol[k] for k in ("loss", "grad", "param"))
+        assert caught == bool(BROKEN[bug][2]), (bug, r, tol)

@@ -35,7 +35,7 @@ def _found(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
     path = tmp_path / "found.json"
     assert main(["search", "--pp", "2", "-m", str(M), "--cost", "f=2,b=2,w=2,ar=1.5",
                  "--memory-limit", "3", "--braided", "on", "--placement", "v",
-                 "--time-limit", "3", "--out", str(path)]) == 0
+                 "--time-limit", "600", "--max-evaluations", "50", "--out", str(path)]) == 0
     capsys.readouterr()
     sch = io.load_json(path)
     assert any(isinstance(a, Block) for acts in sch.actions for a in acts)

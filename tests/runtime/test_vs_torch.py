@@ -6,7 +6,9 @@ same initial weights and batch, one step of stp's Trainer and one step of
 PyTorch's schedule (its own class for the name, and `_PipelineScheduleRuntime`
 fed stp's exported CSV) give the same loss and, on every rank, the same
 gradient for every parameter, to 1e-12 relative. The torch side's plain module
-is first checked against stp's single-process reference model.
+is first checked against stp's single-process reference model. Broken variant,
+in the same spawn: stp's executor giving each microbatch's loss the next
+microbatch's targets must fail the comparison.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ SEQ, MBS, M = 12, 2, 4
 TOL = 1e-12
 CASES = [("1f1b", False), ("1f1b", True), ("1f1b-interleaved", False), ("zb-v", False),
          ("zb-v", True)]
+BROKEN = ("1f1b", False, "next targets")
+"""A case run with a bug planted in stp's side (its executor only)."""
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,10 +75,13 @@ def test_decoder_part_equals_the_reference_model():
 def _compare_worker(rank: int, world: int) -> dict[str, tuple[float, float, int]]:
     tokens, targets = _batch()
     out = {}
-    for name, from_csv in CASES:
+    for name, from_csv, *bug in [*CASES, BROKEN]:
         schedule = registry.make(name, world, M)
         trainer = Trainer(CONFIG, _no_step, schedule, pp=world, dtype=torch.float64,
                           timeout=60)
+        if bug:  # planted: microbatch mb's loss gets microbatch mb + 1's targets
+            ex = trainer.executor
+            ex.runner.targets = lambda mb, ex=ex: ex._targets[(mb + 1) % M]
         side = TorchSide(name, schedule, rank, CONFIG, torch.float64, _no_step,
                          from_csv=from_csv)
         stp_loss = trainer.step((tokens, targets))
@@ -84,16 +91,28 @@ def _compare_worker(rank: int, world: int) -> dict[str, tuple[float, float, int]
         assert set(mine) == set(theirs), sorted(set(mine) ^ set(theirs))
         assert all(g is not None and g.abs().max() > 0 for g in theirs.values())
         worst = max(_rel(mine[k], theirs[k]) for k in theirs)
-        label = f"{name}{' csv' if from_csv else ''}"
+        label = f"{name}{' csv' if from_csv else ''}{' broken' if bug else ''}"
         out[label] = (abs(stp_loss - torch_loss) / abs(torch_loss), worst, len(theirs))
     return out
 
 
-def test_torch_runtime_gives_stps_loss_and_gradients():
-    results = run_dist(_compare_worker, 2, timeout=120)
-    for rank, per_case in enumerate(results):
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, tuple[float, float, int]]]:
+    return run_dist(_compare_worker, 2, timeout=120)
+
+
+def test_torch_runtime_gives_stps_loss_and_gradients(results):
+    for rank, all_cases in enumerate(results):
+        per_case = {k: v for k, v in all_cases.items() if not k.endswith(" broken")}
         assert len(per_case) == len(CASES)
         for label, (loss_diff, grad_diff, count) in per_case.items():
             assert count > 0, (rank, label)
             assert loss_diff <= TOL, (rank, label, loss_diff)
             assert grad_diff <= TOL, (rank, label, grad_diff)
+
+
+def test_planted_bug_fails_the_comparison(results):
+    for rank, per_case in enumerate(results):
+        loss_diff, grad_diff, _ = per_case["1f1b broken"]
+        # every rank's gradients differ; the loss at least on the rank computing it
+        assert grad_diff > TOL and (rank == 0 or loss_diff > TOL), (rank, loss_diff, grad_diff)

@@ -195,6 +195,11 @@ def test_non_ascii_digits_are_refused(cell):
         io.load_json(json.dumps(obj))
 
 
+LIMIT_S = 10.0
+"""Refusals take milliseconds; working through 10^11 microbatches (what the limits
+prevent) would take hours. Wide enough for a loaded machine."""
+
+
 @pytest.mark.parametrize(("cell", "what"), [
     ("0F99999999999", "microbatch index '99999999999' is outside 0..4095"),
     ("0F4096", "microbatch index '4096' is outside 0..4095"),
@@ -207,7 +212,7 @@ def test_indices_past_the_limits_are_refused_before_parsing(cell, what):
     with pytest.raises(ValueError, match=r"^row 0 \(rank 0\), cell 1: ") as e:
         io.load_csv(f"0F0,{cell}")
     assert what in str(e.value)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < LIMIT_S
 
 
 def test_counts_past_the_limits_are_refused():
@@ -231,7 +236,7 @@ def test_a_missing_microbatch_is_named_without_listing_them_all():
     with pytest.raises(ValueError, match=r"runs 1 forward .F. passes, expected 4096 .*"
                        r"missing microbatch 1, 2, 3, 4, 5, 6, 7, 8, \.\.\.$"):
         io.load_csv("0F0,0B0", num_microbatches=4096)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < LIMIT_S
 
 
 @pytest.mark.parametrize(("text", "what"), [

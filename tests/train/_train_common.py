@@ -1,13 +1,16 @@
 """Shared by tests/train: a tiny float64 model, its batches, the training settings
 with clipping and an LR schedule active, and the single-process torch reference
-(torch.nn.utils.clip_grad_norm_, AdamW, LambdaLR) they must agree with."""
+they must agree with, built from torch's own pieces only (clip_grad_norm_,
+torch.optim.AdamW, LinearLR then CosineAnnealingLR), not stp's `adamw` and
+`make_scheduler`: a bug there would otherwise be on both sides."""
 
 from __future__ import annotations
 
 import torch
+from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
 from stp.models import ModelConfig, build_reference
-from stp.train.lr import LRSchedule, adamw, make_scheduler
+from stp.train.lr import LRSchedule, adamw
 
 CONFIG = ModelConfig(
     vocab_size=32, hidden=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden=64,
@@ -18,12 +21,14 @@ SEQ, ROWS, M = 8, 16, 8
 CLIP = 0.05
 """Below every step's gradient norm (about 1 to 2 here): clipping is active."""
 LR, WEIGHT_DECAY = 1e-2, 0.1
+BETAS, EPS = (0.9, 0.95), 1e-8
+"""stp.train.lr.adamw's documented defaults, which `optimizer` relies on."""
 SCHEDULE = LRSchedule("cosine", total_steps=6, warmup=2, min_lr=1e-3)
 TOL = 1e-9
 
 
 def optimizer():
-    return adamw(LR, weight_decay=WEIGHT_DECAY)
+    return adamw(LR, weight_decay=WEIGHT_DECAY, betas=BETAS, eps=EPS)
 
 
 def options(**kw) -> dict:
@@ -49,10 +54,23 @@ def train(trainer, steps: range) -> list[tuple[float, float, float]]:
 
 
 def reference(steps: int) -> tuple[list[tuple[float, float, float]], dict[str, torch.Tensor]]:
-    """The same training in one process with torch's own pieces."""
+    """The same training in one process with torch's own pieces, set up as
+    stp.train.lr documents: weight decay on matrices only, warm-up from
+    LR / warmup to LR over `warmup` updates, then cosine to min_lr at
+    total_steps."""
+    # torch's cosine is periodic past T_max, where stp's schedule holds min_lr.
+    assert steps <= SCHEDULE.total_steps and SCHEDULE.kind == "cosine"
     model = build_reference(CONFIG, torch.float64)
-    opt = optimizer()(list(model.parameters()))
-    sched = make_scheduler(opt, SCHEDULE)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(
+        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+        lr=LR, betas=BETAS, eps=EPS)
+    warmup = LinearLR(opt, start_factor=1 / SCHEDULE.warmup, end_factor=1.0,
+                      total_iters=SCHEDULE.warmup - 1)
+    cosine = CosineAnnealingLR(opt, T_max=SCHEDULE.total_steps - SCHEDULE.warmup,
+                               eta_min=SCHEDULE.min_lr)
+    sched = SequentialLR(opt, [warmup, cosine], milestones=[SCHEDULE.warmup])
     out = []
     for step in range(steps):
         opt.zero_grad()

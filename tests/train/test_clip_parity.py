@@ -4,7 +4,7 @@ float64, clipping active on every step (the norm is above CLIP), a cosine
 schedule with warm-up and AdamW with weight decay: each step's loss,
 grad_norm (before clipping) and lr, and the parameters after the last step,
 equal the single-process torch reference (torch.nn.utils.clip_grad_norm_,
-torch.optim.AdamW, LambdaLR) within 1e-9, on one process, and with every
+torch.optim.AdamW, LinearLR then CosineAnnealingLR) within 1e-9, on one process, and with every
 schedule on pp2 x tp2 and pp2 x dp2 (one 4-process launch, both meshes built
 over the same world). Each of those Trainers first evaluates a held-out batch
 (forward passes only): the reference's loss, and training afterwards is
@@ -32,6 +32,8 @@ from _train_common import (
     worst_param,
 )
 
+import stp.train.lr
+import stp.train.precision
 from stp.models import build_reference
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
@@ -52,6 +54,42 @@ def _one_process(rank: int, world: int) -> dict:
     trainer = Trainer(CONFIG, optimizer(), "1f1b", pp=1, microbatches=M, **options())
     stats = train(trainer, range(STEPS))
     return _compare(stats, trainer.full_state_dict(), reference(STEPS))
+
+
+def _no_clipping(grads, factor) -> None:
+    pass
+
+
+def _lr_one_step_ahead(self, step, base):
+    return _plain_lr(self, step + 1, base)
+
+
+def _decay_everything(params, weight_decay):
+    return [{"params": list(params), "weight_decay": weight_decay}]
+
+
+_plain_lr = stp.train.lr.LRSchedule.lr
+BUGS = {
+    "no clipping": (stp.train.precision, "scale_grads", _no_clipping),
+    "lr one step ahead": (stp.train.lr.LRSchedule, "lr", _lr_one_step_ahead),
+    "weight decay on norms": (stp.train.lr, "param_groups", _decay_everything),
+}
+"""Bugs planted in stp's own clipping, LR schedule and AdamW groups: each must
+make the one-process run differ from the torch reference."""
+
+
+def _one_process_broken(rank: int, world: int) -> dict:
+    ref = reference(STEPS)
+    out = {}
+    for bug, (owner, attr, planted) in BUGS.items():
+        kept = getattr(owner, attr)
+        setattr(owner, attr, planted)
+        try:
+            trainer = Trainer(CONFIG, optimizer(), "1f1b", pp=1, microbatches=M, **options())
+            out[bug] = _compare(train(trainer, range(STEPS)), trainer.full_state_dict(), ref)
+        finally:
+            setattr(owner, attr, kept)
+    return out
 
 
 def _skip_step(mesh: Mesh, rank: int) -> dict:
@@ -109,6 +147,15 @@ def test_one_process_equals_torch_clip_grad_norm() -> None:
     r = run_dist(_one_process, 1, timeout=120)[0]
     assert r["clipped"], "clipping must be active on every step"
     assert r["stats"] <= TOL and r["param"] <= TOL, r
+
+
+def test_planted_bugs_are_reported() -> None:
+    """Broken variant: the same comparison and tolerance fail on each bug."""
+    res = run_dist(_one_process_broken, 1, timeout=120)[0]
+    assert set(res) == set(BUGS)
+    for bug, r in res.items():
+        print(f"{bug}: stats {r['stats']:.1e} params {r['param']:.1e}")
+        assert r["stats"] > TOL or r["param"] > TOL, (bug, r)
 
 
 @pytest.mark.slow

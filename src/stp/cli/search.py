@@ -26,6 +26,7 @@ from stp.cli.common import (
     check_work,
     chunk_count,
     costs_from_args,
+    int_in,
     microbatch_count,
     number_in,
     positive_float,
@@ -75,6 +76,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--time-limit", type=number_in(0.0, MAX_TIME_LIMIT), default=20.0,
                    metavar="S", help="stop improving after S seconds (default 20, at most "
                    f"{MAX_TIME_LIMIT:g}); the handcrafted baselines are simulated first")
+    p.add_argument("--max-evaluations", type=int_in(1, 10**9), default=None, metavar="N",
+                   help="also stop after scoring about N candidate schedules: the same "
+                   "result on any machine (default: no budget, only --time-limit)")
     p.add_argument("--out", metavar="FILE.json|FILE.csv", default=None,
                    help="write the schedule: .json (stp IR) or .csv (PyTorch compute-only)")
     p.add_argument("--json", action="store_true",
@@ -160,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
             memory_limit=args.memory_limit, placement_kind=placement,
             braided=args.braided, chunks=chunks, objective=args.objective,
             time_limit=args.time_limit, layers=args.layers,
+            max_evaluations=args.max_evaluations,
             stage_costs=None if inputs.uniform else inputs.for_stages,
         )
         stages_auto = None

@@ -32,7 +32,10 @@ each step stops at its share of `time_limit` (`stp.search.steps.SHARES`;
 what a step leaves goes to the next, the local search last), less a reserve
 for the final validation and simulation (`Run.reserve`: at least 10% of the
 limit, more on a slow or loaded machine); `SearchResult.converged` says
-which.
+which. `max_evaluations` adds a budget of candidates scored, shared between
+the steps in the same proportions: the result then no longer depends on the
+machine's speed (a test, a reproducible run), as long as the time limit is
+not reached first.
 
 An exact model (the Zero Bubble paper's ILP, Appendix G) is left out: it
 needs a solver the project does not depend on, and at p = 32, m = 96 it has
@@ -91,7 +94,8 @@ class SearchResult:
     baselines: list[Baseline] = field(default_factory=list)
     converged: bool = False
     """True when the search stopped because no step had anything left to try
-    (every local search at a local optimum), False when time ran out."""
+    (every local search at a local optimum), False when the time limit or the
+    evaluation budget (`max_evaluations`) ran out."""
 
     def to_json(self) -> dict[str, object]:
         """`stp simulate --json` fields of the found schedule, plus the search's own."""
@@ -126,7 +130,8 @@ def min_memory_limit(mem: MemCosts) -> float:
 
 
 def _check(p: int, m: int, limit: float, placement_kind: str, braided: str, objective: str,
-           chunks: int, time_limit: float, mem: MemCosts) -> None:
+           chunks: int, time_limit: float, mem: MemCosts,
+           max_evaluations: int | None = None) -> None:
     for what, val in (("pp", p), ("microbatches", m), ("chunks", chunks)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise ValueError(f"search: {what}={val!r} must be an integer >= 1")
@@ -140,6 +145,10 @@ def _check(p: int, m: int, limit: float, placement_kind: str, braided: str, obje
         raise ValueError(f"objective {objective!r} unknown; accepted: {', '.join(OBJECTIVES)}")
     if not time_limit > 0:
         raise ValueError(f"time limit {time_limit!r} must be > 0 seconds")
+    if max_evaluations is not None and (not isinstance(max_evaluations, int)
+                                        or isinstance(max_evaluations, bool)
+                                        or max_evaluations < 1):
+        raise ValueError(f"max_evaluations={max_evaluations!r} must be None or an integer >= 1")
     need = min_memory_limit(mem)
     if not limit >= need - _EPS:
         raise ValueError(
@@ -192,6 +201,7 @@ def search(
     time_limit: float = 20.0,
     layers: int = 1,
     stage_costs: StageCostsFor | None = None,
+    max_evaluations: int | None = None,
 ) -> SearchResult:
     """Search per-rank orders minimising `objective` with every rank's peak
     activation <= `memory_limit` (units of M_B, as the simulator reports).
@@ -206,11 +216,16 @@ def search(
     ValueError when it has none; candidates are then timed with it and kept
     only when their per-stage peak fits the limit. `costs` and `mem` (the
     average rank share) still guide the constructions.
+
+    `max_evaluations` (optional): stop after scoring about that many candidates
+    (`SearchResult.evaluated`; the step under way may score a few more), as well
+    as at `time_limit`, whichever comes first.
     """
     costs = costs or Costs()
     mem = mem or MemCosts()
     p, m = num_ranks, num_microbatches
-    _check(p, m, memory_limit, placement_kind, braided, objective, chunks, time_limit, mem)
+    _check(p, m, memory_limit, placement_kind, braided, objective, chunks, time_limit, mem,
+           max_evaluations)
     t0 = time.perf_counter()
     kinds = {"looped": [("looped", chunks)], "v": [("v", 2)]}.get(
         placement_kind, [("looped", chunks), ("v", 2)]
@@ -219,6 +234,7 @@ def search(
         p, m, costs, mem, memory_limit, objective, layers,
         braid=braided == "on" or (braided == "auto" and costs.tp_time > 0),
         kinds=kinds, started=t0, time_limit=time_limit, stage_costs=stage_costs,
+        max_evaluations=max_evaluations,
     )
     baselines = _baselines(p, m, costs, mem, memory_limit, layers, stage_costs)
     # Nine generations and simulations: several times the final validation and
@@ -228,6 +244,7 @@ def search(
     run.seed([(b.name, sch, b.result) for b, sch in baselines
               if sch is not None and b.result is not None and not b.note
               and _in_space(sch, placement_kind, kinds, run.braid)])
+    run.evaluated_from = run.evaluated
     run.v_constructions()
     best_by_kind = run.greedy_grid()
     if run.braid and costs.tp_time > 0:

@@ -78,11 +78,16 @@ def improve(
     layers: int = 1,
     reach: int = 3,
     stages: StageCosts | None = None,
+    max_evaluations: int | None = None,
 ) -> Improved:
     """Hill-climb from `sch` by single moves (module docstring); `stages`:
-    time the orders with this per-stage cost table (`stp.sim.stages`)."""
+    time the orders with this per-stage cost table (`stp.sim.stages`);
+    `max_evaluations`: stop, not converged, after timing that many orders."""
     judge = _Judge(sch, costs, mem, objective, layers, stages)
-    return _Climb(sch, judge, mem, limit, reach).run(out_of_time)
+    climb = _Climb(sch, judge, mem, limit, reach)
+    if max_evaluations is None:
+        return climb.run(out_of_time)
+    return climb.run(lambda: out_of_time() or climb.evaluated >= max_evaluations)
 
 
 class _Judge:

@@ -33,7 +33,7 @@ SHARES = {"v": 0.33, "greedy": 0.6, "refine": 0.7, "all": 1.0}
 seeds to the time limit less `Run.reserve`) each step stops if it has not
 finished (V constructions, greedy grid, cap refinement, everything): a step
 that finishes early leaves its time to the next ones, the local search
-last."""
+last. An evaluation budget (`Run.max_evaluations`) is shared the same way."""
 
 
 @dataclass
@@ -86,6 +86,12 @@ class Run:
     the final validation and simulation, and the step under way when time
     runs out (`stp.search.entry.search` sets it from how long the handcrafted
     schedules took to simulate on this machine, at least 10% of the limit)."""
+    max_evaluations: int | None = None
+    """Candidates scored (`evaluated`) after which the search stops, the steps
+    sharing those after the seeds as they share the time (`SHARES`); None: no
+    budget. Unlike the time limit it stops at the same point on any machine."""
+    evaluated_from: int = 0
+    """`evaluated` when the steps after the handcrafted seeds began."""
 
     def simulate(self, sch: Schedule) -> SimResult:
         """The simulated run of `sch` under the search's costs (per stage when given)."""
@@ -106,9 +112,12 @@ class Run:
         begin = self.steps_from or self.started
         end = self.started + self.time_limit - self.reserve
         stop = begin + SHARES[step] * (end - begin)
+        budget = self.max_evaluations
+        last = (None if budget is None else
+                self.evaluated_from + SHARES[step] * (budget - self.evaluated_from))
 
         def out() -> bool:
-            if time.perf_counter() > stop:
+            if time.perf_counter() > stop or (last is not None and self.evaluated >= last):
                 self.converged = False
                 return True
             return False
@@ -248,9 +257,14 @@ class Run:
                 return
             stages = (None if self.stage_costs is None
                       else self.stage_costs(cand.schedule.num_stages))
+            left = (None if self.max_evaluations is None
+                    else max(0, self.max_evaluations - self.evaluated))
             got = improve(cand.schedule, self.costs, self.mem, self.limit, self.objective,
-                          self.out_of_time, layers=self.layers, stages=stages)
+                          self.out_of_time, layers=self.layers, stages=stages,
+                          max_evaluations=left)
             self.evaluated += got.evaluated
+            if not got.converged:  # cut short by the time or the budget
+                self.converged = False
             if got.moves:
                 better = self.add(got.schedule, f"{cand.origin} + {got.moves} moves")
                 if self.braid and self.costs.tp_time > 0 and not self.out_of_time():

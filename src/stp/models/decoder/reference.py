@@ -2,27 +2,64 @@
 
 Written independently of the unit code on purpose (F.linear, F.embedding,
 F.cross_entropy, repeated kv heads instead of enable_gqa, autograd for every
-gradient), so that a stage-by-stage, shard-by-shard run agreeing with it checks
-the TP split, the all-reduce placement and the split backward. Parameters have
-the same global names and initial values as the stages (stp.models.decoder.init).
+gradient, its own rotary embedding), so that a stage-by-stage, shard-by-shard
+run agreeing with it checks the TP split, the all-reduce placement, the split
+backward and the rotary code of the units. Parameters have the same global
+names and initial values as the stages (stp.models.decoder.init, tested against its
+specification on its own: tests/models/test_init_spec.py).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from stp.models.decoder.init import init_full, parameter_specs
-from stp.models.decoder.rope import RopeCache, apply_rope
-from stp.shapes.decoder import IGNORE_INDEX, ModelConfig
+from stp.shapes.decoder import IGNORE_INDEX, ModelConfig, RopeScaling
 
-__all__ = ["ReferenceModel", "build_reference"]
+__all__ = ["ReferenceModel", "build_reference", "rope_frequencies", "rotate"]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> list[float]:
+    """The rotation speed of each pair of a head, one at a time in Python floats
+    (RoFormer, arXiv 2104.09864: theta^(-2i/d)), with Llama 3.1's rescaling as
+    Meta's reference code writes it: keep short wavelengths, divide long ones
+    by `factor`, interpolate in between."""
+    freqs = [theta ** (-2 * i / head_dim) for i in range(head_dim // 2)]
+    if scaling is None:
+        return freqs
+    old = scaling.original_max_position_embeddings
+    low, high, factor = scaling.low_freq_factor, scaling.high_freq_factor, scaling.factor
+    out = []
+    for f in freqs:
+        wavelength = 2 * math.pi / f
+        if wavelength < old / high:
+            out.append(f)
+        elif wavelength > old / low:
+            out.append(f / factor)
+        else:
+            smooth = (old / wavelength - low) / (high - low)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return out
+
+
+def rotate(x: torch.Tensor, freqs: list[float]) -> torch.Tensor:
+    """x [b, n, s, d] with the pair (x_j, x_{j+d/2}) at position t turned by the angle
+    t * freqs[j] (the rotate-half pairing of transformers' Llama and Qwen2)."""
+    s, half = x.shape[-2], x.shape[-1] // 2
+    angle = torch.arange(s, dtype=torch.float64)[:, None] * torch.tensor(freqs,
+                                                                         dtype=torch.float64)
+    c, si = angle.cos().to(x), angle.sin().to(x)
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * c - b * si, a * si + b * c], dim=-1)
 
 
 class ReferenceModel(nn.Module):
@@ -52,7 +89,7 @@ class ReferenceModel(nn.Module):
                     module.add_module(part, nn.Module())
                 module = module._modules[part]  # type: ignore[assignment]
             module.register_parameter(leaf, p)
-        self.rope = RopeCache(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.freqs = rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
 
     def shard_dim(self, name: str) -> int | None:
         """The dim a TP stage splits parameter `name` on (None: replicated)."""
@@ -72,8 +109,7 @@ class ReferenceModel(nn.Module):
         q = self._proj(i, "wq", h).view(b, s, c.num_heads, hd).transpose(1, 2)
         k = self._proj(i, "wk", h).view(b, s, -1, hd).transpose(1, 2)
         v = self._proj(i, "wv", h).view(b, s, -1, hd).transpose(1, 2)
-        cos, sin = self.rope.get(s, h.device, h.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rotate(q, self.freqs), rotate(k, self.freqs)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = (q @ k.transpose(-1, -2)) / hd**0.5  # [b, a, s, s]
         causal = torch.ones(s, s, dtype=torch.bool, device=h.device).tril()
