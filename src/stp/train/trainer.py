@@ -44,11 +44,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stp.models import valid_token_ratio
-from stp.models.hf import DEFAULT_SHARD_BYTES, save_stages
+from stp.models import ModelConfig, valid_token_ratio
+from stp.models.hf import DEFAULT_SHARD_BYTES, HFCheckpoint, save_stages
 from stp.models.mllm_stage import MLLMStage
-from stp.runtime.mesh import Mesh
-from stp.runtime.offload import StepMemory
+from stp.runtime.executor import Executor
+from stp.runtime.mesh import Mesh, ParallelDims
+from stp.runtime.offload import ActivationOffloader, StepMemory
 from stp.runtime.trace import gather_spans, write_trace
 from stp.schedule import Schedule
 from stp.train import checkpoint
@@ -57,17 +58,12 @@ from stp.train.gather import gather_full_state
 from stp.train.grad_sync import WORLD
 from stp.train.lr import make_scheduler
 from stp.train.parts import Parts, TrainerOptions
-from stp.train.precision import UpdateStats, apply_update
+from stp.train.precision import Precision, UpdateStats, apply_update
 from stp.train.setup import StageBuilder, build
 
 __all__ = ["Trainer", "TrainerOptions", "StageBuilder", "OptimizerFactory"]
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-
-
-def _built(name: str, doc: str) -> property:
-    """A read-only Trainer attribute that is the Parts' attribute `name`."""
-    return property(lambda self: getattr(self.parts, name), doc=doc)
 
 
 class Trainer:
@@ -120,21 +116,69 @@ class Trainer:
         )
         self.steps_done = 0
 
-    mesh = _built("mesh", "The process groups this Trainer runs on.")
-    dims = _built("dims", "pp x tp x dp.")
-    schedule = _built("schedule", "The pipeline schedule, validated against pp.")
-    options = _built("options", "How this Trainer runs (TrainerOptions).")
-    device = _built("device", "Where this rank's parameters and activations live.")
-    hidden = _built("hidden", "Width of the stage boundary tensors.")
-    source = _built("source", "The Hugging Face checkpoint the weights were read from "
-                              "(init_from), or None.")
-    model_config = _built("model_config", "The decoder's ModelConfig (None for another model).")
-    stages = _built("stages", "This rank's PipelineStages by global stage index.")
-    precision = _built("precision", "Parameters the optimizer steps and their gradients "
-                                    "(stp.train.precision).")
-    offloader = _built("offloader", "The activation offloader (None without `offload`).")
-    executor = _built("executor", "Runs this pipeline rank's lowered program.")
-    holds_loss = _built("holds_loss", "This pipeline rank runs the last stage.")
+    # -- what was built (stp.train.setup.build), read through the Trainer --------------
+
+    @property
+    def mesh(self) -> Mesh:
+        """The process groups this Trainer runs on."""
+        return self.parts.mesh
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.parts.dims
+
+    @property
+    def schedule(self) -> Schedule:
+        """The pipeline schedule, validated against pp."""
+        return self.parts.schedule
+
+    @property
+    def options(self) -> TrainerOptions:
+        return self.parts.options
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's parameters and activations live."""
+        return self.parts.device
+
+    @property
+    def hidden(self) -> int:
+        """Width of the stage boundary tensors."""
+        return self.parts.hidden
+
+    @property
+    def source(self) -> HFCheckpoint | None:
+        """The Hugging Face checkpoint the weights were read from (init_from)."""
+        return self.parts.source
+
+    @property
+    def model_config(self) -> ModelConfig | None:
+        """The decoder's config (None for any other model)."""
+        return self.parts.model_config
+
+    @property
+    def stages(self) -> dict[int, Any]:
+        """This rank's PipelineStages by global stage index."""
+        return self.parts.stages
+
+    @property
+    def precision(self) -> Precision:
+        return self.parts.precision
+
+    @property
+    def offloader(self) -> ActivationOffloader | None:
+        """None without `offload`."""
+        return self.parts.offloader
+
+    @property
+    def executor(self) -> Executor:
+        """Runs this pipeline rank's lowered program."""
+        return self.parts.executor
+
+    @property
+    def holds_loss(self) -> bool:
+        """This pipeline rank runs the last stage."""
+        return self.parts.holds_loss
 
     @property
     def dtype(self) -> torch.dtype:
