@@ -45,15 +45,18 @@ import json
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from stp.train.parts import Parts
 from stp.train.shards import Box, BoxLoadPlanner, BoxSavePlanner, box_of
+
+if TYPE_CHECKING:  # the pre-launch checks (stp.train.job) import this module: keep them
+    # from importing the executor and the models behind the Parts, which they never use
+    from stp.train.parts import Parts
 
 __all__ = ["checkpoint_name", "complete_checkpoints", "latest", "read_info", "save", "load",
            "check_writable", "check_resume"]
