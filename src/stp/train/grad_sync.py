@@ -34,7 +34,7 @@ from stp.train.clip import counted_mask, grad_norm
 from stp.train.precision import Precision
 from stp.train.shards import box_of, norm_key
 
-__all__ = ["GradSync", "collective"]
+__all__ = ["GradSync", "collective", "WORLD"]
 
 WORLD = "a rank in the world"
 """Who a collective over the whole world waits on, as error messages name it."""
