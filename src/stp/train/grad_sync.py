@@ -5,7 +5,7 @@ ranks of the last stage, its microbatches' losses. `GradSync.after_backward`
 then runs, on every rank:
 
     1. the shared-gradient sum: tied embedding / head copies and replicated
-       kv heads (stp.models.shared_grads), before the DP average (they commute);
+       kv heads (the decoder's SharedGrads), before the DP average (they commute);
     2. the loss sum over the world: the mean over microbatches and replicas,
        so every rank returns the same number;
     3. the DP average of the gradients (fp32 main grads in mixed precision),
@@ -27,14 +27,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stp.models.shared_grads import SharedGrads
 from stp.runtime.errors import RankError, wrap
 from stp.runtime.mesh import Mesh
 from stp.train.clip import counted_mask, grad_norm
 from stp.train.precision import Precision
 from stp.train.shards import box_of, norm_key
 
-__all__ = ["GradSync", "collective", "WORLD"]
+__all__ = ["GradSync", "SharedSum", "collective", "WORLD"]
+
+SharedSum = Callable[[dict[str, torch.Tensor]], None]
+"""Sums the gradients of parameters held in several places, in place, by global name."""
 
 WORLD = "a rank in the world"
 """Who a collective over the whole world waits on, as error messages name it."""
@@ -55,16 +57,16 @@ def collective(mesh: Mesh, action: str, peers: str, fn: Callable[..., Any], *arg
 class GradSync:
     """The gradient and loss collectives of one rank's steps (see the module doc).
 
-    `stages`: this rank's stages by global index; `shared`: the sums of
-    parameters held in several places (None: the model has none, or it is a
-    user's stage builder); `holds_loss`: this pipeline rank runs the last
-    stage; `device`: where this rank's tensors live. Building it is
-    collective: the ranks agree on which of them counts each gradient in the
-    norm.
+    `stages`: this rank's stages by global index; `shared`: sums, in place,
+    the gradients (by global name) of parameters held in several places (the
+    decoder's SharedGrads; None: a user's stage builder); `holds_loss`: this
+    pipeline rank runs the last stage; `device`: where this rank's tensors
+    live. Building it is collective: the ranks agree on which of them counts
+    each gradient in the norm.
     """
 
     def __init__(self, mesh: Mesh, precision: Precision, stages: Mapping[int, Any], *,
-                 shared: SharedGrads | None, holds_loss: bool, device: torch.device) -> None:
+                 shared: SharedSum | None, holds_loss: bool, device: torch.device) -> None:
         self.mesh, self.precision, self.shared = mesh, precision, shared
         self.holds_loss, self.device = holds_loss, device
         self.collective = functools.partial(collective, mesh)
