@@ -35,8 +35,8 @@ def write_checkpoint(path: Path, hidden: int, layers: int, vocab: int) -> int:
     import torch
 
     from stp.models import ModelConfig
+    from stp.models.decoder.init import parameter_specs
     from stp.models.hf import config_to_hf, save_state
-    from stp.models.init import parameter_specs
 
     config = ModelConfig(vocab_size=vocab, hidden=hidden, num_layers=layers,
                          num_heads=hidden // 64, num_kv_heads=max(1, hidden // 256),

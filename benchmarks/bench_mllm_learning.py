@@ -35,9 +35,9 @@ import torch
 from stp.files import write_text_atomic
 from stp.models import IGNORE_INDEX
 from stp.train.config import ModelShape, TrainJob, VisionShape
+from stp.train.families.mllm import mllm_batches
 from stp.train.job import model_config
 from stp.train.lr import adamw
-from stp.train.mllm_job import mllm_batches
 from stp.train.trainer import Trainer
 
 JOB = TrainJob(arch="mllm", model=ModelShape(layers=2, hidden=64, heads=4, seq_len=64),

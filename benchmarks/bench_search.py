@@ -31,6 +31,7 @@ import json
 import time
 
 from stp.costmodel import MODELS, ZB_BUBBLE_RATES, ZB_PROFILED, layer_activation_bytes
+from stp.costmodel.presets import ZB_BUBBLE_COLUMNS
 from stp.schedule import generate
 from stp.search import search
 from stp.sim import Costs, MemCosts, simulate
@@ -43,8 +44,7 @@ def zb_rows(quick: bool) -> list[dict[str, object]]:
             continue
         m_b, m_w = layer_activation_bytes(MODELS[model])
         costs, mem = Costs(f, b, w, comm=comm), MemCosts(1.0, m_w / m_b)
-        paper = dict(zip(("1f1b", "1f1b-i", "zb-h1", "zb-h2", "zb-1p", "zb-2p"),
-                         ZB_BUBBLE_RATES[(model, p, m)], strict=True))
+        paper = dict(zip(ZB_BUBBLE_COLUMNS, ZB_BUBBLE_RATES[(model, p, m)], strict=True))
         ours = {n: simulate(generate(n, p, m), costs, mem, record_spans=False)
                 for n in ("1f1b", "zb-h1", "zb-h2")}
         budget = 10.0 if p <= 8 else 30.0 if p <= 16 else 60.0

@@ -10,10 +10,10 @@ of a shared machine hits each alike:
   one graph      one graph per unit (tp = 1), W deferred (Zero Bubble's split B)
   plain          one graph, plain autograd: B gets the weight gradients in the
                  same graph walk
-  fused          the 4 layers as one unit (stp.models.chunk), W deferred
+  fused          the 4 layers as one unit (stp.models.decoder.chunk), W deferred
   fused plain    the 4 layers as one unit, plain autograd (what a full-backward
                  microbatch runs at tp = 1, the default)
-  torch          the same layers as plain autograd code (stp.train.peer.DecoderPart),
+  torch          the same layers as plain autograd code (stp.bench.peer_torch.DecoderPart),
                  forward and backward()
 
     python3 benchmarks/bench_unit_overhead.py [--hidden 64,256] [--rounds 100]
@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import torch
 
+from stp.bench.peer_torch import DecoderPart
 from stp.models import ModelConfig, ModelStage, build_stage
-from stp.train.peer import DecoderPart
 
 
 def _stage(cfg: ModelConfig, one_graph: bool, plain: bool, fused: bool = False) -> ModelStage:

@@ -1,7 +1,7 @@
 """stp's runtime against PyTorch's `torch.distributed.pipelining`, side by side.
 
 Same decoder, batch, dtype, microbatches and schedule on both runtimes, pp=2,
-tp=1, gloo on the CPU (stp.train.peer has the details): stp's Trainer step
+tp=1, gloo on the CPU (stp.bench.peer has the details): stp's Trainer step
 against PyTorch's schedule class of the same name, and against
 `_PipelineScheduleRuntime` running stp's exported CSV (the exact same order).
 Steps alternate stp, torch, torch-csv, ... in one process group, so a shared
@@ -59,15 +59,20 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = _args(argv)
-    from stp.train.peer import PeerSpec, format_table, run_peer
+    from stp.bench.peer import PeerSpec, run_peer
+    from stp.bench.peer_table import format_table
+    from stp.shapes import ModelConfig
 
     sections = []
     for size in args.sizes.split(","):
+        shape = SIZES[size]
+        model = ModelConfig(hidden=shape["hidden"], num_layers=args.layers, num_heads=4,
+                            num_kv_heads=4, max_seq_len=shape["seq_len"])
         spec = PeerSpec(
-            schedules=tuple(args.schedules.split(",")), layers=args.layers,
-            microbatch_size=args.microbatch_size, microbatches=args.microbatches,
-            pairs=args.rounds, csv=not args.no_csv, profile_rank=args.profile_rank,
-            **SIZES[size],
+            schedules=tuple(args.schedules.split(",")), model=model,
+            seq_len=shape["seq_len"], microbatch_size=args.microbatch_size,
+            microbatches=args.microbatches, pairs=args.rounds, csv=not args.no_csv,
+            profile_rank=args.profile_rank,
         )
         start = time.perf_counter()
         result = run_peer(spec)

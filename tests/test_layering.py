@@ -1,8 +1,11 @@
 """Layers point one way (docs/architecture.md lists the allowed arrows).
 
-Two checks: the pure layers import without torch (torch made unimportable in
-a fresh interpreter), and every import statement in the package, those
-inside functions included, goes only where the layer table allows.
+Four checks: the pure layers import without torch (torch made unimportable in
+a fresh interpreter); every import statement in the package, those inside
+functions included, goes only where the layer table allows; no module imports
+itself back through others (no circles, imports inside functions counted);
+and above the model families nothing tells one family from another by its
+classes (stp.models.family is the seam).
 """
 
 import ast
@@ -16,8 +19,8 @@ CODE = """
 import sys
 sys.modules['torch'] = None  # any 'import torch' now raises ImportError
 import importlib, pkgutil
-import stp.schedule, stp.sim
-mods = ['stp.schedule', 'stp.sim']
+import stp.schedule, stp.sim, stp.shapes
+mods = ['stp.schedule', 'stp.sim', 'stp.shapes', 'stp.costmodel', 'stp.search']
 try:
     import stp.viz
     mods.append('stp.viz')
@@ -36,19 +39,22 @@ print('ok')
 SRC = Path(__file__).resolve().parents[1] / "src" / "stp"
 
 # Each layer and the stp layers (and torch) it may import; docs/architecture.md.
-# `stp.files` (atomic writes, standard library only) may be used by every layer.
+# `stp.files` (atomic writes) and `stp.shapes` (the model families' configs), both
+# standard library only, may be used by every layer.
 PURE = {"schedule", "sim", "viz", "search", "costmodel"}
-UTIL = {"files"}
+UTIL = {"files", "shapes"}
 ALLOWED: dict[str, set[str]] = {
+    "shapes": {"shapes"},
     "schedule": {"schedule"},
     "sim": {"schedule", "sim"},
     "viz": {"schedule", "sim", "viz"},
     "costmodel": {"schedule", "sim", "costmodel"},
     "search": {"schedule", "sim", "search", "costmodel"},
     "runtime": {"schedule", "sim", "viz", "runtime", "torch"},
-    "models": {"schedule", "sim", "runtime", "models", "torch"},
+    "models": {"schedule", "sim", "costmodel", "runtime", "models", "torch"},
     "train": PURE | {"runtime", "models", "train", "torch"},
-    "cli": PURE | {"runtime", "models", "train", "cli", "torch"},
+    "bench": PURE | {"runtime", "models", "train", "bench", "torch"},
+    "cli": PURE | {"runtime", "models", "train", "bench", "cli", "torch"},
 }
 
 
@@ -86,6 +92,113 @@ def _violations() -> list[str]:
     return bad
 
 
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """stp module -> the stp modules it imports (inside functions too); `from pkg
+    import name` counts as importing `pkg.name` when that is a module."""
+    modules = {_module_name(p): p for p in SRC.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    graph[name].add(sub if sub in modules else node.module)
+            elif isinstance(node, ast.Import):
+                graph[name] |= {a.name for a in node.names}
+    return {m: {t for t in ts if t in modules and t != m} for m, ts in graph.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_import_graph_has_no_circles():
+    assert _cycles(_import_graph()) == []
+
+
+def test_the_cycle_check_sees_a_circle():
+    """Negative control: the job <-> plan circle the restructure removed."""
+    graph = {"stp.train.job": {"stp.train.plan"}, "stp.train.plan": {"stp.train.job"},
+             "stp.train.loop": {"stp.train.job"}}
+    assert _cycles(graph) == [["stp.train.job", "stp.train.plan"]]
+
+
+# The concrete classes of the model families: only a family's own modules (under
+# stp.models, stp.shapes, stp.costmodel and the registry stp.train.families) may
+# name them to tell one family from another.
+FAMILY_CLASSES = {"ModelConfig", "MLLMConfig", "ModelSpec", "MLLMSpec", "ModelStage",
+                  "MLLMStage", "VisionConfig"}
+ABOVE_FAMILIES = ("train", "cli", "runtime", "bench")
+
+
+def _family_forks(path: Path) -> list[str]:
+    """`isinstance(x, <family class>)` and `arch ==`/`!=` comparisons in a file."""
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+            kinds = node.args[1] if len(node.args) > 1 else None
+            names = {getattr(k, "id", getattr(k, "attr", None)) for k in
+                     (kinds.elts if isinstance(kinds, ast.Tuple) else [kinds])}
+            if names & FAMILY_CLASSES:
+                bad.append(f"{path.name}:{node.lineno}: isinstance on {names & FAMILY_CLASSES}")
+        if isinstance(node, ast.Compare) and any(isinstance(o, ast.Eq | ast.NotEq)
+                                                 for o in node.ops):
+            sides = [node.left, *node.comparators]
+            if any(getattr(x, "attr", getattr(x, "id", None)) == "arch" for x in sides):
+                bad.append(f"{path.name}:{node.lineno}: compares arch")
+    return bad
+
+
+def test_no_family_forks_above_the_models():
+    bad = []
+    for layer in ABOVE_FAMILIES:
+        for path in sorted((SRC / layer).rglob("*.py")):
+            if path.parent.name != "families":  # the registry and the job halves
+                bad += _family_forks(path)
+    assert bad == []
+
+
+def test_the_fork_check_sees_a_fork(tmp_path):
+    """Negative control: the two forms the family seam replaced."""
+    src = tmp_path / "fork.py"
+    src.write_text("if isinstance(model, (MLLMConfig, int)):\n    pass\n"
+                   "if job.arch == 'mllm':\n    pass\n")
+    assert len(_family_forks(src)) == 2
+
+
 def test_pure_layers_import_without_torch():
     out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -103,9 +216,9 @@ def test_every_package_has_a_row():
 
 
 @pytest.mark.parametrize("layer,forbidden", [
-    ("runtime", "stp.models.stage"), ("runtime", "stp.train.trainer"),
+    ("runtime", "stp.models.decoder.stage"), ("runtime", "stp.train.trainer"),
     ("runtime", "stp.cli.main"), ("schedule", "torch"), ("sim", "torch.nn"),
-    ("models", "stp.train.job"),
+    ("models", "stp.train.job"), ("train", "stp.bench.peer"),
 ])
 def test_the_check_sees_a_forbidden_import(layer, forbidden):
     """Negative control: the table refuses the arrows the issue names."""

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from stp.models import ModelConfig, RopeScaling, parameter_specs
+from stp.models.decoder.init import init_full, init_shard, tp_slice
+from stp.models.decoder.stage_shards import unshard
 from stp.models.hf import config_from_hf, config_to_hf, hf_name, stp_name
-from stp.models.init import init_full, init_shard, tp_slice
-from stp.models.stage_shards import unshard
 
 
 def _raw(kind: str, **kw) -> dict:

@@ -1,4 +1,4 @@
-"""At one TP rank a stage runs its layers as one unit (stp.models.chunk.LayerChunk).
+"""At one TP rank a stage runs its layers as one unit (stp.models.decoder.chunk.LayerChunk).
 It must compute what the per-layer units compute: the same outputs, input
 gradients and weight gradients, for a split backward (B now, W later: the weight
 gradients caught through gradient edges) and for a full one (plain autograd)."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stp.models import ModelConfig, build_stage
-from stp.models.chunk import LayerChunk
+from stp.models.decoder.chunk import LayerChunk
 
 D = torch.float64
 CFG = ModelConfig(vocab_size=32, hidden=32, num_layers=6, num_heads=4, num_kv_heads=2,

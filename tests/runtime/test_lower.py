@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stp.schedule import Block, Kind, Pass, Schedule, registry, validate
+from stp.schedule.io import from_rows
 from stp.schedule.ir import passes_of
 from stp.schedule.lower import Comm, CommOp, lower, messages_in, messages_out
 
@@ -92,7 +93,7 @@ def test_lowering_invariants_property(name: str, p: int, extra: int, lookahead: 
 
 
 def test_one_f_one_b_golden_two_ranks() -> None:
-    sch = Schedule.from_rows([["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]])
+    sch = from_rows([["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]])
     assert lower(sch, lookahead=0).rows() == [
         ["0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1", "0B1"],
         ["1RECV_F0", "1F0", "1B0", "1SEND_B0", "1RECV_F1", "1F1", "1B1", "1SEND_B1"],
@@ -161,6 +162,6 @@ def test_comm_text_and_errors() -> None:
     with pytest.raises(ValueError, match="lookahead"):
         lower(sch, lookahead=-1)
     # A schedule where rank 0 runs no forward of mb 1 cannot be lowered.
-    broken = Schedule.from_rows([["0F0", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]])
+    broken = from_rows([["0F0", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]])
     with pytest.raises(ValueError, match="never sends"):
         lower(broken)

@@ -1,6 +1,6 @@
 """stp's runtime against PyTorch's own (torch.distributed.pipelining), float64.
 
-The peer benchmark (stp.train.peer, benchmarks/bench_vs_torch.py) times the two
+The peer benchmark (stp.bench.peer, benchmarks/bench_vs_torch.py) times the two
 runtimes on the same model; this checks they compute the same thing. With the
 same initial weights and batch, one step of stp's Trainer and one step of
 PyTorch's schedule (its own class for the name, and `_PipelineScheduleRuntime`
@@ -18,10 +18,10 @@ pytest.importorskip("torch.distributed.pipelining")
 import torch  # noqa: E402
 from _dist import run_dist  # noqa: E402
 
+from stp.bench.peer_torch import DecoderPart, TorchSide, lm_loss  # noqa: E402
 from stp.models import ModelConfig, build_reference  # noqa: E402
 from stp.schedule import registry  # noqa: E402
 from stp.schedule.placement import stage_layers  # noqa: E402
-from stp.train.peer import DecoderPart, TorchSide, lm_loss  # noqa: E402
 from stp.train.trainer import Trainer  # noqa: E402
 
 CONFIG = ModelConfig(vocab_size=64, hidden=32, num_layers=4, num_heads=4, num_kv_heads=2,

@@ -163,7 +163,6 @@ def test_small_m_is_the_full_schedule_without_the_extra_microbatches(p: int) -> 
 def test_meta_for_later_layers() -> None:
     s = stp(4, 12)
     assert s.meta["chunks"] == 2
-    assert s.offload_chunk == 0
     assert s.meta["truncated_from"] is None
 
 

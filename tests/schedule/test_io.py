@@ -286,3 +286,26 @@ def test_a_file_is_a_file_whatever_its_name(tmp_path, monkeypatch):
         io.load_csv(tmp_path / "latin1.csv")
     with pytest.raises(ValueError, match="cannot read"):
         io.load_csv(tmp_path)
+
+
+def _kinds_from_letters() -> list[str]:
+    """Every `Kind(...)` call in the package: a letter made into a Kind."""
+    import ast
+
+    src = Path(io.__file__).resolve().parents[1]
+    out = []
+    for path in sorted(src.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and (
+                    getattr(node.func, "id", None) == "Kind"
+                    or getattr(node.func, "attr", None) == "Kind"):
+                out.append(f"{path.relative_to(src)}:{node.lineno}")
+    return out
+
+
+def test_only_io_turns_a_letter_into_a_kind():
+    """PyTorch's letters are not our names (Kind("B") is Kind.BW): only the
+    exchange module reads them. The scan sees io.py's own reading."""
+    found = _kinds_from_letters()
+    assert found and all(f.startswith("schedule/io.py:") for f in found), found
+    assert Kind("B") is BW and Kind("I") is B

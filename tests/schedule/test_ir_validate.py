@@ -2,7 +2,8 @@
 
 import pytest
 
-from stp.schedule.ir import Block, Done, Kind, Pass, Schedule, parse_action, v_placement
+from stp.schedule.io import from_rows, parse_action
+from stp.schedule.ir import Block, Done, Kind, Pass, Schedule, v_placement
 from stp.schedule.memory import MemCosts, peak_by_order
 from stp.schedule.validate import ScheduleError, validate
 
@@ -100,10 +101,10 @@ def test_v_placement_chunk_index():
 
 
 def test_from_rows_infers_placement_and_rejects_stage_on_two_ranks():
-    sch = Schedule.from_rows([["0F0", "0B0"], ["1F0", "1B0"]])
+    sch = from_rows([["0F0", "0B0"], ["1F0", "1B0"]])
     assert sch.stage_to_rank == (0, 1) and sch.num_microbatches == 1
     with pytest.raises(ValueError, match="row 1 .* cell 0: stage 0"):
-        Schedule.from_rows([["0F0"], ["0B0"]])
+        from_rows([["0F0"], ["0B0"]])
 
 
 def test_mem_costs_in_memory_model():
@@ -131,24 +132,17 @@ def test_pass_needs_follow_the_pipeline_dependencies():
     assert all(d in done for d in Pass(2, W, 3).needs(4) + Pass(1, B, 3).needs(4)[1:])
 
 
-@pytest.mark.parametrize("chunk", [-1, 2])
-def test_offload_chunk_must_name_a_chunk(chunk):
-    acts = ((Pass(0, F, 0), Pass(3, F, 0), Pass(3, BW, 0), Pass(0, BW, 0)),
-            (Pass(1, F, 0), Pass(2, F, 0), Pass(2, BW, 0), Pass(1, BW, 0)))
-    assert Schedule("t", 2, 1, v_placement(2), acts, offload_chunk=1).offload_chunk == 1
-    with pytest.raises(ValueError, match=rf"offload_chunk={chunk} is not a chunk index; "
-                                         r"accepted are 0\.\.1"):
-        Schedule("t", 2, 1, v_placement(2), acts, offload_chunk=chunk)
-
-
-def test_offload_chunk_is_part_of_the_schedule_and_of_its_json():
-    from dataclasses import replace
+def test_json_of_older_files_with_offload_chunk_still_reads():
+    """Files written while the IR carried offload_chunk (always 0) still load;
+    another value asked for an offload stp no longer does and is refused."""
+    import json
 
     from stp.schedule import generate, io
 
-    s = generate("zb-v", 2, 4)
-    moved = replace(s, offload_chunk=1)
-    assert moved != s  # a different offload choice is a different schedule
-    back = io.load_json(io.dump_json(moved))
-    assert back == moved and back.offload_chunk == 1
-    assert generate("stp", 2, 4).offload_chunk == 0
+    s = generate("stp", 2, 4)
+    assert "offload_chunk" not in json.loads(io.dump_json(s))
+    old = json.loads(io.dump_json(s)) | {"offload_chunk": 0}
+    assert io.parse_json(json.dumps(old)) == s
+    for bad in (1, True, "0"):
+        with pytest.raises(ValueError, match=r"offload_chunk=.*moves chunk 0 only; drop the key"):
+            io.parse_json(json.dumps(old | {"offload_chunk": bad}))

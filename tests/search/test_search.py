@@ -129,7 +129,7 @@ def test_search_and_costmodel_import_without_torch():
 
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import stp.search, stp.costmodel, stp.search.api, stp.search.local\n"
+        "import stp.search, stp.costmodel, stp.search.entry, stp.search.local\n"
         "from stp.search import search\n"
         "print(search(2, 4, memory_limit=2, time_limit=2).result.makespan > 0)\n"
     )

@@ -15,7 +15,7 @@ from stp.schedule.gen_v import controllable_memory_block, v_half_offsets, v_min_
 from stp.schedule.ir import Kind, Pass
 from stp.search import search
 from stp.search.moves import improve, score_of
-from stp.search.timeline import Player, play
+from stp.search.replay import Player, play
 from stp.search.vshape import v_shape_family, v_shape_offsets
 from stp.search.zbv import cost_aware_v, cost_aware_v_variants
 from stp.sim import Costs, MemCosts, simulate

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from stp.schedule import generate
-from stp.schedule.offload import plan_chunks
+from stp.schedule.offload import STP_CHUNK, plan_chunks
 from stp.search.partition import auto_partition, balanced_partition
 from stp.sim import Costs, MemCosts, OffloadCosts, simulate
 from stp.sim.layered import LayeredCosts, check_partition, even_partition, parse_partition
@@ -34,7 +34,7 @@ def test_the_uniform_table_simulates_as_the_shorthand(name, layers):
 
 def test_offload_under_a_uniform_table_matches_the_shorthand():
     sch = generate("stp", 4, 12)
-    plan = plan_chunks(sch, {sch.offload_chunk}, policy="stp")
+    plan = plan_chunks(sch, {STP_CHUNK}, policy="stp")
     oc = OffloadCosts(bandwidth=0.5)
     plain = simulate(sch, COSTS, MEM, offload=plan, offload_costs=oc)
     table = StageCosts.uniform(COSTS, MEM, sch.num_stages, sch.chunks)

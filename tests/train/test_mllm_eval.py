@@ -18,12 +18,13 @@ import torch
 from PIL import Image
 
 from stp.cli.main import main
-from stp.models.mllm_reference import build_mllm_reference
+from stp.models.mllm.reference import build_mllm_reference
 from stp.train.config import ModelShape, TrainJob, VisionShape
+from stp.train.families.mllm import mllm_batches
 from stp.train.job import check, model_config
 from stp.train.loop import EVAL_BATCHES, _eval_batches
 from stp.train.lr import adamw
-from stp.train.mllm_job import mllm_batches
+from stp.train.resolve import resolve
 
 # the smallest shapes of tests/train/test_mllm_train.py: the runs are start-up bound
 SHAPE = ["--arch", "mllm", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "12",
@@ -60,7 +61,7 @@ def _reference_eval_losses(job: TrainJob) -> list[float]:
     cfg = model_config(job)
     model = build_mllm_reference(cfg, torch.float64)
     opt = adamw(job.lr)(list(model.parameters()))
-    train, evals, out = mllm_batches(job, cfg), _eval_batches(job), []
+    train, evals, out = mllm_batches(job, cfg), _eval_batches(resolve(job)), []
     for step in range(job.steps):
         opt.zero_grad()
         model.loss(*train.batch(step)).backward()
@@ -86,9 +87,9 @@ def test_eval_loss_on_every_nth_step_equal_on_pp1_pp2_and_reference(tmp_path):
 
 
 def test_held_out_batches_are_fixed_and_none_is_a_training_batch():
-    evals = _eval_batches(JOB)
+    evals = _eval_batches(resolve(JOB))
     assert len(evals) == EVAL_BATCHES
-    again = _eval_batches(JOB)  # every evaluation sees the same batches
+    again = _eval_batches(resolve(JOB))  # every evaluation sees the same batches
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
                for a, b in zip(evals, again, strict=True))
     train = mllm_batches(JOB, model_config(JOB))
@@ -113,7 +114,7 @@ def test_eval_images_are_the_batches_and_each_image_is_seen(tmp_path):
     check(job)
     pixels = 8 * 8 * 3
     seen = set()
-    for inputs, _ in _eval_batches(job):
+    for inputs, _ in _eval_batches(resolve(job)):
         for row in inputs:
             rgb = tuple(row[:3].tolist())
             assert rgb in COLOURS  # the held-out images, never the training one

@@ -1,5 +1,5 @@
 """`stp train --arch mllm` trains with the per-step losses of the single-process
-multimodal reference (stp.models.mllm_reference, AdamW on the same batches):
+multimodal reference (stp.models.mllm.reference, AdamW on the same batches):
 float64, 1e-9, braiding on, on pp2 x tp2 (stp), pp3 (1f1b, an uneven partition
 with the encoder sharing a stage with a decoder layer) and pp2 x dp2.
 `--partition auto` resolves to counts (vision blocks first) that the run uses,
@@ -18,12 +18,13 @@ import pytest
 import torch
 
 from stp.cli.main import main
-from stp.models.mllm_reference import build_mllm_reference
+from stp.models.mllm.reference import build_mllm_reference
 from stp.train.config import ModelShape, TrainJob, VisionShape
+from stp.train.families.mllm import mllm_batches
 from stp.train.job import check, model_config
 from stp.train.lr import adamw
-from stp.train.mllm_job import mllm_batches
-from stp.train.plan import job_schedule, resolved_partition
+from stp.train.resolve import resolve
+from stp.train.schedules import job_schedule
 
 # tiny shapes: the runs are start-up bound; the widths still split over tp 2
 SHAPE = ["--arch", "mllm", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "12",
@@ -82,7 +83,8 @@ def test_auto_partition_counts_vision_blocks_then_decoder_layers(schedule, pp):
     job = dataclasses.replace(JOB, partition="auto", schedule=schedule, pp=pp)
     check(job)  # auto is accepted
     sch = job_schedule(job)
-    resolved, counts = resolved_partition(job, sch)
+    run = resolve(job)
+    resolved, counts = run.job, run.partition
     assert counts is not None and len(counts) == sch.num_stages and min(counts) >= 1
     assert sum(counts) == JOB.vision.vision_layers + JOB.model.layers
     assert resolved.partition == ",".join(map(str, counts))
@@ -91,9 +93,8 @@ def test_auto_partition_counts_vision_blocks_then_decoder_layers(schedule, pp):
 def test_stp_train_partition_auto_runs_the_counts_it_chose(tmp_path):
     argv = ["--pp", "2", "--schedule", "1f1b"]
     auto = _stp_run([*argv, "--partition", "auto"], tmp_path / "auto")
-    _, counts = resolved_partition(dataclasses.replace(JOB, partition="auto", pp=2,
-                                                       schedule="1f1b"),
-                                   job_schedule(dataclasses.replace(JOB, schedule="1f1b")))
+    counts = resolve(dataclasses.replace(JOB, partition="auto", pp=2,
+                                         schedule="1f1b")).partition
     chosen = ",".join(map(str, counts))
     assert f"layers per global stage: {chosen}\n" in auto.stderr, auto.stderr
     explicit = _stp_losses([*argv, "--partition", chosen], tmp_path / "explicit")

@@ -16,7 +16,7 @@ simulator's makespan for the same costs (stp.sim.simulate).
 
 peer: the same decoder, batch and schedule trained by stp's Trainer and by
 PyTorch's pipelining schedule class of the same name (and by PyTorch running
-stp's exported CSV), steps alternating; stp / torch per round (stp.train.peer).
+stp's exported CSV), steps alternating; stp / torch per round (stp.bench.peer).
 
 These are benchmarks, not tests: figures depend on the machine and its load.
 With --json the last stdout line is one JSON object. torch is imported only
@@ -113,10 +113,11 @@ def _register_peer(bs: argparse._SubParsersAction) -> None:
 
 def _launch(kind: str, settings: Any, nprocs: int) -> dict[str, Any]:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see stp.cli.train
+    from stp.bench import fidelity, overlap
     from stp.runtime.launch import launch_local
-    from stp.train.bench import entry
 
-    result = launch_local(entry, (kind, settings), nprocs)
+    entry = overlap.entry if kind == "overlap" else fidelity.entry
+    result = launch_local(entry, (settings,), nprocs)
     if result.exitcode:
         raise ValueError(f"bench {kind}: rank(s) {result.failed_ranks} failed with status "
                          f"{result.exitcode}")
@@ -124,22 +125,24 @@ def _launch(kind: str, settings: Any, nprocs: int) -> dict[str, Any]:
 
 
 def run_overlap(args: argparse.Namespace) -> int:
+    from stp.bench.overlap import OverlapSettings
     from stp.models.emulated import UnitTimes
-    from stp.train.bench import OverlapSettings
+    from stp.shapes import ModelConfig
 
     modes = ("emulated", "real") if args.mode == "both" else (args.mode,)
-    s = OverlapSettings(
-        layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
-        microbatch_size=args.microbatch_size, unit=UnitTimes(*_unit_ms(args.unit_ms)),
-        repeats=args.repeats, modes=modes,
-    )
     if args.hidden % args.heads or (args.hidden // args.heads) % 2 or args.heads % 2:
         raise ValueError(f"--hidden {args.hidden} / --heads {args.heads}: heads must be even "
                          "(tp=2) and divide hidden into even head widths")
+    model = ModelConfig(hidden=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                        num_kv_heads=args.heads, max_seq_len=args.seq_len)
+    s = OverlapSettings(model=model, seq_len=args.seq_len,
+                        microbatch_size=args.microbatch_size,
+                        unit=UnitTimes(*_unit_ms(args.unit_ms)), repeats=args.repeats,
+                        modes=modes)
     res = _launch("overlap", s, 2)
     ms = 1e3
-    print(f"tp=2, one stage of {s.layers} layers, microbatch [{s.microbatch_size}, "
-          f"{s.seq_len}, {s.hidden}]; one all-reduce of it: {res['allreduce_s'] * ms:.2f} ms")
+    print(f"tp=2, one stage of {model.num_layers} layers, microbatch [{s.microbatch_size}, "
+          f"{s.seq_len}, {model.hidden}]; one all-reduce of it: {res['allreduce_s'] * ms:.2f} ms")
     print("exposed: compute-stream time in all-reduce launches + waits (launches alone)")
     print(f"{'mode':9s} {'ARs':>4s} {'sequential':>20s} {'braided':>20s} {'wall seq':>9s} "
           f"{'wall braid':>10s} {'hidden':>7s} {'waits hidden':>12s}")
@@ -157,11 +160,11 @@ def run_overlap(args: argparse.Namespace) -> int:
 
 
 def run_fidelity(args: argparse.Namespace) -> int:
+    from stp.bench.fidelity import FidelitySettings
     from stp.models.emulated import UnitTimes
     from stp.schedule.registry import get
     from stp.schedule.registry import make as make_schedule
     from stp.sim import simulate
-    from stp.train.bench import FidelitySettings
 
     names = tuple(n.strip() for n in args.schedules.split(",") if n.strip())
     for n in names:
@@ -216,18 +219,18 @@ def run_fidelity(args: argparse.Namespace) -> int:
 
 
 def run_peer(args: argparse.Namespace) -> int:
+    from stp.bench.peer import PeerSpec
+    from stp.bench.peer import run_peer as measure
+    from stp.bench.peer_table import format_table
     from stp.models import ModelConfig
     from stp.schedule.registry import make as make_schedule
-    from stp.train.peer import PeerSpec, format_table
-    from stp.train.peer import run_peer as measure
 
     names = tuple(n.strip() for n in args.schedules.split(",") if n.strip())
-    spec = PeerSpec(schedules=names, pp=2, layers=args.layers, hidden=args.hidden,
-                    heads=args.heads, kv_heads=args.heads, seq_len=args.seq_len,
+    model = ModelConfig(hidden=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                        num_kv_heads=args.heads, max_seq_len=args.seq_len)  # a bad shape
+    spec = PeerSpec(schedules=names, pp=2, model=model, seq_len=args.seq_len,
                     microbatch_size=args.microbatch_size, microbatches=args.microbatches,
                     pairs=args.pairs, csv=args.csv == "on")  # ValueError names a bad schedule
-    ModelConfig(hidden=args.hidden, num_layers=args.layers, num_heads=args.heads,
-                num_kv_heads=args.heads, max_seq_len=args.seq_len)  # refuse a bad shape
     for n in names:
         sch = make_schedule(n, spec.pp, spec.microbatches)
         if sch.chunks * spec.pp > args.layers:

@@ -24,8 +24,11 @@ __all__ = [
     "costs_from_args", "check_work", "generated_stages", "int_in", "number_in",
     "positive_int", "positive_float", "pp_count", "microbatch_count", "chunk_count",
     "layer_count", "MAX_CHUNKS", "MAX_LAYERS", "MAX_STAGE_MICROBATCHES",
-    "MAX_STAGE_MICROBATCH_LAYERS", "MAX_VALUE",
+    "MAX_STAGE_MICROBATCH_LAYERS", "MAX_VALUE", "EXIT_USAGE",
 ]
+
+EXIT_USAGE = 2
+"""Bad input, refused in one line before any work (argparse's status too)."""
 
 MAX_CHUNKS = 16
 """Most chunks per rank (--chunks): with 64 ranks, the 1024 stages a file may name."""

@@ -8,8 +8,13 @@ line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from importlib import import_module
+from typing import Any, NoReturn
+
+from stp import __version__
+from stp.cli.common import EXIT_USAGE
 
 __all__ = ["main", "build_parser", "CliError"]
 
@@ -30,9 +35,44 @@ class CliError(ValueError):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        # One clear line instead of argparse's usage block.
-        raise CliError(f"{self.prog}: {message}")
+    """argparse with stp's conventions, for every subcommand's parser too: a
+    flag is spelled out (argparse's abbreviations would let `--step` quietly
+    mean `--steps`, and a new flag could change what an old command line
+    means); a misspelled flag is answered with the nearest real one; errors
+    are raised for `main` to print as one line."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        # The innermost parser sees an unknown flag first and knows the flags
+        # it could have meant; unmatched ones go up to be refused as argparse does.
+        self._given = list(sys.argv[1:] if args is None else args)
+        namespace, extras = super().parse_known_args(args, namespace)
+        self._suggest(extras)
+        return namespace, extras
+
+    def _suggest(self, words: list[str]) -> None:
+        longs = [o for o in self._option_string_actions if o.startswith("--")]
+        for word in words:
+            flag = word.split("=", 1)[0]
+            if flag.startswith("--") and flag not in self._option_string_actions:
+                near = difflib.get_close_matches(flag, longs, n=1)
+                if near:
+                    raise CliError(self._where(f"unrecognized argument {word}; "
+                                               f"did you mean {near[0]}?"))
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("the following arguments are required"):
+            # A misspelled required flag is the likelier cause: name it instead.
+            self._suggest(getattr(self, "_given", []))
+        raise CliError(self._where(message))
+
+    def _where(self, message: str) -> str:
+        # One line, `stp: error:` once (main prints it), naming the subcommand.
+        command = self.prog.removeprefix("stp").strip()
+        return f"{command}: {message}" if command else message
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,16 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="stp",
         description="Synergistic tensor and pipeline parallelism: schedules, simulator, runtime.",
     )
+    parser.add_argument("--version", action="version", version=f"stp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for mod_name in SUBCOMMANDS:
-        try:
-            mod = import_module(mod_name)
-        except ModuleNotFoundError as e:
-            if e.name == mod_name:  # subcommand not built yet
-                continue
-            raise
-        mod.register(sub)
+        import_module(mod_name).register(sub)
     return parser
 
 
@@ -59,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (CliError, ValueError) as e:
         print(f"stp: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("stp: interrupted", file=sys.stderr)
         return 130

@@ -150,7 +150,7 @@ def stage_inputs(args: argparse.Namespace, costs: Costs, mem: MemCosts, num_rank
         from stp.costmodel.stages import layered_costs
 
         model = parse_model(args.model)
-        _check_mllm_sum(model, part)
+        _check_partition_sum(model, part)
         layered = layered_costs(model, parse_hardware(args.hardware or "a100-80g"), num_ranks,
                                 costs, mem, layers)
     elif part == "auto":
@@ -164,19 +164,13 @@ def stage_inputs(args: argparse.Namespace, costs: Costs, mem: MemCosts, num_rank
                        memory_limit=memory_limit)
 
 
-def _check_mllm_sum(model: object, part: object) -> None:
-    """A multimodal model's explicit partition counts encoder blocks and decoder
-    layers together; say so when the counts miss the total."""
-    from stp.costmodel.mllm import MLLMSpec
+def _check_partition_sum(model: object, part: object) -> None:
+    """An explicit partition checked in the model family's own words (a multimodal
+    model counts encoder blocks and decoder layers together)."""
+    from stp.costmodel.families import costs_of
 
-    if not isinstance(model, MLLMSpec) or not isinstance(part, tuple):
-        return
-    if sum(part) != model.total_layers:
-        shown = partition_text(part)
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        raise ValueError(f"--partition {shown} sums to {sum(part)} layers but {model.name} has "
-                         f"{model.vision_layers} vision + {model.layers} decoder = "
-                         f"{model.total_layers}; count both, vision layers first")
+    if isinstance(part, tuple):
+        costs_of(model).check_partition(model, part)
 
 
 def partition_text(counts: tuple[int, ...] | None) -> str:

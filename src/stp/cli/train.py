@@ -33,6 +33,7 @@ import os
 import sys
 from typing import Any
 
+from stp.cli.common import EXIT_USAGE
 from stp.cli.flags import add_flags, from_args
 from stp.cli.train_supervise import (
     StepTracker,
@@ -129,7 +130,7 @@ def _summary(s: Any, as_json: bool) -> None:
     print(text, file=sys.stderr if as_json else sys.stdout, flush=True)
 
 
-def _train_here(job: Any, as_json: bool) -> int:
+def _train_here(resolved: Any, as_json: bool) -> int:
     """Train as one rank of an initialised (or about to be) world; returns the exit
     status (stp.cli.train_supervise: what a failure or an interrupt prints)."""
     from stp.runtime.errors import exit_status
@@ -137,6 +138,7 @@ def _train_here(job: Any, as_json: bool) -> int:
     from stp.runtime.watch import Heartbeat, exit_on_signals
     from stp.train.loop import run
 
+    job = resolved.job
     tracker = StepTracker(_Progress(job.steps, as_json))
     if os.environ.get("RANK", "0") == "0":
         exit_on_signals(interrupt_printer(tracker, bar=not as_json))
@@ -146,7 +148,7 @@ def _train_here(job: Any, as_json: bool) -> int:
     try:
         init_distributed(timeout=job.timeout)
         heartbeat = Heartbeat.from_env(timeout=job.timeout)
-        summary = run(job, tracker)
+        summary = run(resolved, tracker)
     except (ValueError, RuntimeError) as e:  # RankError, a backend's error: one line
         say(rank_failure_line(e, heartbeat))
         return exit_status(e)
@@ -158,9 +160,10 @@ def _train_here(job: Any, as_json: bool) -> int:
     return 0
 
 
-def _worker(job: Any, as_json: bool) -> None:
-    """Entry point of a locally launched worker (module level: started by name)."""
-    code = _train_here(job, as_json)
+def _worker(resolved: Any, as_json: bool) -> None:
+    """Entry point of a locally launched worker (module level: started by name), given
+    the run resolved once by the launching process (stp.train.resolve.Run)."""
+    code = _train_here(resolved, as_json)
     sys.stdout.flush()
     sys.stderr.flush()
     if code:
@@ -175,20 +178,20 @@ def _under_torchrun(job: Any, as_json: bool) -> int:
     from stp.runtime.agree import SettingsDiffer, agree
     from stp.runtime.launch import STARTUP_S
     from stp.train.job import check
-    from stp.train.plan import with_schedule_file
+    from stp.train.schedules import with_schedule_file
 
     try:
         # The nodes may start seconds apart: wait as long as a start may take.
         agree(shared_settings(job), timeout=max(job.timeout, STARTUP_S))
         job = with_schedule_file(job)
-        check(job, world_size=int(os.environ["WORLD_SIZE"]))
+        resolved = check(job, world_size=int(os.environ["WORLD_SIZE"]))
     except ValueError as e:
         # Once: by rank 0; a disagreement also on the other nodes (their first rank).
         if os.environ.get("RANK") == "0" or (
                 isinstance(e, SettingsDiffer) and os.environ.get("LOCAL_RANK") == "0"):
             say(f"stp: error: {e}")
-        return 2
-    code = _train_here(job, as_json)
+        return EXIT_USAGE
+    code = _train_here(resolved, as_json)
     if code:
         sys.stderr.flush()
         os._exit(code)
@@ -202,18 +205,20 @@ def run_train(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from stp.runtime.launch import in_torchrun, launch_local
     from stp.train.job import check
-    from stp.train.plan import with_schedule_file
+    from stp.train.schedules import with_schedule_file
 
     job = from_args(TrainJob, args)
     if in_torchrun():
         return _under_torchrun(job, args.json)
     job = with_schedule_file(job)  # -m of a schedule file, before the batch size is fixed
-    check(job)
+    resolved = check(job)
     if job.out is None:  # fixed once, after the checks: the default is a new directory
-        job = dataclasses.replace(job, out=str(job.out_dir()))
+        job = dataclasses.replace(resolved.job, out=str(job.out_dir()))
+        resolved = dataclasses.replace(resolved, job=job)
     if job.world_size == 1:
-        return _train_here(job, args.json)
-    result = launch_local(_worker, (job, args.json), job.world_size, describe=rank_namer(job))
+        return _train_here(resolved, args.json)
+    result = launch_local(_worker, (resolved, args.json), job.world_size,
+                          describe=rank_namer(job))
     if result.interrupted is not None:
         if result.exits[0].returncode < 0:  # rank 0 ended before it could say where it was
             say("stp: interrupted")

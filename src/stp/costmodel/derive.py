@@ -1,110 +1,30 @@
-"""Model + hardware + pipeline size -> the simulator's costs and memory units.
+"""Model + hardware + pipeline size -> the simulator's costs and memory units,
+and the `--model` / `--hardware` text a user gives for them.
 
-What one rank does for one microbatch (its share: `L = layers / pp`
-transformer layers, all of its chunks together; `stp.sim.costs`):
-
-    f, b, w   L x (F, B, W FLOPs of a layer, `stp.costmodel.model`) / achieved FLOP/s
-    ar        L x 2 all-reduces of the layer output (s b h 16-bit values) in one
-              F pass (Megatron-LM TP: after attention and after the MLP; B has the
-              same two on the input gradients; Shoeybi et al. 2019, section 3)
-    comm      one send of the stage output, s b h 16-bit values (1/t of it per
-              TP rank with sequence parallelism, Korthikanti et al. 2023)
-    mem       M_B = 1 unit = L x M_B bytes of a layer; M_W as a fraction of it
-
-Times are in milliseconds. The embedding and output layer (vocabulary) sit on
-the first and last stage only, so they are not in these uniform costs (the
-output layer's forward is reported as `lm_head_ms`); `stp.costmodel.stages`
-adds them to the first and last stage of a per-stage cost table, which is
-what `--model` simulates, and `--partition auto` balances them by giving
-those stages fewer layers, as the Zero Bubble and STP papers do.
-
-The offload ratio of "PipeOffload" (arXiv 2503.01328), `k = T_offload /
-T_compute`, is `M_B bytes / host bandwidth` over `f + b + w`: k <= 1 means
-every activation can go to host memory and back within its own compute.
+`derive` hands a spec to its own cost functions (stp.costmodel.families): a
+decoder's in stp.costmodel.decoder_costs (whose doc gives the formulas: times
+of one rank's share in milliseconds, memory in units of its M_B, PipeOffload's
+offload ratio), a multimodal model's in stp.costmodel.mllm_costs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 
-from stp.costmodel.hardware import HardwareSpec, allreduce_time, p2p_time
+from stp.costmodel.decoder_costs import Derived
+from stp.costmodel.families import costs_of
+from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.mllm import MLLM_MODELS, MLLMSpec
-from stp.costmodel.model import ModelSpec, layer_activation_bytes, layer_flops
+from stp.costmodel.model import ModelSpec
 from stp.costmodel.presets import HARDWARE, MODELS
-from stp.schedule.memory import MemCosts
-from stp.sim.costs import Costs
 
 __all__ = ["Derived", "derive", "parse_model", "parse_hardware"]
 
 
-@dataclass(frozen=True)
-class Derived:
-    """The simulator's inputs for one (model, hardware, pp), and how they came about."""
-
-    costs: Costs
-    """Times of one microbatch through one rank's share, milliseconds."""
-    mem: MemCosts
-    """M_B = 1 (the unit of every memory figure) and M_W / M_B."""
-    bytes_per_unit: float
-    """Bytes of one M_B unit on one GPU: converts memory figures to bytes."""
-    layers_per_rank: float
-    flops_per_rank: tuple[float, float, float]
-    """F, B, W FLOPs of one microbatch through one rank's share (one TP rank)."""
-    lm_head_ms: float
-    """Output layer forward time (last stage only; not in `costs`, in the
-    per-stage table of `stp.costmodel.stages`)."""
-    offload_ratio: float
-    """PipeOffload's k = offload time of M_B / compute time f + b + w."""
-
-    def to_json(self) -> dict[str, object]:
-        c = self.costs
-        return {
-            "costs_ms": {"f": c.f, "b": c.b, "w": c.w, "ar": c.ar, "comm": c.comm},
-            "mem": {"b": self.mem.m_b, "w": self.mem.m_w},
-            "bytes_per_unit": self.bytes_per_unit,
-            "layers_per_rank": self.layers_per_rank,
-            "flops_per_rank": list(self.flops_per_rank),
-            "lm_head_ms": self.lm_head_ms,
-            "offload_ratio": self.offload_ratio,
-        }
-
-
 def derive(model: ModelSpec | MLLMSpec, hardware: HardwareSpec, pp: int) -> Derived:
-    """Per-rank costs of `model` cut into `pp` pipeline ranks on `hardware`
-    (a multimodal model: `stp.costmodel.mllm_costs.derive_mllm`)."""
-    if isinstance(model, MLLMSpec):
-        from stp.costmodel.mllm_costs import derive_mllm
-
-        return derive_mllm(model, hardware, pp)
-    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
-        raise ValueError(f"pipeline size pp={pp!r} must be an integer >= 1")
-    if pp > model.layers:
-        raise ValueError(
-            f"pp={pp} exceeds the model's {model.layers} layers; at most one rank per layer"
-        )
-    per_rank = model.layers / pp
-    f_fl, b_fl, w_fl = (x * per_rank for x in layer_flops(model))
-    ms = 1e3 / hardware.achieved_flops
-    s, b, h, t = model.sequence, model.micro_batch, model.hidden, model.tp
-    layer_out = 2.0 * s * b * h  # bytes of one 16-bit layer output
-    ar = 2 * per_rank * allreduce_time(layer_out, t, hardware.tp_bandwidth, hardware.tp_latency)
-    sent = layer_out / t if model.sequence_parallel else layer_out
-    comm = p2p_time(sent, hardware.pp_bandwidth, hardware.pp_latency)
-    m_b, m_w = layer_activation_bytes(model)
-    unit = m_b * per_rank
-    costs = Costs(f=f_fl * ms, b=b_fl * ms, w=w_fl * ms, ar=ar * 1e3, comm=comm * 1e3)
-    lm_head = 2.0 * s * b * h * model.vocab / t * ms
-    compute = costs.f + costs.b + costs.w
-    offload = (unit / hardware.host_bandwidth * 1e3) / compute
-    return Derived(
-        costs=costs,
-        mem=MemCosts(m_b=1.0, m_w=m_w / m_b),
-        bytes_per_unit=unit,
-        layers_per_rank=per_rank,
-        flops_per_rank=(f_fl, b_fl, w_fl),
-        lm_head_ms=lm_head,
-        offload_ratio=offload,
-    )
+    """Per-rank costs of `model` cut into `pp` pipeline ranks on `hardware` (the
+    spec's own: stp.costmodel.families)."""
+    return costs_of(model).derive(model, hardware, pp)
 
 
 def _convert(cls: type, key: str, raw: str, what: str) -> object:

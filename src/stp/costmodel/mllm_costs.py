@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from stp.costmodel.derive import Derived, derive
+from stp.costmodel.decoder_costs import Derived, derive_decoder, edge_costs, head_flops
 from stp.costmodel.hardware import HardwareSpec, allreduce_time, p2p_time
 from stp.costmodel.mllm import (
     MLLMSpec,
@@ -40,13 +40,12 @@ from stp.costmodel.mllm import (
     vision_layer_flops,
 )
 from stp.costmodel.model import layer_activation_bytes, layer_flops
-from stp.costmodel.stages import edge_costs, head_flops
 from stp.schedule.memory import MemCosts
 from stp.sim.costs import Costs
 from stp.sim.layered import LayeredCosts
 from stp.sim.stages import StageCost, StageCosts
 
-__all__ = ["MixedLayeredCosts", "derive_mllm", "mllm_layered_costs"]
+__all__ = ["MixedLayeredCosts", "check_mllm_partition", "derive_mllm", "mllm_layered_costs"]
 
 
 def _ar_ms(num_bytes: float, spec: MLLMSpec, hw: HardwareSpec) -> float:
@@ -189,7 +188,8 @@ def mllm_layered_costs(spec: MLLMSpec, hardware: HardwareSpec, pp: int, costs: C
     # blocks fill the rest of the pipeline)
     view_pp = min(pp, view.layers)
     embed, head = edge_costs(view, hardware, view_pp)
-    edge_scale = derive(view, hardware, view_pp).bytes_per_unit / unit  # their units -> ours
+    # their units -> ours
+    edge_scale = derive_decoder(view, hardware, view_pp).bytes_per_unit / unit
     first = _total([(fit(embed, edge_scale), 1), (fit(_patch_embed(spec, hardware)), 1)])
     first = replace(first, ar_b=0.0)
     block, _ = _vision_block(spec, hardware)
@@ -198,3 +198,14 @@ def mllm_layered_costs(spec: MLLMSpec, hardware: HardwareSpec, pp: int, costs: C
         comm=costs.comm, units=2 * layers, num_layers=spec.total_layers,
         vision=fit(block), num_vision=spec.vision_layers, merger=fit(_merger(spec, hardware)),
     )
+
+
+def check_mllm_partition(spec: MLLMSpec, counts: tuple[int, ...]) -> None:
+    """An explicit partition counts encoder blocks and decoder layers together; say so
+    when the counts miss the total."""
+    if sum(counts) != spec.total_layers:
+        shown = ",".join(map(str, counts))
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise ValueError(f"--partition {shown} sums to {sum(counts)} layers but {spec.name} has "
+                         f"{spec.vision_layers} vision + {spec.layers} decoder = "
+                         f"{spec.total_layers}; count both, vision layers first")

@@ -1,5 +1,5 @@
 """What every unit shares: the per-microbatch bookkeeping of the unit protocol
-(stp.runtime.stage_api.Unit; the order of calls is in stp.models.decoder's doc),
+(stp.runtime.stage_api.Unit; the order of calls is in stp.models.decoder.units's doc),
 the deferred weight-gradient store, and the one engine call that walks a unit's
 graph in B (input gradient, plus the tapped linears' output gradients or the
 plain-autograd weight gradients of the same walk).

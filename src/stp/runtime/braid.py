@@ -1,6 +1,6 @@
 """Braided execution on the runtime: an action run unit by unit, all-reduces in flight.
 
-A pass through a stage is a chain of units (stp.models.decoder: attention, MLP,
+A pass through a stage is a chain of units (stp.models.decoder.units: attention, MLP,
 plus the embedding / loss units of the first / last stage); each F or B unit
 ends in a TP all-reduce of its partial sum (STP paper, arXiv
 2510.27257, Fig. 2). `UnitRunner`
@@ -19,7 +19,7 @@ simulator's (stp.sim.engine), so a measured run and a simulated one line up:
 * a lone pass waits for each of its all-reduces in turn, the last one before
   the action ends (plain TP code);
 * a full backward, alone or in a block, runs W_u while AR(B_u) is in flight:
-  W of a unit needs only B's partial step (stp.models.decoder, early W);
+  W of a unit needs only B's partial step (stp.models.decoder.units, early W);
 * in a block, a chain's last all-reduce is held: it runs under the next
   action and the pass's output (hence its send, stp.runtime.executor) is
   finished when it completes. Held tails are finished as soon as a poll after

@@ -25,13 +25,11 @@ import torch.distributed as dist
 
 __all__ = [
     "RankError", "CommTimeout", "PeerLost", "FailureKind", "failure_kind", "is_timeout",
-    "first_line", "wrap", "exit_status", "EXIT_FAILED", "EXIT_USAGE", "EXIT_PEER",
+    "first_line", "wrap", "exit_status", "EXIT_FAILED", "EXIT_PEER",
 ]
 
 EXIT_FAILED = 1
 """This rank failed by itself (an error in its own work)."""
-EXIT_USAGE = 2
-"""Bad input, refused before any work (the CLI's convention)."""
 EXIT_PEER = 3
 """This rank stopped because a peer timed out or went away: a consequence, not a cause."""
 

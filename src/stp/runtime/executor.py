@@ -119,7 +119,7 @@ class Executor:
         self._open: list[tuple[Transfer, float]] = []  # posted, not yet seen complete
         self.sends_deferred = 0
         """Sends posted after their batch, their all-reduce held (all runs so far)."""
-        for s, st in self.stages.items():  # e.g. stp.models.stage.ModelStage
+        for s, st in self.stages.items():  # e.g. stp.models.decoder.stage.ModelStage
             tell = getattr(st, "weights_in_backward", None)
             if callable(tell):
                 tell(p.mb for p in sch.passes(pp_rank) if p.stage == s and p.kind is Kind.BW)

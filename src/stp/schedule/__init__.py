@@ -1,5 +1,6 @@
 """Schedules as data: the IR, the generators, validation. Imports no torch."""
 
+from stp.schedule.io import parse_action
 from stp.schedule.ir import (
     Action,
     Block,
@@ -9,7 +10,6 @@ from stp.schedule.ir import (
     Schedule,
     format_action,
     looped_placement,
-    parse_action,
     passes_of,
     v_placement,
 )

@@ -208,7 +208,6 @@ def stp(num_ranks: int, num_microbatches: int) -> Schedule:
         num_microbatches=m,
         stage_to_rank=v_placement(p),
         actions=tuple(tuple(row) for row in rows),
-        offload_chunk=0,  # chunk-0 activations live longest (see Schedule.offload_chunk)
         meta={
             "chunks": 2,
             "placement": "v",

@@ -37,7 +37,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import replace
 
-from stp.schedule.ir import Action, Kind, Schedule, parse_action, passes_of
+from stp.schedule.ir import Action, Block, Kind, Pass, Schedule, passes_of
 from stp.schedule.limits import (
     MAX_MICROBATCHES,
     MAX_RANKS,
@@ -54,6 +54,7 @@ from stp.schedule.validate import ScheduleError, validate
 
 __all__ = [
     "load_csv", "parse_csv", "dump_csv", "load_json", "parse_json", "dump_json", "JSON_FORMAT",
+    "parse_action", "from_rows",
 ]
 
 JSON_FORMAT = "stp-schedule"
@@ -62,6 +63,85 @@ _JSON_VERSION = 1
 
 # Actions PyTorch's lowered ("compute_comms") CSV holds but a compute-only one must not.
 _COMM_RE = re.compile(r"^\s*\d+(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)\d*\s*$")
+
+
+# Action text is PyTorch's (Kind.B is its "I", Kind.BW its "B"): reading it is an
+# exchange-format job, so this is the one place a letter becomes a Kind.
+_PASS_RE = re.compile(r"^\s*(\d+)\s*(F|I|W|B)\s*(\d+)\s*$")
+_BLOCK_RE = re.compile(r"^\s*\((.*)\)\s*OVERLAP_F_B\s*$")
+
+
+def parse_action(text: str) -> Action:
+    """Parse `0F3`, `2I1`, `1B0` or `(0F7;7I3)OVERLAP_F_B`. Raises ValueError."""
+    m = _BLOCK_RE.match(text)
+    if m:
+        parts = [s for s in m.group(1).split(";") if s.strip()]
+        passes = []
+        for part in parts:
+            p = parse_action(part)
+            if isinstance(p, Block):
+                raise ValueError(f"nested block in {text!r}")
+            passes.append(p)
+        return Block(tuple(passes))
+    m = _PASS_RE.match(text)
+    if not m:
+        raise ValueError(
+            f"unknown action {text!r}: expected STAGE KIND MICROBATCH with KIND one of "
+            "F, I, W, B (e.g. '0F3', '2I1') or '(a;b)OVERLAP_F_B'"
+        )
+    return Pass(int(m.group(1)), Kind(m.group(2)), int(m.group(3)))
+
+
+def from_rows(
+    rows: Sequence[Sequence[str]],
+    *,
+    name: str = "custom",
+    stage_to_rank: Sequence[int] | None = None,
+    num_microbatches: int | None = None,
+) -> Schedule:
+    """A schedule from per-rank action strings (PyTorch's compute-only CSV rows).
+
+    The placement is inferred from the rows when not given (each stage must
+    appear on one rank only); the microbatch count is inferred as one more
+    than the largest microbatch index when not given.
+    """
+    actions: list[tuple[Action, ...]] = []
+    owner: dict[int, int] = {}
+    max_mb = -1
+    for r, row in enumerate(rows):
+        acts = []
+        for c, cell in enumerate(row):
+            if not cell.strip():
+                continue
+            try:
+                a = parse_action(cell)
+            except ValueError as e:
+                raise ValueError(f"row {r} (rank {r}), cell {c}: {e}") from None
+            for p in passes_of(a):
+                if owner.setdefault(p.stage, r) != r:
+                    raise ValueError(
+                        f"row {r} (rank {r}), cell {c}: stage {p.stage} of {cell!r} is "
+                        f"already on rank {owner[p.stage]}; a stage lives on one rank"
+                    )
+                max_mb = max(max_mb, p.mb)
+            acts.append(a)
+        actions.append(tuple(acts))
+    if stage_to_rank is None:
+        if not owner:
+            raise ValueError("no actions in the schedule")
+        n = max(owner) + 1
+        missing = [s for s in range(n) if s not in owner]
+        if missing:
+            raise ValueError(f"stages {missing} appear on no rank")
+        stage_to_rank = [owner[s] for s in range(n)]
+    m = num_microbatches if num_microbatches is not None else max_mb + 1
+    return Schedule(
+        name=name,
+        num_ranks=len(rows),
+        num_microbatches=m,
+        stage_to_rank=tuple(stage_to_rank),
+        actions=tuple(actions),
+    )
 
 
 def _where(row: int, cell: int) -> str:
@@ -206,7 +286,7 @@ def parse_csv(
         if not any(row):
             raise ValueError(f"row {r} (rank {r}) holds no actions; every rank needs a stage")
     # parses cells, infers the placement, refuses a stage on two ranks
-    sch = Schedule.from_rows(rows, name=name or "csv", num_microbatches=num_microbatches)
+    sch = from_rows(rows, name=name or "csv", num_microbatches=num_microbatches)
     cell_of = [[c for c, cell in enumerate(row) if cell] for row in rows]
     located = [
         list(zip(cols, acts, strict=True))
@@ -271,7 +351,6 @@ def dump_json(schedule: Schedule) -> str:
         "num_ranks": schedule.num_ranks,
         "num_microbatches": schedule.num_microbatches,
         "stage_to_rank": list(schedule.stage_to_rank),
-        "offload_chunk": schedule.offload_chunk,
         "meta": _json_meta(schedule.meta),
     }
     lines = ["{"]
@@ -329,10 +408,12 @@ def parse_json(text: str, *, check: bool = True) -> Schedule:
     if len(placement) > MAX_STAGES:  # type: ignore[arg-type]
         raise ValueError(f"JSON schedule: stage_to_rank lists {len(placement)} stages; "  # type: ignore[arg-type]
                          f"at most {MAX_STAGES} are read")
-    offload_chunk = obj.get("offload_chunk", 0)  # optional: a hand-written file may omit it
-    if not isinstance(offload_chunk, int) or isinstance(offload_chunk, bool):
-        raise ValueError(f"JSON schedule: offload_chunk={brief(offload_chunk)} must be a chunk "
-                         "index")
+    # Files written before the `stp` offload policy fixed its chunk carry
+    # offload_chunk, always 0; another value asks for what stp no longer does.
+    chunk = obj.get("offload_chunk", 0)
+    if type(chunk) is not int or chunk != 0:
+        raise ValueError(f"JSON schedule: offload_chunk={brief(chunk)}: the stp offload policy "
+                         "moves chunk 0 only; drop the key")
     meta = obj.get("meta", {})
     if not isinstance(meta, dict):
         raise ValueError(f"JSON schedule: meta={brief(meta)} must be an object")
@@ -361,7 +442,6 @@ def parse_json(text: str, *, check: bool = True) -> Schedule:
         stage_to_rank=tuple(placement),  # type: ignore[arg-type]
         actions=tuple(actions),
         meta={k: _tuples(v) for k, v in meta.items()},
-        offload_chunk=offload_chunk,
     )
     if check:
         validate(sch)  # ScheduleError names rank and position (= index in actions[rank])

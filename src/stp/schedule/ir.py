@@ -16,13 +16,15 @@ can be exchanged with PyTorch:
                              Pipeline Parallelism", arXiv 2510.27257)
 
 Stages are global (virtual) stage indices; which rank holds a stage is the
-schedule's placement (`stage_to_rank`).
+schedule's placement (`stage_to_rank`). Reading the text back (`parse_action`,
+`from_rows`) is `stp.schedule.io`'s: PyTorch's letters are not our names
+(`Kind.B` is "I", `Kind.BW` is "B"), so only the exchange module turns a
+letter into a `Kind`.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple
@@ -35,7 +37,6 @@ __all__ = [
     "Action",
     "Schedule",
     "passes_of",
-    "parse_action",
     "format_action",
     "looped_placement",
     "v_placement",
@@ -169,31 +170,6 @@ def passes_of(action: Action) -> tuple[Pass, ...]:
     return action.passes if isinstance(action, Block) else (action,)
 
 
-_PASS_RE = re.compile(r"^\s*(\d+)\s*(F|I|W|B)\s*(\d+)\s*$")
-_BLOCK_RE = re.compile(r"^\s*\((.*)\)\s*OVERLAP_F_B\s*$")
-
-
-def parse_action(text: str) -> Action:
-    """Parse `0F3`, `2I1`, `1B0` or `(0F7;7I3)OVERLAP_F_B`. Raises ValueError."""
-    m = _BLOCK_RE.match(text)
-    if m:
-        parts = [s for s in m.group(1).split(";") if s.strip()]
-        passes = []
-        for part in parts:
-            p = parse_action(part)
-            if isinstance(p, Block):
-                raise ValueError(f"nested block in {text!r}")
-            passes.append(p)
-        return Block(tuple(passes))
-    m = _PASS_RE.match(text)
-    if not m:
-        raise ValueError(
-            f"unknown action {text!r}: expected STAGE KIND MICROBATCH with KIND one of "
-            "F, I, W, B (e.g. '0F3', '2I1') or '(a;b)OVERLAP_F_B'"
-        )
-    return Pass(int(m.group(1)), Kind(m.group(2)), int(m.group(3)))
-
-
 def format_action(action: Action) -> str:
     return str(action)
 
@@ -226,13 +202,6 @@ class Schedule:
     stage_to_rank: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
     meta: dict[str, object] = field(default_factory=dict, compare=False)
-    offload_chunk: int = 0
-    """The chunk index (per rank, 0..chunks-1) whose activations the STP
-    offload variant copies to host memory ("Synergistic Tensor and Pipeline
-    Parallelism", arXiv 2510.27257, offloading schedule). On the V placement
-    chunk 0's forward runs first and its backward last, so its activations
-    live longest: the long gap hides the copy out and back, and they are most
-    of the peak; chunk 1 mostly stays resident. 0 for every generator today."""
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
@@ -253,11 +222,6 @@ class Schedule:
             counts[r] += 1
         if len(set(counts)) != 1:
             raise ValueError(f"placement gives ranks unequal stage counts {counts}")
-        if not 0 <= self.offload_chunk < self.chunks:
-            raise ValueError(
-                f"offload_chunk={self.offload_chunk!r} is not a chunk index; "
-                f"accepted are 0..{self.chunks - 1} ({self.chunks} chunks per rank)"
-            )
 
     # -- derived facts -------------------------------------------------------
 
@@ -294,56 +258,3 @@ class Schedule:
     def format(self) -> str:
         """Readable multi-line form: `rank r: 0F0 0F1 ...`."""
         return "\n".join(f"rank {r}: " + " ".join(row) for r, row in enumerate(self.rows()))
-
-    @classmethod
-    def from_rows(
-        cls,
-        rows: Sequence[Sequence[str]],
-        *,
-        name: str = "custom",
-        stage_to_rank: Sequence[int] | None = None,
-        num_microbatches: int | None = None,
-    ) -> Schedule:
-        """Build a schedule from per-rank action strings.
-
-        The placement is inferred from the rows when not given (each stage must
-        appear on one rank only); the microbatch count is inferred as one more
-        than the largest microbatch index when not given.
-        """
-        actions: list[tuple[Action, ...]] = []
-        owner: dict[int, int] = {}
-        max_mb = -1
-        for r, row in enumerate(rows):
-            acts = []
-            for c, cell in enumerate(row):
-                if not cell.strip():
-                    continue
-                try:
-                    a = parse_action(cell)
-                except ValueError as e:
-                    raise ValueError(f"row {r} (rank {r}), cell {c}: {e}") from None
-                for p in passes_of(a):
-                    if owner.setdefault(p.stage, r) != r:
-                        raise ValueError(
-                            f"row {r} (rank {r}), cell {c}: stage {p.stage} of {cell!r} is "
-                            f"already on rank {owner[p.stage]}; a stage lives on one rank"
-                        )
-                    max_mb = max(max_mb, p.mb)
-                acts.append(a)
-            actions.append(tuple(acts))
-        if stage_to_rank is None:
-            if not owner:
-                raise ValueError("no actions in the schedule")
-            n = max(owner) + 1
-            missing = [s for s in range(n) if s not in owner]
-            if missing:
-                raise ValueError(f"stages {missing} appear on no rank")
-            stage_to_rank = [owner[s] for s in range(n)]
-        m = num_microbatches if num_microbatches is not None else max_mb + 1
-        return cls(
-            name=name,
-            num_ranks=len(rows),
-            num_microbatches=m,
-            stage_to_rank=tuple(stage_to_rank),
-            actions=tuple(actions),
-        )

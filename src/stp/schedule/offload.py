@@ -19,9 +19,16 @@ from dataclasses import dataclass, field
 
 from stp.schedule.ir import Kind, Schedule, passes_of
 
-__all__ = ["OffloadPlan", "positions", "plan_chunks", "parse_policy", "POLICIES"]
+__all__ = ["OffloadPlan", "positions", "plan_chunks", "parse_policy", "POLICIES", "STP_CHUNK"]
 
 POLICIES = ("none", "stp", "selective:X", "all")
+
+STP_CHUNK = 0
+"""The chunk (per rank) whose activations the `stp` policy copies to host
+memory ("Synergistic Tensor and Pipeline Parallelism", arXiv 2510.27257,
+offloading schedule). On the V placement chunk 0's forward runs first and its
+backward last, so its activations live longest: the long gap hides the copy
+out and back, and they are most of the peak; chunk 1 mostly stays resident."""
 
 
 @dataclass(frozen=True)

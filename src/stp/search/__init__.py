@@ -1,10 +1,10 @@
 """Auto-scheduler: the fastest schedule within a memory limit, braided or not.
 
 Pure (no torch): builds schedules in the IR of `stp.schedule`, judged by
-`stp.sim`. See `stp.search.api` for the method.
+`stp.sim`. See `stp.search.entry` for the method.
 """
 
-from stp.search.api import OBJECTIVES, Baseline, SearchResult, min_memory_limit, search
+from stp.search.entry import OBJECTIVES, Baseline, SearchResult, min_memory_limit, search
 from stp.search.greedy import Built, build
 from stp.search.space import Policy, policies, warmup_caps
 

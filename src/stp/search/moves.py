@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from stp.schedule.ir import Action, Done, Kind, Schedule, passes_of
 from stp.schedule.memory import MemCosts, action_memory
 from stp.schedule.validate import ScheduleError
-from stp.search.timeline import Player, exact_for
+from stp.search.replay import Player, exact_for
 from stp.sim.costs import Costs
 from stp.sim.engine import simulate
 from stp.sim.result import SimResult
@@ -86,7 +86,7 @@ def improve(
 
 
 class _Judge:
-    """Times orders of one schedule's actions: `stp.search.timeline` where it
+    """Times orders of one schedule's actions: `stp.search.replay` where it
     is exact (no all-reduce, whole passes), else the simulator."""
 
     def __init__(self, sch: Schedule, costs: Costs, mem: MemCosts, objective: str,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from stp.schedule.ir import Schedule
 from stp.schedule.memory import MemCosts
-from stp.schedule.offload import OffloadPlan, parse_policy, plan_chunks, positions
+from stp.schedule.offload import STP_CHUNK, OffloadPlan, parse_policy, plan_chunks, positions
 from stp.sim.costs import Costs, OffloadCosts
 from stp.sim.stages import StageCosts
 
@@ -42,7 +42,7 @@ def plan_offload(
     if name == "none":
         return OffloadPlan({}, "none")
     if name == "stp":
-        return plan_chunks(schedule, {schedule.offload_chunk}, policy="stp")
+        return plan_chunks(schedule, {STP_CHUNK}, policy="stp")
     if name == "all":
         return plan_chunks(schedule, None, policy="all")
     assert frac is not None

@@ -15,7 +15,6 @@
 - `checkpoint`, `shards`: sharded checkpoints any mesh can resume from.
 - `evaluate`: held-out loss with forward passes only.
 - `data`: the byte-level corpus and deterministic batches.
-- `bench`: the measured side of `stp bench`.
 
 Import from the modules (`from stp.train.trainer import Trainer`): this
 package imports nothing itself, so `stp train --help` stays free of torch.

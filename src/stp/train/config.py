@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stp.train.families import MODULES as FAMILY_MODULES
+
 __all__ = ["ARCHS", "DTYPES", "LR_SCHEDULES", "TOY_SHAPE", "ModelShape", "TrainJob",
            "VisionShape", "option"]
 
@@ -61,12 +63,13 @@ class ModelShape:
     seq_len: int = option(64, "tokens per sequence", minimum=1, maximum=2**20)
 
 
-ARCHS = ("decoder", "mllm")
+ARCHS = tuple(FAMILY_MODULES)
+"""The model families `--arch` names (the registry, stp.train.families)."""
 
 
 @dataclass(frozen=True)
 class VisionShape:
-    """The vision encoder of `--arch mllm` (stp.models.mllm_config.VisionConfig): images
+    """The vision encoder of `--arch mllm` (stp.shapes.mllm.VisionConfig): images
     of image_size**2 pixels cut into patch x patch patches, merge x merge of them one
     decoder token placed before the caption's --seq-len tokens."""
 

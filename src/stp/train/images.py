@@ -1,4 +1,4 @@
-"""Image-caption data for the multimodal model (stp.models.mllm_config).
+"""Image-caption data for the multimodal model (stp.shapes.mllm).
 
 Two sources, one batch format:
 - `ShapeImages(image_size, seed)`: images that exist on every machine, drawn
@@ -41,8 +41,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from stp.models.config import IGNORE_INDEX
-from stp.models.mllm_config import MLLMConfig
+from stp.shapes.decoder import IGNORE_INDEX
+from stp.shapes.mllm import MLLMConfig
 
 __all__ = ["ShapeImages", "ImageFolder", "CaptionBatches", "read_captions", "check_folder",
            "image_choices", "CAPTIONS_FILE"]

@@ -1,7 +1,8 @@
 """The training loop of one `stp train` run on an initialised world.
 
-`run(job, on_step)` builds the mesh, the data and the Trainer (loaded from
-`job.resume` when given), takes optimizer steps up to `job.steps` (a resumed
+`run(resolved, on_step)` takes a job resolved once (stp.train.resolve.Run),
+builds the mesh, the data and the Trainer (loaded from `job.resume` when
+given), takes optimizer steps up to `job.steps` (a resumed
 run continues at the checkpoint's step: batches are a function of the step,
 so its data continue too), evaluates every `job.eval_every` steps, writes a
 sharded checkpoint every `job.save_every` steps and after the last one,
@@ -25,13 +26,9 @@ import torch.distributed as dist
 from stp.files import replacing
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.train.config import TrainJob
-from stp.train.data import ByteBatches, read_corpus
-from stp.train.job import make_schedule, model_config, stage_model
 from stp.train.lr import LRSchedule, adamw
-from stp.train.mllm_job import mllm_batches, mllm_eval_batches
-from stp.train.plan import resolved_partition, stage_layer_counts
-from stp.train.pretrained import copy_tokenizer, job_tokenizer
-from stp.train.tokens import make_batches
+from stp.train.pretrained import copy_tokenizer
+from stp.train.resolve import Run
 from stp.train.trainer import Trainer, TrainerOptions
 
 __all__ = ["StepReport", "RunSummary", "run"]
@@ -99,22 +96,13 @@ EVAL_BATCHES = 4
 so evaluations compare)."""
 
 
-def _eval_batches(job: TrainJob) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The EVAL_BATCHES held-out global batches: --eval-data's, or with --arch mllm
-    held-out images (stp.train.mllm_job.mllm_eval_batches)."""
-    if not job.eval_every or job.emulate is not None:
+def _eval_batches(run: Run) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The EVAL_BATCHES held-out global batches (the family's: --eval-data's text, or
+    with --arch mllm held-out images)."""
+    if not run.job.eval_every or run.job.emulate is not None:
         return []
-    data: Any
-    if job.arch == "mllm":
-        data = mllm_eval_batches(job, model_config(job))
-    elif job.eval_data is None:
-        return []
-    elif job_tokenizer(job):
-        data = make_batches(job, job.eval_data)
-    else:
-        data = ByteBatches.from_bytes(read_corpus(job.eval_data), job.model.seq_len,
-                                      job.global_batch, job.seed)
-    return [data.batch(i) for i in range(EVAL_BATCHES)]
+    data = run.family.eval_batches(run)
+    return [] if data is None else [data.batch(i) for i in range(EVAL_BATCHES)]
 
 
 def _after_step(job: TrainJob, trainer: Trainer, step: int,
@@ -130,32 +118,37 @@ def _after_step(job: TrainJob, trainer: Trainer, step: int,
     return eval_loss, saved
 
 
-def _shared_out(job: TrainJob) -> TrainJob:
-    """`job` with global rank 0's --out on every rank (the default names the time)."""
-    box = [str(job.out_dir()) if dist.get_rank() == 0 else None]  # the default creates it
+def _shared_out(run: Run) -> Run:
+    """`run` with global rank 0's --out on every rank (the default names the time)."""
+    box = [str(run.job.out_dir()) if dist.get_rank() == 0 else None]  # the default creates it
     dist.broadcast_object_list(box, src=0)
-    return dataclasses.replace(job, out=box[0])
+    return dataclasses.replace(run, job=dataclasses.replace(run.job, out=box[0]))
 
 
-def run(job: TrainJob, on_step: Callable[[StepReport], None] | None = None) -> RunSummary | None:
-    """Train `job` on the initialised world (see the module doc)."""
-    mesh = Mesh.from_world(ParallelDims(job.pp, job.tp, job.dp), timeout=job.timeout)
-    job = _shared_out(job)
-    batches: Any = make_batches(job, job.data) if job.arch != "mllm" else (
-        mllm_batches(job, model_config(job)))  # bytes, tokens, or images and captions
-    schedule = make_schedule(job)
-    job, partition = resolved_partition(job, schedule)
-    options = TrainerOptions(
-        dtype=getattr(torch, job.dtype), timeout=job.timeout, hidden=model_config(job).hidden,
+def _options(run: Run) -> TrainerOptions:
+    job = run.job
+    return TrainerOptions(
+        dtype=getattr(torch, job.dtype), timeout=job.timeout,
+        hidden=run.family.model.hidden(run.config),
         offload=job.offload if job.emulate is None else None, braid=job.braid,
         trace=job.trace is not None, clip_grad=job.clip_grad,
         lr_schedule=LRSchedule(job.lr_schedule, job.steps, job.warmup, job.min_lr),
-        partition=partition,
+        partition=run.built_partition,
     )
-    args = (stage_model(job, schedule), adamw(job.lr, weight_decay=job.weight_decay), schedule)
-    kw = {"mesh": mesh, "options": options, "init_from": job.init_from}
+
+
+def run(resolved: Run,
+        on_step: Callable[[StepReport], None] | None = None) -> RunSummary | None:
+    """Train the resolved run on the initialised world (see the module doc)."""
+    job = resolved.job
+    mesh = Mesh.from_world(ParallelDims(job.pp, job.tp, job.dp), timeout=job.timeout)
+    resolved = _shared_out(resolved)
+    job, schedule = resolved.job, resolved.schedule
+    batches = resolved.family.batches(resolved)  # bytes, tokens, or images and captions
+    args = (resolved.stage_model(), adamw(job.lr, weight_decay=job.weight_decay), schedule)
+    kw = {"mesh": mesh, "options": _options(resolved), "init_from": job.init_from}
     trainer = Trainer.resume(job.resume, *args, **kw) if job.resume else Trainer(*args, **kw)
-    evals, sharded = _eval_batches(job), None
+    evals, sharded = _eval_batches(resolved), None
     tokens_per_step = job.global_batch * job.model.seq_len
     losses, times = [], []
     peaks: list[int] | None = None
@@ -179,15 +172,15 @@ def run(job: TrainJob, on_step: Callable[[StepReport], None] | None = None) -> R
     if job.trace is not None and losses:  # the last step, every rank
         trainer.write_trace(job.trace, {"braid": job.braid, "emulate": job.emulate,
                                         "tp": job.tp, "dp": job.dp,
-                                        "partition": stage_layer_counts(job, schedule)})
+                                        "partition": resolved.layer_counts()})
     if job.save_hf is not None:  # every rank writes its own stages' files
         trainer.save_hf(job.save_hf)
         if mesh.rank == 0:
-            copy_tokenizer(job)
+            copy_tokenizer(job.tokenizer, job.save_hf)
     state = trainer.full_state_dict()
     if mesh.rank != 0:
         return None
-    path = _save(job, state or {}, losses)
+    path = _save(job, resolved.config, state or {}, losses)
     return RunSummary(
         job=job, microbatches=schedule.num_microbatches, backend=str(dist.get_backend()),
         device=str(mesh.device), parameters=sum(t.numel() for t in (state or {}).values()),
@@ -196,7 +189,8 @@ def run(job: TrainJob, on_step: Callable[[StepReport], None] | None = None) -> R
     )
 
 
-def _save(job: TrainJob, state: dict[str, torch.Tensor], losses: list[float]) -> str:
+def _save(job: TrainJob, config: Any, state: dict[str, torch.Tensor],
+          losses: list[float]) -> str:
     out = job.out_dir()
     out.mkdir(parents=True, exist_ok=True)
     path = out / "checkpoint.pt"
@@ -204,7 +198,7 @@ def _save(job: TrainJob, state: dict[str, torch.Tensor], losses: list[float]) ->
         torch.save(
             {
                 "model": state,
-                "model_config": dataclasses.asdict(model_config(job)),
+                "model_config": dataclasses.asdict(config),
                 "job": dataclasses.asdict(job),
                 "losses": losses,
             },

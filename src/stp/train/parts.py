@@ -19,12 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from stp.models import ModelConfig
 from stp.models.hf import HFCheckpoint
 from stp.runtime.executor import Executor
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.runtime.offload import ActivationOffloader
 from stp.schedule import Schedule
+from stp.train.families import TrainFamily
 from stp.train.grad_sync import GradSync
 from stp.train.lr import LRSchedule
 from stp.train.precision import Precision
@@ -84,8 +84,11 @@ class Parts:
     """Width of the stage boundary tensors."""
     source: HFCheckpoint | None
     """The Hugging Face checkpoint the weights were read from (init_from)."""
-    model_config: ModelConfig | None
-    """The decoder's config (None for any other model): checkpoints record its
+    family: TrainFamily | None
+    """The model family of the model's config (stp.train.families); None for a
+    stage builder."""
+    model_config: Any
+    """The family's config (None for a stage builder): checkpoints record its
     shape, save_hf writes it, the shared gradients follow it."""
     stages: dict[int, Any]
     """This rank's PipelineStages by global stage index."""

@@ -44,7 +44,7 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 def _held_ids(unit: Any) -> list[int]:
     """ids of the tensors a unit holds: its attributes, and `weights()` (a unit that
-    runs several layers, stp.models.chunk, holds them through its parts)."""
+    runs several layers, stp.models.decoder.chunk, holds them through its parts)."""
     held = [*vars(unit).values(), *(unit.weights() if callable(getattr(unit, "weights", None))
                                     else ())]
     return list(dict.fromkeys(id(v) for v in held))

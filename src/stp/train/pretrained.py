@@ -9,15 +9,23 @@ one left out takes the checkpoint's value.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
-from stp.models import ModelConfig
+from stp.shapes import ModelConfig
+from stp.train.config import ModelShape
+from stp.train.tokens import (
+    TokenBatches,
+    Tokenizer,
+    TokenStream,
+    find_tokenizer,
+    tokenize,
+    tokenizer_vocab,
+)
 
-__all__ = ["checkpoint_config", "check_pretrained", "copy_tokenizer", "job_tokenizer"]
+__all__ = ["checkpoint_config", "check_pretrained", "copy_tokenizer"]
 
 # ModelShape field -> (ModelConfig field, what config.json calls it)
 _SHAPE_FLAGS = {
@@ -28,38 +36,25 @@ _SHAPE_FLAGS = {
 }
 
 
-def checkpoint_config(job: Any) -> ModelConfig:
+def checkpoint_config(init_from: str, shape: ModelShape) -> ModelConfig:
     """The model of --init-from DIR: config.json, checked against the weights' headers
-    and against the model-shape flags given (ValueError naming the path or flag)."""
+    and against the model-shape flags given in `shape` (ValueError naming the path or
+    flag)."""
     from stp.models.hf import HFCheckpoint
 
-    config = HFCheckpoint.open(job.init_from).config
+    config = HFCheckpoint.open(init_from).config
     for flag, (field, hf) in _SHAPE_FLAGS.items():
-        given = getattr(job.model, flag)
+        given = getattr(shape, flag)
         if given is not None and given != getattr(config, field):
             raise ValueError(
                 f"--{flag.replace('_', '-')} {given} contradicts the checkpoint "
-                f"{job.init_from!r} ({hf}={getattr(config, field)} in its config.json); "
+                f"{init_from!r} ({hf}={getattr(config, field)} in its config.json); "
                 f"drop --{flag.replace('_', '-')}"
             )
-    if job.model.seq_len > config.max_seq_len:
-        raise ValueError(f"--seq-len {job.model.seq_len} exceeds the checkpoint's "
+    if shape.seq_len > config.max_seq_len:
+        raise ValueError(f"--seq-len {shape.seq_len} exceeds the checkpoint's "
                          f"max_position_embeddings={config.max_seq_len}")
     return config
-
-
-def _raw_config(job: Any) -> dict[str, Any] | None:
-    if job.init_from is None:
-        return None
-    return json.loads((Path(job.init_from) / "config.json").read_text())
-
-
-def job_tokenizer(job: Any) -> tuple[Path, int] | None:
-    """(tokenizer.json, EOS id) when the job's text is tokenised, else None (bytes)."""
-    from stp.train.tokens import eos_id, find_tokenizer
-
-    path = find_tokenizer(job.tokenizer, job.init_from)
-    return None if path is None else (path, eos_id(path, _raw_config(job)))
 
 
 def _check_save_dir(job: Any) -> None:
@@ -76,42 +71,40 @@ def _check_save_dir(job: Any) -> None:
         raise ValueError(f"--save-hf {job.save_hf!r}: cannot write in {str(parent)!r}")
 
 
-def check_pretrained(job: Any, config: ModelConfig) -> None:
-    """The checks of --init-from, --save-hf and --tokenizer before any worker starts;
-    tokenises --data (and --eval-data) into the cache the workers then read."""
-    from stp.train.tokens import TokenBatches, TokenStream, tokenize, tokenizer_vocab
+def check_pretrained(job: Any, config: ModelConfig, found: Tokenizer | None) -> None:
+    """The checks of --init-from, --save-hf and --tokenizer (`found`: the run's
+    tokenizer) before any worker starts; tokenises --data (and --eval-data) into the
+    cache the workers then read."""
 
     if job.init_from is not None and job.emulate is not None:
         raise ValueError("--emulate-compute does not compute: drop --init-from or "
                          "--emulate-compute")
     if job.save_hf is not None:
         _check_save_dir(job)
-    found = job_tokenizer(job)
     if found is None:
         if job.init_from is not None and config.vocab_size < 256:
             raise ValueError(f"{job.init_from!r} has no tokenizer.json and its vocabulary of "
                              f"{config.vocab_size} cannot hold bytes; give --tokenizer PATH")
         return
-    vocab = tokenizer_vocab(found[0])
+    vocab = tokenizer_vocab(found.path)
     if vocab > config.vocab_size:
-        raise ValueError(f"tokenizer {str(found[0])!r} has {vocab} tokens, more than the "
+        raise ValueError(f"tokenizer {str(found.path)!r} has {vocab} tokens, more than the "
                          f"model's vocab_size={config.vocab_size}")
     for data in [job.data] + ([job.eval_data] if job.eval_data is not None else []):
-        stream = TokenStream(tokenize(data, *found))
+        stream = TokenStream(tokenize(data, found.path, found.eos))
         TokenBatches(stream, job.model.seq_len, job.global_batch)  # ValueError: too short
 
 
-def copy_tokenizer(job: Any) -> None:
+def copy_tokenizer(tokenizer: str | None, save_hf: str | None) -> None:
     """Put --tokenizer's files into the --save-hf directory (the model was trained on
     its ids), next to whatever the --init-from checkpoint brought."""
-    if job.tokenizer is None or job.save_hf is None:
+    if tokenizer is None or save_hf is None:
         return
     from stp.models.hf import TOKENIZER_FILES
-    from stp.train.tokens import find_tokenizer
 
-    found = find_tokenizer(job.tokenizer, None)
+    found = find_tokenizer(tokenizer, None)
     assert found is not None
-    shutil.copyfile(found, Path(job.save_hf) / "tokenizer.json")
+    shutil.copyfile(found, Path(save_hf) / "tokenizer.json")
     for name in TOKENIZER_FILES[1:]:
         if name != "generation_config.json" and (found.parent / name).is_file():
-            shutil.copyfile(found.parent / name, Path(job.save_hf) / name)
+            shutil.copyfile(found.parent / name, Path(save_hf) / name)

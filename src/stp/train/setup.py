@@ -16,7 +16,6 @@ loads the Parts with those three (stp.train.checkpoint).
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -25,11 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stp.models import ModelConfig, build_stage, check_model
 from stp.models.hf import HFCheckpoint, agreeing_config
-from stp.models.mllm_config import MLLMConfig
-from stp.models.mllm_stage import build_mllm_stage, check_mllm
-from stp.models.shared_grads import SharedGrads
 from stp.runtime.executor import Executor
 from stp.runtime.launch import in_torchrun, init_distributed
 from stp.runtime.mesh import Mesh, ParallelDims
@@ -39,11 +34,11 @@ from stp.runtime.stage_api import PipelineStage
 from stp.runtime.trace import Recorder
 from stp.schedule import Schedule, registry, validate
 from stp.schedule.lower import lower
-from stp.schedule.placement import partition_layers
+from stp.train.families import family_of
 from stp.train.grad_sync import GradSync
 from stp.train.parts import Parts, TrainerOptions
-from stp.train.plan import is_schedule_file, load_schedule_file
 from stp.train.precision import Precision
+from stp.train.schedules import is_schedule_file, load_schedule_file
 
 __all__ = ["TrainerOptions", "StageBuilder", "Parts", "build", "resolve_schedule",
            "stage_builder", "world_mesh"]
@@ -69,21 +64,15 @@ def resolve_schedule(schedule: str | Schedule, dims: ParallelDims,
 
 def stage_builder(model: Any, opts: TrainerOptions, num_stages: int, tp: int,
                   source: Any = None) -> tuple[StageBuilder, int]:
-    """(stage builder, boundary width) for a ModelConfig (its weights read from
-    `source`, an HFCheckpoint, when given) or a builder."""
-    if isinstance(model, MLLMConfig):  # vision encoder + decoder: layers counted together
-        check_mllm(model, tp, num_stages)
-        if opts.partition is not None:
-            partition_layers(model.num_layers, num_stages, opts.partition)  # ValueError
-        return functools.partial(build_mllm_stage, model, partition=opts.partition), (
-            model.hidden)
-    if isinstance(model, ModelConfig):
-        check_model(model, tp, num_stages)
-        if opts.partition is not None:
-            partition_layers(model.num_layers, num_stages, opts.partition)  # ValueError
-        weights = {} if source is None else {"weights": source.read}
-        return functools.partial(build_stage, model, partition=opts.partition,
-                                 **weights), model.hidden
+    """(stage builder, boundary width) for a model family's config (its weights read
+    from `source`, an HFCheckpoint, when given) or a builder."""
+    family = family_of(model)
+    if family is not None:
+        family.model.check(model, tp, num_stages)
+        weights = None if source is None else source.read
+        builder = family.model.stage_builder(model, num_stages, partition=opts.partition,
+                                             weights=weights)
+        return builder, family.model.hidden(model)
     if opts.partition is not None:
         raise ValueError("partition= splits a ModelConfig's layers; a stage builder "
                          "decides its own stages' layers")
@@ -95,6 +84,7 @@ def stage_builder(model: Any, opts: TrainerOptions, num_stages: int, tp: int,
     if opts.hidden is None:
         raise ValueError("a stage builder needs hidden= (width of boundary tensors)")
     return model, opts.hidden
+
 
 def world_mesh(dims: ParallelDims, opts: TrainerOptions) -> Mesh:
     """The mesh over the whole world, initialising torch.distributed if needed
@@ -129,9 +119,9 @@ def build(
     mesh = mesh or world_mesh(dims, opts)
     device = mesh.device if opts.device is None else torch.device(opts.device)
     stages = _stages(builder, schedule, mesh, device, opts.dtype)
-    model_config = model if isinstance(model, ModelConfig) else None
-    shared = None if model_config is None else SharedGrads.on_mesh(
-        model_config, stages, schedule, mesh)
+    family = family_of(model)
+    model_config = None if family is None else model
+    shared = None if family is None else family.model.shared_grads(model, stages, schedule, mesh)
     named = [(n, p) for st in stages.values() for n, p in st.named_parameters()]
     units = [u for st in stages.values() for u in getattr(st, "units", ())]
     precision = Precision(named, units)
@@ -142,7 +132,8 @@ def build(
         schedule, mesh.coord.pp, stages, runtime_plan(schedule, opts.offload), device=device)
     executor = _executor(schedule, mesh, stages, offloader, opts, hidden, device)
     return Parts(mesh=mesh, dims=dims, schedule=schedule, options=opts, device=device,
-                 hidden=hidden, source=source, model_config=model_config, stages=stages,
+                 hidden=hidden, source=source, family=family, model_config=model_config,
+                 stages=stages,
                  holds_loss=holds_loss, precision=precision, offloader=offloader,
                  executor=executor, sync=sync)
 

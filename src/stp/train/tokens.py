@@ -27,18 +27,39 @@ import os
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from stp.train.data import ByteBatches, Corpus, open_corpus
 
-__all__ = ["TokenStream", "TokenBatches", "eos_id", "find_tokenizer", "make_batches",
-           "tokenize", "tokenizer_vocab"]
+__all__ = ["TokenStream", "TokenBatches", "Tokenizer", "eos_id", "find_tokenizer",
+           "make_batches", "run_tokenizer", "tokenize", "tokenizer_vocab"]
 
 _TOKEN_BYTES = 4
 assert array("i").itemsize == _TOKEN_BYTES
 _EPOCH_SEED = 7_919
+
+
+class Tokenizer(NamedTuple):
+    """The tokenizer a run's text is cut with."""
+
+    path: Path
+    """Its tokenizer.json."""
+    eos: int
+    """The id that ends every document."""
+
+
+def run_tokenizer(tokenizer: str | None, init_from: str | None) -> Tokenizer | None:
+    """`--tokenizer`'s, else the `--init-from` checkpoint's tokenizer with its EOS id
+    (config.json's `eos_token_id`, else tokenizer_config.json's), None: bytes."""
+    path = find_tokenizer(tokenizer, init_from)
+    if path is None:
+        return None
+    config = None
+    if init_from is not None and (Path(init_from) / "config.json").is_file():
+        config = json.loads((Path(init_from) / "config.json").read_text())
+    return Tokenizer(path, eos_id(path, config))
 
 
 def find_tokenizer(tokenizer: str | None, init_from: str | None) -> Path | None:
@@ -186,13 +207,11 @@ class TokenBatches:
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
-def make_batches(job: Any, data: str | None) -> Any:
-    """The batches of a `stp train` job for `data`: TokenBatches when a tokenizer
-    applies (stp.train.pretrained), else ByteBatches."""
-    from stp.train.pretrained import job_tokenizer
-
-    found = job_tokenizer(job)
-    if found is None:
-        return ByteBatches(open_corpus(data), job.model.seq_len, job.global_batch, job.seed)
-    stream = TokenStream(tokenize(data, *found))
-    return TokenBatches(stream, job.model.seq_len, job.global_batch, job.seed)
+def make_batches(data: str | None, tokenizer: Tokenizer | None, seq_len: int,
+                 global_batch: int, seed: int) -> ByteBatches | TokenBatches:
+    """The global batches of `data` (None: the default corpus): TokenBatches when a
+    tokenizer applies, else ByteBatches (byte-level)."""
+    if tokenizer is None:
+        return ByteBatches(open_corpus(data), seq_len, global_batch, seed)
+    stream = TokenStream(tokenize(data, tokenizer.path, tokenizer.eos))
+    return TokenBatches(stream, seq_len, global_batch, seed)

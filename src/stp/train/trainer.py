@@ -44,9 +44,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stp.models import ModelConfig, valid_token_ratio
-from stp.models.hf import DEFAULT_SHARD_BYTES, HFCheckpoint, save_stages
-from stp.models.mllm_stage import MLLMStage
+from stp.models.family import check_text_batch
+from stp.models.hf import DEFAULT_SHARD_BYTES, HFCheckpoint
+from stp.models.tp.layers import valid_token_ratio
 from stp.runtime.executor import Executor
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.runtime.offload import ActivationOffloader, StepMemory
@@ -54,6 +54,7 @@ from stp.runtime.trace import gather_spans, write_trace
 from stp.schedule import Schedule
 from stp.train import checkpoint
 from stp.train.data import split_batch
+from stp.train.families import TrainFamily
 from stp.train.gather import gather_full_state
 from stp.train.grad_sync import WORLD
 from stp.train.lr import make_scheduler
@@ -69,7 +70,7 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 class Trainer:
     """Trains one model on a pp x tp x dp mesh with one schedule (see module doc).
 
-    `model`: a `stp.models.ModelConfig`, a multimodal `stp.models.mllm_config.
+    `model`: a `stp.models.ModelConfig`, a multimodal `stp.shapes.mllm.
     MLLMConfig` (batches: pixel bytes + tokens, targets over image + text
     positions; stp.train.images) or a StageBuilder. `optimizer`: a
     factory taking this rank's parameters. `schedule`: a registry name, a
@@ -152,8 +153,13 @@ class Trainer:
         return self.parts.source
 
     @property
-    def model_config(self) -> ModelConfig | None:
-        """The decoder's config (None for any other model)."""
+    def family(self) -> TrainFamily | None:
+        """The model family of `model` (stp.train.families); None for a stage builder."""
+        return self.parts.family
+
+    @property
+    def model_config(self) -> Any:
+        """The family's config (None for a stage builder)."""
         return self.parts.model_config
 
     @property
@@ -246,16 +252,12 @@ class Trainer:
         return loss
 
     def _check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
-        """ValueError unless (tokens, targets) is a batch this model can run."""
-        # a multimodal input row is pixel bytes + tokens, its targets cover the decoder's
-        # positions (image tokens + tokens): only the rows must agree
-        packed = isinstance(self.stages[next(iter(self.stages))], MLLMStage)
-        if tokens.dim() != 2 or (tokens.shape[0] if packed else tokens.shape) != (
-                targets.shape[0] if packed else targets.shape):
-            raise ValueError(
-                f"batch needs tokens and targets of one shape [B, s], got {tuple(tokens.shape)} "
-                f"and {tuple(targets.shape)}"
-            )
+        """ValueError unless the batch is one the model trains on (the family's rule;
+        a stage builder's: token ids and targets of one shape)."""
+        if self.family is not None:
+            self.family.model.check_batch(tokens, targets)
+        else:
+            check_text_batch(tokens, targets)
 
     def evaluate(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         """Mean loss of a global batch, forwards only (stp.train.evaluate). Collective."""
@@ -312,7 +314,8 @@ class Trainer:
         safetensors files and their index, the init_from checkpoint's tokenizer files):
         each pipeline rank writes its own stages' files (stp.models.hf.save_stages).
         Collective."""
-        if self.model_config is None:
+        if self.family is None:
             raise ValueError("save_hf needs a Trainer built from a ModelConfig or init_from")
-        save_stages(directory, self.stages, self.mesh, self.model_config, source=self.source,
-                    max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)
+        self.family.model.save_hf(directory, self.stages, self.mesh, self.model_config,
+                                  source=self.source,
+                                  max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)

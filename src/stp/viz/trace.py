@@ -19,7 +19,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from stp.files import write_text_atomic
-from stp.schedule.ir import parse_action, passes_of
+from stp.schedule.io import parse_action
+from stp.schedule.ir import passes_of
 from stp.sim.result import LANES, SimResult, Span
 
 __all__ = ["trace_events", "trace_json", "write_trace"]

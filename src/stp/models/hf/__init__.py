@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from stp.models.config import ModelConfig
+from stp.models.decoder.reference import ReferenceModel, build_reference
 from stp.models.hf.checkpoint import RUN_FIELDS, TOKENIZER_FILES, HFCheckpoint
 from stp.models.hf.config import SUPPORTED_TYPES, config_from_hf, config_to_hf, eos_token_id
 from stp.models.hf.names import hf_name, stp_name
 from stp.models.hf.save import DEFAULT_SHARD_BYTES, save_stages, save_state
-from stp.models.reference import ReferenceModel, build_reference
+from stp.shapes.decoder import ModelConfig
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from stp.models.config import ModelConfig
+from stp.models.decoder.init import ParamSpec, pad_shard, parameter_specs, tp_slice
 from stp.models.hf.config import config_from_hf
 from stp.models.hf.names import hf_name, stp_name
-from stp.models.init import ParamSpec, pad_shard, parameter_specs, tp_slice
+from stp.shapes.decoder import ModelConfig
 
 __all__ = ["HFCheckpoint", "RUN_FIELDS", "TOKENIZER_FILES", "same_weights"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from stp.models.config import ModelConfig, RopeScaling
+from stp.shapes.decoder import ModelConfig, RopeScaling
 
 __all__ = ["SUPPORTED_TYPES", "config_from_hf", "config_to_hf", "eos_token_id"]
 

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from stp.models.config import ModelConfig
 from stp.models.hf.checkpoint import INDEX, HFCheckpoint
 from stp.models.hf.config import config_to_hf
 from stp.models.hf.names import hf_name
+from stp.shapes.decoder import ModelConfig
 
 __all__ = ["DEFAULT_SHARD_BYTES", "save_state", "save_stages"]
 

@@ -1,7 +1,7 @@
 """The raw TP collective: a sum all-reduce over the tensor-parallel group.
 
 Units of a stage never call a collective themselves: they return a partial sum
-and take the reduced tensor back (stp.models.decoder). Whoever drives them
+and take the reduced tensor back (stp.models.decoder.units). Whoever drives them
 picks how to reduce: `make_allreduce` gives the synchronous default the stage
 uses between units; `start_allreduce` gives an in-flight handle for an executor
 that braids two passes and computes while the all-reduce runs (braided

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stp.models.config import IGNORE_INDEX
 from stp.models.tp.wgrad import GradTaps, LinearGrad, NormGrad, WGradEntry
+from stp.shapes.decoder import IGNORE_INDEX
 
 __all__ = [
     "linear",

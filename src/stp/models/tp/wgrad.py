@@ -92,7 +92,7 @@ class ReadyGrad:
     weight: torch.Tensor
     grad: torch.Tensor
     """A gradient autograd already computed in B (a backward whose W follows at once,
-    stp.models.decoder); W only adds it."""
+    stp.models.decoder.units); W only adds it."""
 
     def accumulate(self) -> None:
         accumulate_grad(self.weight, self.grad)

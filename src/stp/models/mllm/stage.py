@@ -1,6 +1,6 @@
-"""One pipeline stage of the multimodal model (stp.models.mllm_config): encoder
-blocks and/or decoder layers, cut into units (stp.models.vision,
-stp.models.decoder) that the executor runs or braids like the decoder's.
+"""One pipeline stage of the multimodal model (stp.shapes.mllm): encoder
+blocks and/or decoder layers, cut into units (stp.models.mllm.vision,
+stp.models.decoder.units) that the executor runs or braids like the decoder's.
 
 Global layers 0..Lv-1 are encoder blocks (the merger follows the last one, on
 the same stage), Lv.. decoder layers; `partition` counts both, so the encoder
@@ -15,14 +15,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stp.models.config import IGNORE_INDEX
-from stp.models.decoder import AttentionUnit, LossUnit, MLPUnit, RopeCache, Unit
-from stp.models.init import ParamSpec, init_full, pad_shard, parameter_specs, tp_slice
-from stp.models.mllm_config import MLLMConfig
-from stp.models.stage import ModelStage, _register, check_tp
+from stp.models.decoder.init import ParamSpec, init_full, pad_shard, parameter_specs, tp_slice
+from stp.models.decoder.stage import ModelStage, _register, check_tp
+from stp.models.decoder.units import AttentionUnit, LossUnit, MLPUnit, RopeCache, Unit
+from stp.models.mllm.vision import InputUnit, MergerUnit, VisionAttentionUnit, VisionMLPUnit
 from stp.models.tp.comm import make_allreduce
-from stp.models.vision import InputUnit, MergerUnit, VisionAttentionUnit, VisionMLPUnit
 from stp.schedule.placement import partition_layers
+from stp.shapes.decoder import IGNORE_INDEX
+from stp.shapes.mllm import MLLMConfig
 
 __all__ = ["MLLMStage", "build_mllm_stage", "check_mllm", "mllm_specs", "mllm_init"]
 

@@ -1,7 +1,7 @@
 """stp's runtime against PyTorch's own: `torch.distributed.pipelining`, side by side.
 
 Both sides train the same decoder (same layers per stage, same initial values,
-stp.models.init), on the same batch, dtype, microbatches and schedule, on pp
+stp.models.decoder.init), on the same batch, dtype, microbatches and schedule, on pp
 ranks with tp=1 (PyTorch's pipelining runs no TP by itself):
 
 * stp: `Trainer.step`, the executor running stp's lowered schedule;
@@ -16,43 +16,29 @@ microbatches (weight gradients are the mean over microbatches: stp seeds each
 backward with 1/m, PyTorch divides by m at the end), all-reduce the mean loss
 over the world so every rank returns it, the global gradient norm (stp's
 Trainer computes it every step, to skip a non-finite step), one optimizer step.
-The PyTorch side lives in stp.train.peer_torch. Steps alternate
+The PyTorch side lives in stp.bench.peer_torch. Steps alternate
 inside one process group (stp, torch, torch-csv, stp, ...), so the drift of a
 shared machine hits every side; each round gives one ratio stp / torch.
 """
 
 from __future__ import annotations
 
-import cProfile
-import ctypes
-import io
-import pstats
-import re
-import resource
-import statistics
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from stp.bench.peer_torch import TORCH_CLASSES, TorchSide
+from stp.bench.probes import gather, peak_growth_mib, profile, span
+from stp.bench.world import in_world
 from stp.models import ModelConfig
 from stp.schedule import registry
-from stp.train.peer_torch import (
-    TORCH_CLASSES,
-    DecoderPart,
-    TorchSide,
-    build_torch_stages,
-    lm_loss,
-    torch_schedule,
-)
 from stp.train.trainer import Trainer
 
-__all__ = ["PeerSpec", "DecoderPart", "lm_loss", "build_torch_stages", "torch_schedule",
-           "TorchSide", "peer_worker", "peer_entry", "run_peer", "format_table", "TORCH_CLASSES"]
+__all__ = ["PeerSpec", "peer_worker", "peer_entry", "run_peer"]
 
 
 @dataclass(frozen=True)
@@ -62,11 +48,11 @@ class PeerSpec:
     schedules: tuple[str, ...] = ("1f1b", "1f1b-interleaved", "zb-v")
     """stp schedule names; each must be in TORCH_CLASSES (csv=True runs it by CSV too)."""
     pp: int = 2
-    layers: int = 8
-    hidden: int = 256
-    heads: int = 4
-    kv_heads: int = 4
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(
+        hidden=256, num_layers=8, num_heads=4, num_kv_heads=4, max_seq_len=128))
+    """The model both sides train (stp's decoder; torch's side builds the same one)."""
     seq_len: int = 128
+    """Tokens per sequence (at most the model's max_seq_len)."""
     microbatch_size: int = 4
     microbatches: int = 8
     dtype: str = "float32"
@@ -92,85 +78,18 @@ class PeerSpec:
             raise ValueError(f"dtype {self.dtype!r} not accepted; use float32, float64 or bfloat16")
         if self.pairs < 1 or self.warmup < 1:
             raise ValueError(f"pairs and warmup must be >= 1, got {self.pairs}, {self.warmup}")
+        if self.seq_len > self.model.max_seq_len:
+            raise ValueError(f"seq_len {self.seq_len} exceeds the model's max_seq_len "
+                             f"{self.model.max_seq_len}")
         if self.profile_rank is not None and not 0 <= self.profile_rank < self.pp:
             raise ValueError(f"profile_rank must be in [0, pp={self.pp}), got {self.profile_rank}")
-
-    def model(self) -> ModelConfig:
-        return ModelConfig(hidden=self.hidden, num_layers=self.layers, num_heads=self.heads,
-                           num_kv_heads=self.kv_heads, max_seq_len=self.seq_len)
-
-
-# -- measuring ------------------------------------------------------------------
-
-
-def _span(fn: Callable[[], Any]) -> tuple[float, list[tuple[float, int]]]:
-    """(seconds from the earliest start to the latest end of fn over the world, each
-    rank's (CPU seconds, minor page faults) in it). CPU time counts the work a rank
-    does (its gloo threads too, not its blocking waits), so it moves far less than
-    wall time when other jobs share the cores."""
-    dist.barrier()
-    start, cpu, faults = time.perf_counter(), time.process_time(), _faults()
-    fn()
-    spans = _gather((start, time.perf_counter(), time.process_time() - cpu, _faults() - faults))
-    wall = max(s[1] for s in spans) - min(s[0] for s in spans)
-    return wall, [(s[2], s[3]) for s in spans]
-
-
-def _faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def _gather(value: Any) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{field}:\s+(\d+)", f.read(), re.MULTILINE)[1])  # type: ignore[index]
-
-
-def _peak_growth_mib(fn: Callable[[], Any]) -> float | None:
-    """Peak resident memory of this process above its level at the start of fn, MiB.
-    glibc is told to map every block over 64 KiB on its own and to return freed
-    memory first, so resident memory follows live tensors; the peak counter is
-    reset through /proc/self/clear_refs. None where that is not possible. The
-    threshold stays fixed for the rest of the process: measure memory last."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD, fixed (no dynamic raise)
-        libc.malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current resident size
-        base = _rss_kib("VmRSS")
-    except OSError:
-        return None
-    fn()
-    return (_rss_kib("VmHWM") - base) / 1024
-
-
-def _profile(fn: Callable[[], Any], rounds: int, on: bool, top: int = 25) -> str | None:
-    """cProfile's top entries by own time over `rounds` calls of fn (every rank calls
-    fn as often; only the one with `on` profiles)."""
-    if not on:
-        for _ in range(rounds):
-            fn()
-        return None
-    prof = cProfile.Profile()
-    for _ in range(rounds):
-        prof.runcall(fn)
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
-    return out.getvalue()
-
 
 Sides = dict[str, Callable[[], float]]
 
 
 def _sides(spec: PeerSpec, name: str) -> Sides:
     """One step of each side of schedule `name` on this rank, as callables."""
-    config, dtype = spec.model(), getattr(torch, spec.dtype)
+    config, dtype = spec.model, getattr(torch, spec.dtype)
     schedule = registry.make(name, spec.pp, spec.microbatches)
 
     def optimizer(ps: list[nn.Parameter]) -> Any:
@@ -197,7 +116,7 @@ def _time(spec: PeerSpec, name: str, sides: Sides) -> dict[str, Any]:
     cpu: dict[str, list[list[tuple[float, int]]]] = {k: [] for k in sides}
     for r in range(spec.warmup + spec.pairs):
         for label, fn in sides.items():
-            wall, per_rank = _span(fn)
+            wall, per_rank = span(fn)
             if r >= spec.warmup:
                 times[label].append(wall)
                 cpu[label].append(per_rank)
@@ -220,11 +139,11 @@ def peer_worker(spec: PeerSpec) -> dict[str, Any] | None:
     rows = [_time(spec, name, sides[name]) for name in spec.schedules]
     for row in rows:
         if spec.profile_rank is not None:
-            row["profile"] = {label: _profile(fn, spec.pairs, rank == spec.profile_rank)
+            row["profile"] = {label: profile(fn, spec.pairs, rank == spec.profile_rank)
                               for label, fn in sides[row["schedule"]].items()}
     for row in rows:  # last: it fixes glibc's mmap threshold for the rest of the process
         if spec.memory:
-            row["peak_mib"] = {label: _gather(_peak_growth_mib(fn))
+            row["peak_mib"] = {label: gather(peak_growth_mib(fn))
                                for label, fn in sides[row["schedule"]].items()}
     if rank == 0 or rank == spec.profile_rank:
         return {"spec": spec, "rows": rows, "rank": rank}
@@ -233,13 +152,7 @@ def peer_worker(spec: PeerSpec) -> dict[str, Any] | None:
 
 def peer_entry(spec: PeerSpec) -> dict[str, Any] | None:
     """A launched worker (module level, spawned by name; stp.runtime.launch.launch_local)."""
-    from stp.runtime.launch import init_distributed
-
-    init_distributed(timeout=spec.timeout)
-    try:
-        return peer_worker(spec)
-    finally:
-        dist.destroy_process_group()
+    return in_world(peer_worker, spec, spec.timeout)
 
 
 def run_peer(spec: PeerSpec) -> dict[str, Any]:
@@ -262,45 +175,3 @@ def run_peer(spec: PeerSpec) -> dict[str, Any]:
     return out
 
 
-def format_table(result: dict[str, Any]) -> str:
-    """The figures of one run as Markdown: per schedule, each side's median step time
-    (ms, slowest rank) and stp / side min / median / max over rounds; then per side
-    and rank the median CPU ms and page faults per step and the peak resident
-    growth in a step (MiB)."""
-    spec: PeerSpec = result["spec"]
-    rows = result["rows"]
-    others = [k for k in rows[0]["times"] if k != "stp"]
-    lines = [f"pp={spec.pp} tp=1, {spec.layers} layers, hidden {spec.hidden}, seq "
-             f"{spec.seq_len}, microbatch size {spec.microbatch_size}, m={spec.microbatches}, "
-             f"{spec.dtype}, {spec.pairs} rounds", "",
-             "| schedule | stp ms | " + " | ".join(f"{k} ms | stp/{k} min / med / max"
-                                                   for k in others) + " |",
-             "|---" * (2 + 2 * len(others)) + "|"]
-    for row in rows:
-        med = {k: f"{1e3 * statistics.median(v):.1f}" for k, v in row["times"].items()}
-        ratios = [f"{med[k]} | {_spread(row[f'ratio_{k}'])}" for k in others]
-        lines.append(f"| {row['schedule']} | {med['stp']} | " + " | ".join(ratios) + " |")
-    lines += ["", "| schedule | side | CPU ms per rank | CPU stp/side per rank "
-              "| page faults per rank | peak MiB per rank |", "|---|---|---|---|---|---|"]
-    for row in rows:
-        cpu = {k: _per_rank(v, 0) for k, v in row["cpu"].items()}
-        for side in row["cpu"]:
-            ratio = "-" if side == "stp" else _join(
-                (a / b for a, b in zip(cpu["stp"], cpu[side], strict=True)), "{:.2f}")
-            peaks = (row.get("peak_mib") or {}).get(side) or []
-            lines.append(f"| {row['schedule']} | {side} | {_join(1e3 * c for c in cpu[side])} "
-                         f"| {ratio} | {_join(_per_rank(row['cpu'][side], 1))} | "
-                         f"{', '.join('?' if v is None else f'{v:.0f}' for v in peaks) or '-'} |")
-    return "\n".join(lines)
-
-
-def _per_rank(rounds: list[list[tuple[float, int]]], field: int) -> list[float]:
-    return [statistics.median(r[k][field] for r in rounds) for k in range(len(rounds[0]))]
-
-
-def _join(values: Any, fmt: str = "{:.0f}") -> str:
-    return ", ".join(fmt.format(v) for v in values)
-
-
-def _spread(values: list[float]) -> str:
-    return f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}"

@@ -1,4 +1,4 @@
-"""The PyTorch side of the peer benchmark (stp.train.peer): stp's decoder layers as
+"""The PyTorch side of the peer benchmark (stp.bench.peer): stp's decoder layers as
 a plain-autograd module, PyTorch's `PipelineStage`s over it and its schedule
 classes, and one training step of that side doing the work `Trainer.step` does.
 """
@@ -18,8 +18,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from stp.models import ModelConfig
-from stp.models.init import init_full, parameter_specs
-from stp.models.rope import RopeCache, apply_rope
+from stp.models.decoder.init import init_full, parameter_specs
+from stp.models.decoder.rope import RopeCache, apply_rope
 from stp.schedule import Schedule
 from stp.schedule import io as schedule_io
 from stp.schedule.placement import stage_layers
@@ -45,8 +45,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 class DecoderPart(nn.Module):
     """Layers `layers` of the decoder as plain autograd code, parameters under the global
-    names and with the initial values of stp's stage (stp.models.init). The same kernels
-    as stp's units (F.linear, SDPA with enable_gqa, RoPE tables of stp.models.decoder),
+    names and with the initial values of stp's stage (stp.models.decoder.init). The same kernels
+    as stp's units (F.linear, SDPA with enable_gqa, RoPE tables of stp.models.decoder.units),
     so both sides do the same FLOPs. first: token ids [b, s] in (embedding); last:
     logits [b, s, V] out (norm and head); else hidden states [b, s, h] in and out."""
 

@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from stp.models.config import ModelConfig
+from stp.shapes.decoder import ModelConfig
 
 __all__ = [
     "ParamSpec",

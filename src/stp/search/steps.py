@@ -1,4 +1,4 @@
-"""The steps of one search (`stp.search.api.search`), over one pool of scored
+"""The steps of one search (`stp.search.entry.search`), over one pool of scored
 candidates and one deadline."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from stp.schedule.validate import validate
 from stp.search.greedy import build
 from stp.search.local import braid_pass, refine_caps
 from stp.search.moves import improve
+from stp.search.replay import Player, exact_for
 from stp.search.space import Policy, placement, policies, warmup_caps
-from stp.search.timeline import Player, exact_for
 from stp.search.vshape import candidates as v_shape_candidates
 from stp.search.zbv import cost_aware_v_variants
 from stp.sim.costs import Costs
@@ -58,7 +58,7 @@ def _has_blocks(sch: Schedule) -> bool:
 @dataclass
 class Run:
     """One search: its inputs, its deadline and the pool of scored candidates.
-    Each method is one step of the method in `stp.search.api`."""
+    Each method is one step of the method in `stp.search.entry`."""
 
     p: int
     m: int
@@ -84,7 +84,7 @@ class Run:
     reserve: float = 0.0
     """Seconds kept at the end of the time limit for what cannot be cut short:
     the final validation and simulation, and the step under way when time
-    runs out (`stp.search.api.search` sets it from how long the handcrafted
+    runs out (`stp.search.entry.search` sets it from how long the handcrafted
     schedules took to simulate on this machine, at least 10% of the limit)."""
 
     def simulate(self, sch: Schedule) -> SimResult:

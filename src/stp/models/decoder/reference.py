@@ -4,7 +4,7 @@ Written independently of the unit code on purpose (F.linear, F.embedding,
 F.cross_entropy, repeated kv heads instead of enable_gqa, autograd for every
 gradient), so that a stage-by-stage, shard-by-shard run agreeing with it checks
 the TP split, the all-reduce placement and the split backward. Parameters have
-the same global names and initial values as the stages (stp.models.init).
+the same global names and initial values as the stages (stp.models.decoder.init).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stp.models.config import IGNORE_INDEX, ModelConfig
-from stp.models.init import init_full, parameter_specs
-from stp.models.rope import RopeCache, apply_rope
+from stp.models.decoder.init import init_full, parameter_specs
+from stp.models.decoder.rope import RopeCache, apply_rope
+from stp.shapes.decoder import IGNORE_INDEX, ModelConfig
 
 __all__ = ["ReferenceModel", "build_reference"]
 

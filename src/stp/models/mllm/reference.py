@@ -1,10 +1,10 @@
 """The whole multimodal model in one process, no TP, plain autograd: the parity
-reference for the unit stages (stp.models.mllm_stage).
+reference for the unit stages (stp.models.mllm.stage).
 
 Written independently of the units: images are cut into patches with
 torch.nn.functional.unfold (channel-first) and reordered window by window,
 attention is an explicit softmax, GELU is written out, the merge is a gather
-of each window's patches, and the decoder is stp.models.reference's own model
+of each window's patches, and the decoder is stp.models.decoder.reference's own model
 (itself independent of the decoder units), fed embeddings instead of tokens.
 Parameters have the stages' global names and initial values (mllm_init).
 """
@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stp.models.config import IGNORE_INDEX
-from stp.models.mllm_config import MLLMConfig
-from stp.models.mllm_stage import mllm_init, mllm_specs
-from stp.models.reference import ReferenceModel
+from stp.models.decoder.reference import ReferenceModel
+from stp.models.mllm.stage import mllm_init, mllm_specs
+from stp.shapes.decoder import IGNORE_INDEX
+from stp.shapes.mllm import MLLMConfig
 
 __all__ = ["MLLMReference", "build_mllm_reference"]
 

@@ -1,11 +1,11 @@
-"""A fast timeline of pass-only schedules, for the local search's many trials.
+"""A fast replay of pass-only schedules, for the local search's many trials.
 
 Exact where the simulator's model reduces to whole passes: no TP all-reduce
 (costs.ar = 0), one layer per chunk and no braided block. Then a pass starts
 when its rank is free and its inputs are there (plus `comm` from another
 rank) and takes F = f/v, B = b/v, W = w/v, BW = (b+w)/v ("Zero Bubble Pipeline
 Parallelism", arXiv 2401.10241, section 2), which is what `stp.sim.simulate`
-computes; `tests/search/test_timeline.py` checks the two agree. Elsewhere the
+computes; `tests/search/test_v_search.py` checks the two agree. Elsewhere the
 search calls the simulator.
 """
 

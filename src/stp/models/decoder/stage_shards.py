@@ -1,6 +1,6 @@
 """From TP shards back to full parameters.
 
-A stage's parameter shard is `tp_slice` of the full tensor (stp.models.init):
+A stage's parameter shard is `tp_slice` of the full tensor (stp.models.decoder.init):
 an equal cut, a cut of the padded vocabulary, or, with fewer kv heads than TP
 ranks, a whole kv head held by several ranks. `unshard` inverts that.
 """
@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from stp.models.config import ModelConfig
-from stp.models.init import ParamSpec, tp_slice
+from stp.models.decoder.init import ParamSpec, tp_slice
+from stp.shapes.decoder import ModelConfig
 
 __all__ = ["ShardSource", "unshard"]
 

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stp.models.config import ModelConfig
-from stp.models.init import ShardSlice
+from stp.models.decoder.init import ShardSlice
+from stp.shapes.decoder import ModelConfig
 
 __all__ = ["SharedGrads"]
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from stp.models.config import ModelConfig
+from stp.shapes.decoder import ModelConfig
 
 __all__ = ["VisionConfig", "MLLMConfig"]
 

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from stp.models.config import RopeScaling
+from stp.shapes.decoder import RopeScaling
 
 __all__ = ["RopeCache", "apply_rope", "inverse_frequencies"]
 

@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stp.models.chunk import LayerChunk
-from stp.models.config import IGNORE_INDEX, ModelConfig
-from stp.models.decoder import AttentionUnit, EmbedUnit, LossUnit, MLPUnit, RopeCache, Unit
-from stp.models.init import ParamSpec, ShardSlice, init_shard, parameter_specs, tp_slice
-from stp.models.stage_shards import ShardSource, unshard
+from stp.models.decoder.chunk import LayerChunk
+from stp.models.decoder.init import ParamSpec, ShardSlice, init_shard, parameter_specs, tp_slice
+from stp.models.decoder.stage_shards import ShardSource, unshard
+from stp.models.decoder.units import AttentionUnit, EmbedUnit, LossUnit, MLPUnit, RopeCache, Unit
 from stp.models.tp.comm import AllReduce, launch_sum, make_allreduce
 from stp.schedule.placement import partition_layers
+from stp.shapes.decoder import IGNORE_INDEX, ModelConfig
 
 __all__ = ["ModelStage", "ShardSource", "build_stage", "check_tp"]
 
@@ -109,7 +109,7 @@ class ModelStage(nn.Module):
         self.allreduce = allreduce
         self.tp_group = tp_group
         self._async = async_allreduce and tp_size > 1
-        # One TP rank: nothing to braid, so the layers run as one unit (stp.models.chunk).
+        # One TP rank: nothing to braid, so the layers run as one unit (stp.models.decoder.chunk).
         self.fuse_layers = tp_size == 1 if fuse_layers is None else fuse_layers
         self.specs = {s.name: s for s in specs}
         self._shard_dims = {s.name: s.shard_dim for s in specs}
@@ -326,7 +326,7 @@ def build_stage(
     `weights(config, spec, tp_size, tp_rank, device=, dtype=)` gives each parameter's
     shard: the seeded init by default, or a checkpoint's slice (stp.models.hf).
     `fuse_layers` (default: when tp_size == 1) runs the stage's layers as one unit
-    (stp.models.chunk): with one TP rank there is no all-reduce for units to hide."""
+    (stp.models.decoder.chunk): with one TP rank there is no all-reduce for units to hide."""
     if not isinstance(config, ModelConfig):
         raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:

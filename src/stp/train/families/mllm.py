@@ -1,11 +1,12 @@
 """`stp train --arch mllm`: the multimodal model, its checks and its data.
 
-The decoder's shape comes from the usual flags (stp.train.job.model_config);
+The decoder's shape comes from the usual flags (stp.train.families.decoder);
 the encoder's from `TrainJob.vision`. `--seq-len` is the caption's tokens:
 the decoder sees image tokens + seq-len positions. The data are seeded
 coloured-shape images (stp.train.images.ShapeImages), or `--images DIR`.
 `--partition` counts vision blocks first, then decoder layers; `auto` asks the
-multimodal cost model (stp.train.mllm_plan). `--eval-every` evaluates on
+multimodal cost model (stp.costmodel.mllm_costs, through the family's cost
+spec: stp.train.resolve). `--eval-every` evaluates on
 held-out images: `--eval-images DIR`, or with generated shapes a held-out
 stream of them (never the training images).
 """
@@ -14,16 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
-from stp.models import ModelConfig
-from stp.models.mllm_config import MLLMConfig, VisionConfig
-from stp.models.mllm_stage import check_mllm
+from stp.models.mllm.family import MLLM
 from stp.schedule import Schedule
+from stp.shapes import MLLMConfig, ModelConfig, VisionConfig
 from stp.train.config import TrainJob
+from stp.train.families.decoder import decoder_config
 from stp.train.images import CaptionBatches, ImageFolder, ShapeImages, check_folder
-from stp.train.mllm_plan import check_auto_fits
 
-__all__ = ["mllm_config", "check_mllm_job", "mllm_batches", "mllm_eval_batches"]
+__all__ = ["FAMILY", "MLLMJob", "check_auto_fits", "mllm_config", "mllm_batches",
+           "mllm_eval_batches"]
 
 
 def mllm_config(job: TrainJob, decoder: ModelConfig) -> MLLMConfig:
@@ -41,29 +43,55 @@ def mllm_config(job: TrainJob, decoder: ModelConfig) -> MLLMConfig:
                          "--vision-hidden, --vision-heads)") from None
 
 
-def check_mllm_job(job: TrainJob, config: MLLMConfig, schedule: Schedule) -> None:
-    """ValueError for settings `--arch mllm` does not take, or a model that does not fit."""
-    if job.save_hf is not None:
-        raise ValueError("--arch mllm cannot --save-hf: stp's vision encoder and merger have no "
-                         "Hugging Face layout to write; the checkpoints in --out keep the full "
-                         "state (continue with --resume); drop --save-hf")
-    if job.eval_data is not None:
-        raise ValueError(f"--arch mllm evaluates on held-out images, not text: drop --eval-data "
-                         f"{job.eval_data!r} (held-out shapes are generated; with --images give "
-                         "--eval-images DIR)")
-    for flag, value in (("--init-from", job.init_from), ("--tokenizer", job.tokenizer),
-                        ("--data", job.data), ("--emulate-compute", job.emulate)):
-        if value is not None:
-            raise ValueError(f"--arch mllm trains on images (--images DIR or generated shapes); "
-                             f"drop {flag}")
-    if job.partition == "auto":  # before check_mllm: the message names --partition auto
-        check_auto_fits(config, schedule.num_stages)
-    check_mllm(config, job.tp, schedule.num_stages)
-    if job.images is not None:
-        if not Path(job.images).is_dir():
-            raise ValueError(f"--images {job.images!r} is not a directory")
-        ImageFolder(Path(job.images), job.vision.image_size)  # reads captions.txt
-    _check_eval(job)
+def check_auto_fits(config: MLLMConfig, stages: int) -> None:
+    """ValueError (one line) when the model has fewer layers than `stages`."""
+    vis, dec = config.vision.num_layers, config.decoder.num_layers
+    if vis + dec < stages:
+        raise ValueError(f"--partition auto: {vis} vision + {dec} decoder layers cannot fill "
+                         f"the schedule's {stages} stages (every stage needs a layer); give "
+                         "more --vision-layers / --layers or fewer stages")
+
+
+class MLLMJob:
+    name = "mllm"
+    model = MLLM
+
+    def check_flags(self, job: TrainJob) -> None:
+        """Settings `--arch mllm` does not take."""
+        if job.save_hf is not None:
+            raise ValueError("--arch mllm cannot --save-hf: stp's vision encoder and merger have "
+                             "no Hugging Face layout to write; the checkpoints in --out keep the "
+                             "full state (continue with --resume); drop --save-hf")
+        if job.eval_data is not None:
+            raise ValueError(f"--arch mllm evaluates on held-out images, not text: drop "
+                             f"--eval-data {job.eval_data!r} (held-out shapes are generated; "
+                             "with --images give --eval-images DIR)")
+        for flag, value in (("--init-from", job.init_from), ("--tokenizer", job.tokenizer),
+                            ("--data", job.data), ("--emulate-compute", job.emulate)):
+            if value is not None:
+                raise ValueError(f"--arch mllm trains on images (--images DIR or generated "
+                                 f"shapes); drop {flag}")
+
+    def config(self, job: TrainJob, tokenizer: Any) -> MLLMConfig:
+        return mllm_config(job, decoder_config(job, tokenizer))
+
+    def check_run(self, job: TrainJob, config: MLLMConfig, schedule: Schedule) -> None:
+        """A model that does not fit, or images that cannot be read."""
+        if job.partition == "auto":  # before check_mllm: the message names --partition auto
+            check_auto_fits(config, schedule.num_stages)
+        self.model.check(config, job.tp, schedule.num_stages)
+        if job.images is not None:
+            if not Path(job.images).is_dir():
+                raise ValueError(f"--images {job.images!r} is not a directory")
+            ImageFolder(Path(job.images), job.vision.image_size)  # reads captions.txt
+        _check_eval(job)
+
+    def batches(self, run: Any) -> CaptionBatches:
+        return mllm_batches(run.job, run.config)
+
+    def eval_batches(self, run: Any) -> CaptionBatches | None:
+        return mllm_eval_batches(run.job, run.config) if run.job.eval_every else None
+
 
 
 def _check_eval(job: TrainJob) -> None:
@@ -98,3 +126,6 @@ def mllm_eval_batches(job: TrainJob, config: MLLMConfig) -> CaptionBatches:
         raise ValueError("--eval-every with --images needs --eval-images DIR")
     return CaptionBatches(source, config, job.model.seq_len, job.global_batch, job.seed,
                           in_order=True)
+
+
+FAMILY = MLLMJob()

@@ -1,5 +1,5 @@
 """The vision encoder cut into units at its TP all-reduces, like the decoder
-(stp.models.decoder), so braided blocks (STP paper arXiv 2510.27257, Fig. 3)
+(stp.models.decoder.units), so braided blocks (STP paper arXiv 2510.27257, Fig. 3)
 interleave encoder units as well.
 
     pixels+tokens -> InputUnit: patch embedding (row-parallel: each rank holds
@@ -13,7 +13,7 @@ interleave encoder units as well.
                      fc1 (col) -> gelu -> fc2 (row) into the decoder width
                      (Qwen2-VL's patch merger, arXiv 2409.12191), all-reduce
 
-Every unit takes and returns the packed hidden state (stp.models.mllm_config):
+Every unit takes and returns the packed hidden state (stp.shapes.mllm):
 [b, image_tokens + T, hidden], image rows first. The encoder's units work on
 the image rows only; the text rows (the caption's embedding) pass through.
 The norm is RMSNorm (Qwen2.5-VL's vision tower; Qwen2-VL uses LayerNorm), so
@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from stp.models.decoder import Unit
-from stp.models.mllm_config import MLLMConfig, VisionConfig
+from stp.models.decoder.units import Unit
 from stp.models.tp.layers import linear, rms_norm, vocab_embedding_partial
 from stp.models.tp.wgrad import EmbedGrad, LinearGrad, WGradEntry, accumulate_grad
+from stp.shapes.mllm import MLLMConfig, VisionConfig
 
 __all__ = ["InputUnit", "VisionAttentionUnit", "VisionMLPUnit", "MergerUnit",
            "pack", "unpack", "patchify"]

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from stp.models.decoder import AttentionUnit, MLPUnit, Unit
+from stp.models.decoder.units import AttentionUnit, MLPUnit, Unit
 
 __all__ = ["LayerChunk"]
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from stp.models.rope import RopeCache, apply_rope
+from stp.models.decoder.rope import RopeCache, apply_rope
 from stp.models.tp.layers import (
     linear,
     rms_norm,
@@ -110,7 +110,7 @@ class _ResidualUnit(Unit):
         return [w for w in (self.norm_w, *self._matrices()) if w is not None]
 
     def branch(self, x: torch.Tensor, sink: GradTaps | None) -> torch.Tensor:
-        """f(RMSNorm(x)) in one graph, for one TP rank (stp.models.chunk)."""
+        """f(RMSNorm(x)) in one graph, for one TP rank (stp.models.decoder.chunk)."""
         return self._body(rms_norm(x, self.norm_w, self.eps, sink), sink)
 
     def forward_partial(

@@ -1,7 +1,7 @@
 """`search`: the fastest schedule whose every rank stays within a memory limit.
 
 Method (each step judged by the simulator, `stp.sim.simulate`, or by the
-fast timeline of `stp.search.timeline` where that is the simulator's):
+fast replay of `stp.search.replay` where that is the simulator's):
 
 1. Seeds: every handcrafted schedule of the registry that fits the limit and
    the requested space (placement, braiding). The answer is never slower than
@@ -28,7 +28,7 @@ fast timeline of `stp.search.timeline` where that is the simulator's):
 The search stops early only when every step is done: each local search has
 reached a schedule that no move of its neighbourhood improves (a move off
 the critical chains cannot shorten them; see `stp.search.moves`). Otherwise
-each step stops at its share of `time_limit` (`stp.search.run.SHARES`;
+each step stops at its share of `time_limit` (`stp.search.steps.SHARES`;
 what a step leaves goes to the next, the local search last), less a reserve
 for the final validation and simulation (`Run.reserve`: at least 10% of the
 limit, more on a slow or loaded machine); `SearchResult.converged` says
@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 from stp.schedule.ir import Block, Schedule
 from stp.schedule.memory import MemCosts
 from stp.schedule.registry import SCHEDULES
-from stp.search.run import Run
 from stp.search.space import placement
+from stp.search.steps import Run
 from stp.sim.costs import Costs
 from stp.sim.engine import simulate
 from stp.sim.result import SimResult

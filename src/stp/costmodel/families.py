@@ -1,0 +1,55 @@
+"""Each cost-model spec and its own cost functions, looked up by the spec's class.
+
+A spec is a model family's torch-free view for the simulator (`ModelSpec`: a
+decoder; `MLLMSpec`: a vision encoder in front of one). The functions that
+price a spec live with its family (stp.costmodel.decoder_costs,
+stp.costmodel.mllm_costs); this table is the one place that pairs them, so
+that `derive` and `layered_costs` dispatch instead of testing classes, and the
+multimodal costs, built on the decoder's, need not import back up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from stp.costmodel.decoder_costs import decoder_layered_costs, derive_decoder
+from stp.costmodel.mllm import MLLMSpec
+from stp.costmodel.mllm_costs import check_mllm_partition, derive_mllm, mllm_layered_costs
+from stp.costmodel.model import ModelSpec
+
+__all__ = ["SpecCosts", "costs_of"]
+
+
+@dataclass(frozen=True)
+class SpecCosts:
+    """How one kind of spec is priced."""
+
+    derive: Callable[..., Any]
+    """(spec, hardware, pp) -> Derived: one rank's uniform share."""
+    layered: Callable[..., Any]
+    """(spec, hardware, pp, costs, mem, layers) -> LayeredCosts: per-layer costs with
+    what the first and last stages add."""
+    check_partition: Callable[[Any, tuple[int, ...]], None]
+    """(spec, counts): ValueError (one line) for counts that cannot cut the model, in
+    the family's own words."""
+
+
+def _any_partition(spec: ModelSpec, counts: tuple[int, ...]) -> None:
+    """A decoder's counts are checked against its layers where they are used."""
+
+
+_BY_SPEC: dict[type, SpecCosts] = {
+    ModelSpec: SpecCosts(derive_decoder, decoder_layered_costs, _any_partition),
+    MLLMSpec: SpecCosts(derive_mllm, mllm_layered_costs, check_mllm_partition),
+}
+
+
+def costs_of(spec: Any) -> SpecCosts:
+    """The cost functions of `spec`'s class; ValueError for an object that is no spec."""
+    found = _BY_SPEC.get(type(spec))
+    if found is None:
+        raise ValueError(f"no cost model for a {type(spec).__name__}; give a ModelSpec or "
+                         "an MLLMSpec (stp.costmodel)")
+    return found

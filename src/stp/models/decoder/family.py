@@ -1,0 +1,70 @@
+"""The decoder family (Llama / Qwen2 style, `stp.shapes.ModelConfig`): its verbs
+for the layers above (stp.models.family)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from stp.costmodel.model import ModelSpec
+from stp.models.decoder.reference import build_reference
+from stp.models.decoder.shared_grads import SharedGrads
+from stp.models.decoder.stage import build_stage, check_model
+from stp.models.family import StageBuilder, check_text_batch
+from stp.models.hf.save import save_stages
+from stp.schedule.placement import partition_layers
+from stp.shapes.decoder import ModelConfig
+
+__all__ = ["DECODER", "DecoderFamily"]
+
+
+class DecoderFamily:
+    name = "decoder"
+    config_type = ModelConfig
+
+    def check(self, config: ModelConfig, tp: int, num_stages: int) -> None:
+        check_model(config, tp, num_stages)
+
+    def num_layers(self, config: ModelConfig) -> int:
+        return config.num_layers
+
+    def hidden(self, config: ModelConfig) -> int:
+        return config.hidden
+
+    def stage_builder(self, config: ModelConfig, num_stages: int, *,
+                      partition: tuple[int, ...] | None,
+                      weights: Callable[..., torch.Tensor] | None = None) -> StageBuilder:
+        if partition is not None:
+            partition_layers(config.num_layers, num_stages, partition)  # ValueError
+        read = {} if weights is None else {"weights": weights}
+        return functools.partial(build_stage, config, partition=partition, **read)
+
+    def check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        check_text_batch(tokens, targets)
+
+    def reference(self, config: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
+        return build_reference(config, dtype)
+
+    def cost_spec(self, config: ModelConfig, *, sequence: int, micro_batch: int,
+                  tp: int) -> ModelSpec:
+        return ModelSpec(
+            layers=config.num_layers, hidden=config.num_heads * config.head_dim,
+            heads=config.num_heads, kv_heads=config.num_kv_heads, ffn=config.ffn,
+            vocab=config.vocab_size, sequence=sequence, micro_batch=micro_batch, tp=tp,
+            gated_mlp=True, name="stp-decoder",
+        )
+
+    def shared_grads(self, config: ModelConfig, stages: Mapping[int, Any], schedule: Any,
+                     mesh: Any) -> SharedGrads:
+        return SharedGrads.on_mesh(config, stages, schedule, mesh)
+
+    def save_hf(self, directory: Any, stages: Mapping[int, Any], mesh: Any,
+                config: ModelConfig, *, source: Any, max_shard_bytes: int) -> None:
+        save_stages(directory, stages, mesh, config, source=source,
+                    max_shard_bytes=max_shard_bytes)
+
+
+DECODER = DecoderFamily()

@@ -1,0 +1,86 @@
+"""The multimodal family (a vision encoder in front of the decoder,
+`stp.shapes.MLLMConfig`): its verbs for the layers above (stp.models.family)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from stp.costmodel.mllm import MLLMSpec
+from stp.models.decoder.shared_grads import SharedGrads
+from stp.models.family import StageBuilder
+from stp.models.mllm.reference import build_mllm_reference
+from stp.models.mllm.stage import build_mllm_stage, check_mllm
+from stp.schedule.placement import partition_layers
+from stp.shapes.mllm import MLLMConfig
+
+__all__ = ["MLLM", "MLLMFamily"]
+
+
+class MLLMFamily:
+    name = "mllm"
+    config_type = MLLMConfig
+
+    def check(self, config: MLLMConfig, tp: int, num_stages: int) -> None:
+        check_mllm(config, tp, num_stages)
+
+    def num_layers(self, config: MLLMConfig) -> int:
+        return config.num_layers  # encoder blocks first, then decoder layers
+
+    def hidden(self, config: MLLMConfig) -> int:
+        return config.hidden
+
+    def stage_builder(self, config: MLLMConfig, num_stages: int, *,
+                      partition: tuple[int, ...] | None,
+                      weights: Callable[..., torch.Tensor] | None = None) -> StageBuilder:
+        if weights is not None:
+            raise ValueError("the multimodal model has no Hugging Face layout to read weights "
+                             "from; it starts from its seeded initialisation")
+        if partition is not None:
+            partition_layers(config.num_layers, num_stages, partition)  # ValueError
+        return functools.partial(build_mllm_stage, config, partition=partition)
+
+    def check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        # an input row is pixel bytes + tokens, its targets cover the decoder's positions
+        # (image tokens + tokens): only the rows must agree
+        if tokens.dim() != 2 or tokens.shape[0] != targets.shape[0]:
+            raise ValueError(
+                f"batch needs tokens and targets of one shape [B, s], got "
+                f"{tuple(tokens.shape)} and {tuple(targets.shape)}"
+            )
+
+    def reference(self, config: MLLMConfig, dtype: torch.dtype) -> torch.nn.Module:
+        return build_mllm_reference(config, dtype)
+
+    def cost_spec(self, config: MLLMConfig, *, sequence: int, micro_batch: int,
+                  tp: int) -> MLLMSpec:
+        """One image per sample and the caption's `sequence` text tokens. Two things the
+        cost model assumes and stp's encoder does not do: Qwen2-VL's patches span two
+        video frames (stp's one image) and its decoder heads are re-split to divide by
+        tp. Both move every partition's cost alike, so a partition's choice barely
+        depends on them."""
+        dec, vis = config.decoder, config.vision
+        return MLLMSpec(
+            layers=dec.num_layers, hidden=dec.num_heads * dec.head_dim, heads=dec.num_heads,
+            kv_heads=dec.num_kv_heads, ffn=dec.ffn, vocab=dec.vocab_size, sequence=sequence,
+            vision_layers=vis.num_layers, vision_hidden=vis.hidden, vision_heads=vis.num_heads,
+            vision_mlp=vis.mlp, patch=vis.patch_size, merge=vis.merge, images=1,
+            resolution=vis.image_size, micro_batch=micro_batch, tp=tp, name="stp-mllm",
+        )
+
+    def shared_grads(self, config: MLLMConfig, stages: Mapping[int, Any], schedule: Any,
+                     mesh: Any) -> SharedGrads:
+        # the decoder's: kv heads replicated when fewer than TP ranks (the encoder has
+        # as many kv heads as heads, and the multimodal model never ties its embedding)
+        return SharedGrads.on_mesh(config.decoder, stages, schedule, mesh)
+
+    def save_hf(self, directory: Any, stages: Mapping[int, Any], mesh: Any,
+                config: MLLMConfig, *, source: Any, max_shard_bytes: int) -> None:
+        raise ValueError("the multimodal model cannot be saved as a Hugging Face checkpoint: "
+                         "stp's vision encoder and merger have no Hugging Face layout")
+
+
+MLLM = MLLMFamily()

@@ -1,0 +1,71 @@
+"""`stp train --arch decoder` (the default): stp's Llama / Qwen2-style decoder on
+text, its shape from the flags (TOY_SHAPE where left out) or from an
+`--init-from` Hugging Face checkpoint, its vocabulary the bytes or the
+tokenizer's tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stp.models.decoder.family import DECODER
+from stp.schedule import Schedule
+from stp.shapes import ModelConfig
+from stp.train.config import TOY_SHAPE, TrainJob
+from stp.train.data import VOCAB_SIZE, ByteBatches, read_corpus
+from stp.train.pretrained import checkpoint_config
+from stp.train.tokens import Tokenizer, make_batches, tokenizer_vocab
+
+__all__ = ["FAMILY", "DecoderJob", "decoder_config"]
+
+
+def decoder_config(job: TrainJob, tokenizer: Tokenizer | None) -> ModelConfig:
+    """The decoder the shape flags describe (TOY_SHAPE where left out), its vocabulary
+    the bytes or `tokenizer`'s tokens."""
+    m = job.model
+    layers, hidden, heads = (getattr(m, k) or v for k, v in TOY_SHAPE.items())
+    vocab = VOCAB_SIZE if tokenizer is None else tokenizer_vocab(tokenizer.path)
+    return ModelConfig(
+        vocab_size=vocab, hidden=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=m.kv_heads or heads, max_seq_len=m.seq_len, seed=job.seed,
+    )
+
+
+class DecoderJob:
+    name = "decoder"
+    model = DECODER
+
+    def check_flags(self, job: TrainJob) -> None:
+        if job.images is not None:
+            raise ValueError(f"--images {job.images!r} is image-caption data for --arch mllm; "
+                             "for text give --data PATH")
+        if job.eval_images is not None:
+            raise ValueError(f"--eval-images {job.eval_images!r} is held-out images for --arch "
+                             "mllm; for text give --eval-data PATH")
+        if job.eval_every and job.eval_data is None:
+            raise ValueError("--eval-every needs --eval-data PATH (held-out text)")
+
+    def config(self, job: TrainJob, tokenizer: Tokenizer | None) -> ModelConfig:
+        if job.init_from is not None:  # config.json and tensor headers checked
+            return checkpoint_config(job.init_from, job.model)
+        return decoder_config(job, tokenizer)
+
+    def check_run(self, job: TrainJob, config: ModelConfig, schedule: Schedule) -> None:
+        self.model.check(config, job.tp, schedule.num_stages)
+
+    def batches(self, run: Any) -> Any:
+        job = run.job
+        return make_batches(job.data, run.tokenizer, job.model.seq_len, job.global_batch,
+                            job.seed)
+
+    def eval_batches(self, run: Any) -> Any | None:
+        job = run.job
+        if job.eval_data is None:
+            return None
+        if run.tokenizer is not None:
+            return make_batches(job.eval_data, run.tokenizer, job.model.seq_len,
+                                job.global_batch, job.seed)
+        return ByteBatches.from_bytes(read_corpus(job.eval_data), job.model.seq_len,
+                                      job.global_batch, job.seed)
+
+
+FAMILY = DecoderJob()

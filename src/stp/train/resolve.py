@@ -1,0 +1,122 @@
+"""A `stp train` job resolved once into the run it describes.
+
+`resolve(job)` reads what the flags point at (a schedule file, a Hugging Face
+checkpoint's config.json and tensor headers, a tokenizer) and decides what
+they leave open (the schedule, the model's config, the layers of each global
+stage, the tokenizer), once. The loop, the Trainer and the reports read the
+frozen `Run` it returns, never the flags again; `stp train` resolves in the
+launching process and hands the `Run` to its workers.
+
+Where is the partition decided? Here: `--partition L0,L1,..` is checked
+against the model's layers and the schedule's stages, `--partition auto` asks
+the simulator for the partition with the shortest step under costs derived
+from the model's shape (the family's cost spec; `stp.search.partition`),
+priced on the run's own tensor-parallel size and on the `AUTO_HARDWARE`
+preset: only the ratio of one layer's cost to another's (and to the output
+layer's) matters for the choice, and that ratio is the model's, not the
+machine's. The run's job carries the chosen counts, so reports name them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from stp.schedule import Schedule
+from stp.schedule.placement import partition_layers
+from stp.sim.layered import check_partition, parse_partition
+from stp.train.config import TrainJob
+from stp.train.families import TrainFamily, family_named
+from stp.train.schedules import job_schedule
+from stp.train.tokens import Tokenizer, run_tokenizer
+
+__all__ = ["AUTO_HARDWARE", "Run", "resolve"]
+
+AUTO_HARDWARE = "a100-80g"
+"""The hardware preset `--partition auto` prices layers on (see the module doc)."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One `stp train` run, resolved (see the module doc)."""
+
+    job: TrainJob
+    """The flags, with `-m` of a schedule file and `--partition auto`'s counts filled in."""
+    family: TrainFamily
+    config: Any
+    """The model's config (stp.shapes)."""
+    schedule: Schedule
+    partition: tuple[int, ...] | None
+    """Layers of each global stage; None: the even split."""
+    tokenizer: Tokenizer | None
+    """The tokenizer of the text; None: bytes (or no text)."""
+
+    def stage_model(self) -> Any:
+        """What the Trainer builds stages from: the model's config, or with
+        `--emulate-compute` stages that wait instead of computing."""
+        if self.job.emulate is None:
+            return self.config
+        from stp.models.emulated import emulated_builder, parse_emulate
+
+        return emulated_builder(parse_emulate(self.job.emulate), self.schedule.chunks,
+                                self.family.model.num_layers(self.config),
+                                self.family.model.hidden(self.config))
+
+    @property
+    def built_partition(self) -> tuple[int, ...] | None:
+        """The partition the stages are built with (an emulated run: none)."""
+        return None if self.job.emulate is not None else self.partition
+
+    def layer_counts(self) -> list[int]:
+        """Layers of each global stage as the run builds them (for trace readers)."""
+        layers = self.family.model.num_layers(self.config)
+        return [len(r) for r in partition_layers(layers, self.schedule.num_stages,
+                                                 self.built_partition)]
+
+
+def resolve(job: TrainJob) -> Run:
+    """The run `job` describes; ValueError (one line, naming the flag) for a schedule,
+    model, partition or tokenizer that does not fit."""
+    schedule = job_schedule(job)  # a name, or a file checked against the mesh
+    family = family_named(job.arch)
+    family.check_flags(job)
+    tokenizer = run_tokenizer(job.tokenizer, job.init_from)
+    config = family.config(job, tokenizer)
+    family.check_run(job, config, schedule)
+    partition = _partition(job, family, config, schedule)
+    if partition is not None:
+        job = dataclasses.replace(job, partition=",".join(map(str, partition)))
+    return Run(job=job, family=family, config=config, schedule=schedule, partition=partition,
+               tokenizer=tokenizer)
+
+
+def _partition(job: TrainJob, family: TrainFamily, config: Any,
+               schedule: Schedule) -> tuple[int, ...] | None:
+    """The layers of each global stage `--partition` asks for (None: even)."""
+    if job.partition is None:
+        return None
+    layers = family.model.num_layers(config)
+    part = parse_partition(job.partition)
+    if isinstance(part, tuple):
+        return check_partition(part, schedule.num_stages, layers)
+    if layers < schedule.num_stages:
+        raise ValueError(f"--partition auto: the model's {layers} layers cannot "
+                         f"fill the schedule's {schedule.num_stages} stages")
+    return _auto(job, family, config, schedule)
+
+
+def _auto(job: TrainJob, family: TrainFamily, config: Any,
+          schedule: Schedule) -> tuple[int, ...]:
+    from stp.costmodel import HARDWARE, derive
+    from stp.costmodel.stages import layered_costs
+    from stp.search.partition import auto_partition
+
+    spec = family.model.cost_spec(config, sequence=job.model.seq_len,
+                                  micro_batch=job.microbatch_size, tp=job.tp)
+    hw = HARDWARE[AUTO_HARDWARE]
+    # pp only sets the memory unit (one rank's share) of the tables, not a time, and
+    # the search has no memory limit, so the choice does not depend on it
+    d = derive(spec, hw, job.pp)
+    layered = layered_costs(spec, hw, job.pp, d.costs, d.mem)
+    return auto_partition(schedule, layered, family.model.num_layers(config)).counts
