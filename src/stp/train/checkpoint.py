@@ -50,8 +50,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from stp.train import finite, integrity, storage
+from stp.train.ckpt_read import SafeReader
 from stp.train.shards import Box, BoxLoadPlanner, BoxSavePlanner, box_of
 
 if TYPE_CHECKING:  # the pre-launch checks (stp.train.job) import this module: keep them
@@ -98,8 +101,11 @@ def latest(path: str | Path) -> Path:
 
 
 def read_info(path: str | Path) -> dict[str, Any]:
-    """The checkpoint's stp.json: step, mesh, schedule, dtype, model."""
-    return json.loads((Path(path) / INFO).read_text())
+    """The checkpoint's stp.json: step, mesh, schedule, dtype, model (ValueError naming
+    the file when it is not a JSON object)."""
+    from stp.files import read_json_object
+
+    return read_json_object(Path(path) / INFO)
 
 
 # -- what a trainer holds: its built parts, optimizer, LR scheduler and step count ---------
@@ -210,22 +216,32 @@ def save(parts: Parts, optimizer: torch.optim.Optimizer, scheduler: Scheduler | 
     final = root / checkpoint_name(steps_done)
     tmp = root / f".{final.name}.partial"
     rank = dist.get_rank()
+    # a non-finite model is never written: it would rotate good checkpoints out
+    finite.require_finite(parts.named_parameters(), f"checkpoint {final} not written "
+                          "(the earlier ones are kept)")
     error = None
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
+            # left by a run killed while saving: no live run owns it (stp.train.outlock)
+            shutil.rmtree(tmp, ignore_errors=True)
         except OSError as e:
             error = f"cannot write checkpoint directory {str(root)!r}: {e}"
     _agree(rank, error)
     state, boxes = _save_state(parts, optimizer, scheduler, steps_done)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=BoxSavePlanner(boxes))
+    storage.space_check(root, state, rank)  # a full disk refused before a byte is written
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=BoxSavePlanner(boxes))
+    except CheckpointException as e:  # a BaseException: one line, the partial removed
+        raise storage.save_failure(e, tmp, final, rank) from None
+    digests = integrity.shard_digests(tmp)  # each rank hashes its own files
     if rank == 0:
         try:
             (tmp / INFO).write_text(json.dumps(_info(parts, steps_done), indent=1) + "\n")
+            integrity.write_manifest(tmp, digests)  # verified before a resume loads
             _publish(tmp, final, keep)
         except OSError as e:
-            error = f"cannot finish checkpoint {str(final)!r}: {e}"
+            error = str(storage.save_failure(e, tmp, final, rank))
     _agree(rank, error)
     return final
 
@@ -305,10 +321,14 @@ def load(parts: Parts, optimizer: torch.optim.Optimizer, scheduler: Scheduler | 
     `optimizer` and LR `scheduler`, whatever mesh and schedule wrote it; returns
     the steps done when it was saved, where the trainer goes on. Collective."""
     path = Path(path)
-    reader = dcp.FileSystemReader(path)
+    integrity.verify_everywhere(path)  # rank 0 checks the files before any rank reads
+    reader = SafeReader(path)  # never plain pickle: stp.train.ckpt_read
     keys = reader.read_metadata().state_dict_metadata
     state, boxes, wholes = _load_state(parts, keys, repr(str(path)))
-    dcp.load(state, storage_reader=reader, planner=BoxLoadPlanner(boxes))
+    try:
+        dcp.load(state, storage_reader=reader, planner=BoxLoadPlanner(boxes))
+    except CheckpointException as e:  # a BaseException: one line naming the checkpoint
+        raise storage.load_failure(e, path) from None
     _apply_optimizer_state(parts, optimizer, {**state, **wholes})
     if scheduler is not None and state.get("scheduler") is not None:
         scheduler.load_state_dict(state["scheduler"])
@@ -316,6 +336,8 @@ def load(parts: Parts, optimizer: torch.optim.Optimizer, scheduler: Scheduler | 
     if rng is not None:
         _set_rng_state(rng)
     parts.precision.copy_to_model()
+    finite.require_finite(parts.named_parameters(), f"checkpoint {path} refused: resuming "
+                          "would train nothing")
     if state.get("trainer") is not None:
         return int(state["trainer"]["step"])
     return int(read_info(path)["step"])
@@ -343,7 +365,11 @@ def check_resume(path: str | Path, model: dict[str, Any] | None) -> Path:
     """The checkpoint `--resume path` would load; ValueError when there is none, or
     when its model shape differs from `model` (dataclasses.asdict of a ModelConfig)."""
     found = latest(path)
+    integrity.verify(found)  # checksums and .metadata, before any worker starts
+    finite.scan_dcp(found)  # NaN/inf weights: one line now, not a run that trains nothing
     saved = read_info(found).get("model")
+    if saved is not None and not isinstance(saved, dict):
+        raise ValueError(f"{found / INFO}: its model is not a JSON object (damaged)")
     if saved is not None and model is not None:
         for key in sorted(set(saved) | set(model)):
             if key != "seed" and saved.get(key) != model.get(key):
