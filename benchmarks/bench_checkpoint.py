@@ -87,7 +87,8 @@ def _worker(args: argparse.Namespace, root: str) -> dict[str, Any]:
     res["bytes"] = sum(f.stat().st_size for f in path.glob(f"__{rank}_*.distcp"))
     for name, mesh in (("load_s", pp2), ("load_tp2_s", tp2)):
         fresh = _trainer(args, mesh)
-        res[name] = _timed(lambda fresh=fresh: checkpoint.load(fresh, path))
+        res[name] = _timed(lambda fresh=fresh: checkpoint.load(
+            fresh.parts, fresh.optimizer, fresh.scheduler, path))
         del fresh
     res["step_s"] = _steps(trainer, batches, args, out / "every", 0)
     res["step_saving_s"] = _steps(trainer, batches, args, out / "every", args.save_every)

@@ -26,6 +26,7 @@ from stp.runtime.errors import (
     exit_status,
     failure_kind,
     first_line,
+    wrap,
 )
 from stp.runtime.launch import WorkerExit, diagnose, launch_local
 from stp.runtime.mesh import Mesh, ParallelDims
@@ -53,6 +54,52 @@ def test_backend_errors_are_told_apart_and_trimmed_to_ascii() -> None:
     assert exit_status(PeerLost("x")) == exit_status(CommTimeout("x")) == EXIT_PEER
     assert exit_status(timeout) == EXIT_PEER
     assert exit_status(RankError("x")) == exit_status(ValueError("x")) == EXIT_FAILED
+
+
+# What each backend says when the rank at the other end went away or never answered
+# (gloo's tcp transport, NCCL's watchdog, the store), and errors of this rank's own.
+LOST = [GLOO_CLOSED, "[pair.cc:575] Connection reset by peer", "Broken pipe",
+        "recv: Connection refused", "socket closed", "NCCL communicator was aborted on rank 1",
+        "Gloo pair closure: the other side is gone"]
+STALLED = [GLOO_TIMEOUT, "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
+           "OpType=ALLREDUCE) ran for 300000 milliseconds before timing out."]
+OWN = ["shape mismatch", "CUDA out of memory. Tried to allocate 2.00 GiB"]
+
+
+def _wrapped(err: BaseException, **kw) -> RankError:
+    return wrap(err, where="rank 2 (pp 0, tp 0, dp 1)", action="DP gradient all-reduce",
+                peers="a rank in the DP group (global ranks [0, 2])", **kw)
+
+
+def test_wrap_tells_a_lost_peer_from_a_timeout_from_a_rank_error() -> None:
+    lost = [RuntimeError(text) for text in LOST] + [dist.DistNetworkError("no details")]
+    for err in lost:
+        got = _wrapped(err)
+        assert type(got) is PeerLost, (err, got)
+        assert str(got).startswith("rank 2 (pp 0, tp 0, dp 1) in DP gradient all-reduce: "
+                                   "a rank in the DP group (global ranks [0, 2]) closed the "
+                                   "connection: that process ended ("), got
+    for text in STALLED:
+        got = _wrapped(RuntimeError(text))
+        assert type(got) is CommTimeout, (text, got)
+        assert ": timed out waiting for a rank in the DP group (global ranks [0, 2]) (" in str(
+            got), got
+    for text in OWN:
+        got = _wrapped(RuntimeError(text))
+        assert type(got) is RankError, (text, got)
+        assert str(got) == f"rank 2 (pp 0, tp 0, dp 1) in DP gradient all-reduce: {text}"
+    assert str(_wrapped(RuntimeError(GLOO_CLOSED))).endswith(
+        "(Connection closed by peer [127.0.0.1]:60041)")  # trimmed to the backend's first line
+
+
+def test_wrap_says_how_long_and_for_what_when_told() -> None:
+    lost = _wrapped(RuntimeError(GLOO_CLOSED), awaiting="data", waited=2.04, timeout=30)
+    assert "closed the connection after 2.0 s of waiting for data: that process ended" in str(
+        lost)
+    stalled = _wrapped(RuntimeError(GLOO_TIMEOUT), awaiting="data", waited=30.1, timeout=30)
+    assert "waited more than 30 s for data from a rank in the DP group" in str(stalled)
+    assert exit_status(lost) == exit_status(stalled) == EXIT_PEER
+    assert exit_status(_wrapped(RuntimeError(OWN[0]), waited=1.0)) == EXIT_FAILED
 
 
 def test_diagnosis_names_the_cause_not_its_consequences() -> None:

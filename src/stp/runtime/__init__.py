@@ -7,7 +7,8 @@
 - `braid`: compute actions run unit by unit, braided blocks interleaved.
 - `offload`, `offload_copy`: activation offload to the host and back.
 - `trace`: measured traces in the simulator's shape.
-- `errors`: RankError / CommTimeout, messages naming rank, action and peer.
+- `errors`: RankError / CommTimeout / PeerLost, messages naming rank, action and
+  peer; `errors.wrap` turns a backend error into the one it is.
 - `stage_api`: the contracts the model side implements (PipelineStage,
   UnitStage, Unit).
 

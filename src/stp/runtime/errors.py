@@ -6,7 +6,9 @@ rank that blocks on a receive or a collective past the timeout raises
 it was executing and the peer (or group) it was waiting for; a rank whose
 peer closed the connection (the peer crashed, was killed or left) raises
 `PeerLost`, saying how long it had waited. Every other failure inside an
-action is re-raised as `RankError` with the same context.
+action is re-raised as `RankError` with the same context. One function,
+`wrap`, turns a backend error into the one of the three it is, for the
+executor, the point-to-point transfers and the trainer's collectives alike.
 
 Exit statuses let a launcher tell a cause from its consequences: a rank
 that failed by itself exits `EXIT_FAILED`; a rank that only waited on a
@@ -23,7 +25,7 @@ import torch.distributed as dist
 
 __all__ = [
     "RankError", "CommTimeout", "PeerLost", "FailureKind", "failure_kind", "is_timeout",
-    "first_line", "exit_status", "EXIT_FAILED", "EXIT_PEER",
+    "first_line", "wrap", "exit_status", "EXIT_FAILED", "EXIT_PEER",
 ]
 
 EXIT_FAILED = 1
@@ -99,6 +101,40 @@ def first_line(err: BaseException) -> str:
     line = _SOURCE_PREFIX.sub("", text.splitlines()[0])
     line = _ADVICE.sub("", line).encode("ascii", "ignore").decode().strip()
     return line or type(err).__name__
+
+
+def wrap(
+    err: BaseException, *, where: str, action: str, peers: str, awaiting: str = "",
+    waited: float | None = None, timeout: float | None = None,
+) -> RankError:
+    """The rank error for backend error `err` (not itself a RankError), raised while
+    this rank (`where`) ran `action` waiting on `peers`.
+
+    `peers` is the subject of a sentence: "pipeline rank 1 (global rank 1, stage
+    1)", "a rank in the world". `awaiting` says what this rank waited for from
+    them ("data"), `waited` for how long, `timeout` the limit it waited under;
+    each is left out of the message when not given (a collective's limit is its
+    process group's, which the caller may not know). A peer that went away is
+    `PeerLost` (a consequence of that peer's end, whoever waited on it), a
+    timeout `CommTimeout`, anything else this rank's own `RankError` worded by
+    the backend's first line.
+    """
+    first = first_line(err)
+    kind = failure_kind(err)
+    if kind == "peer_lost":
+        spent = "" if waited is None else f" after {waited:.1f} s"
+        if spent and awaiting:
+            spent += f" of waiting for {awaiting}"
+        return PeerLost(f"{peers} closed the connection{spent}: that process ended ({first})",
+                        where=where, action=action)
+    if kind == "timeout":
+        target = f"{awaiting} from {peers}" if awaiting else peers
+        if timeout is None:
+            return CommTimeout(f"timed out waiting for {target} ({first})",
+                               where=where, action=action)
+        return CommTimeout(f"waited more than {timeout:g} s for {target} ({first})",
+                           where=where, action=action)
+    return RankError(first, where=where, action=action)
 
 
 def exit_status(err: BaseException) -> int:

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from stp.runtime.braid import UnitRunner
-from stp.runtime.errors import CommTimeout, PeerLost, RankError, failure_kind, first_line
+from stp.runtime.errors import RankError, wrap
 from stp.runtime.offload import ActivationOffloader
 from stp.runtime.p2p import P2P, Transfer
 from stp.runtime.stage_api import PipelineStage, as_unit_stage
@@ -249,18 +249,12 @@ class Executor:
             raise self._failure(e, action) from e
 
     def _failure(self, e: RuntimeError, action: str) -> RankError:
-        """The error naming this rank and action: a collective whose peer closed the
-        connection (PeerLost), one that timed out (CommTimeout), or anything else."""
-        first = first_line(e)
-        peers = f" on {self.collective_peers}" if self.collective_peers else ""
-        kind = failure_kind(e)
-        if kind == "peer_lost":
-            return PeerLost(f"a peer of a collective{peers} closed the connection ({first})",
-                            where=self.where, action=action)
-        if kind == "timeout":
-            return CommTimeout(f"a collective{peers} timed out ({first})",
-                               where=self.where, action=action)
-        return RankError(first, where=self.where, action=action)
+        """The error naming this rank and action (stp.runtime.errors.wrap): a
+        collective whose peer closed the connection, one that timed out, or
+        anything else (a failure of this rank's own compute)."""
+        peers = (f"a rank in {self.collective_peers}" if self.collective_peers
+                 else "a rank of a collective")
+        return wrap(e, where=self.where, action=action, peers=peers)
 
     def _compute(self, action: Action) -> None:
         off = self.offload

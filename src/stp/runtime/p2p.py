@@ -28,7 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from stp.runtime.errors import CommTimeout, PeerLost, RankError, failure_kind, first_line
+from stp.runtime.errors import RankError, wrap
 from stp.schedule.lower import Comm
 
 __all__ = ["P2P", "Transfer", "message_tag"]
@@ -90,17 +90,12 @@ class P2P:
         try:
             works = dist.batch_isend_irecv(ops) if ops else []
         except RuntimeError as e:
-            names = " ".join(str(c) for c, _ in batch)
             peers = ", ".join(
                 f"pipeline rank {r} (global rank {self.peers[r]})"
                 for r in sorted({c.peer for c, _ in batch})
             )
-            # A peer that already ended is a consequence, not this rank's failure.
-            cls = PeerLost if failure_kind(e) == "peer_lost" else RankError
-            raise cls(
-                f"posting transfers with {peers} failed: {first_line(e)}",
-                where=self.where, action=names,
-            ) from e
+            names = " ".join(str(c) for c, _ in batch)
+            raise wrap(e, where=self.where, action=f"posting {names}", peers=peers) from e
         # A coalescing backend (NCCL) may return one work for the whole batch:
         # every op then completes with it.
         coalesced = len(works) != len(ops)
@@ -135,25 +130,15 @@ class P2P:
     def _failure(
         self, t: Transfer, err: RuntimeError, needed_by: str, waited: float
     ) -> RankError:
-        """The error to raise: a timeout, a peer that closed the connection (it
-        ended: crashed, killed, or stopped after its own failure), or another
-        backend failure; each says how long this rank actually waited."""
-        sending = t.comm.op.is_send
-        peer = f"pipeline rank {t.comm.peer} (global rank {t.peer_rank}, stage {t.comm.peer_stage})"
-        action = str(t.comm) + (f" before {needed_by}" if needed_by else "")
-        first = first_line(err)
-        kind = failure_kind(err)
-        if kind == "peer_lost":
-            waiting = "it to receive" if sending else "data"
-            return PeerLost(
-                f"{peer} closed the connection after {waited:.1f} s of waiting for {waiting}: "
-                f"that process ended ({first})", where=self.where, action=action,
-            )
-        if kind == "timeout":
-            what = "the receiver," if sending else "data from"
-            return CommTimeout(
-                f"waited more than {self.timeout:g} s for {what} {peer} ({first})",
-                where=self.where, action=action,
-            )
-        return RankError(f"transfer with {peer} failed after {waited:.1f} s: {first}",
-                         where=self.where, action=action)
+        """The error to raise (stp.runtime.errors.wrap): a timeout, a peer that closed
+        the connection (it ended: crashed, killed, or stopped after its own
+        failure; the message says how long this rank had waited, so a reader
+        tells it from the timeout), or another backend failure."""
+        return wrap(
+            err, where=self.where,
+            action=str(t.comm) + (f" before {needed_by}" if needed_by else ""),
+            peers=f"pipeline rank {t.comm.peer} (global rank {t.peer_rank}, "
+                  f"stage {t.comm.peer_stage})",
+            awaiting="a matching receive" if t.comm.op.is_send else "data",
+            waited=waited, timeout=self.timeout,
+        )

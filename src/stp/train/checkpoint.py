@@ -45,7 +45,7 @@ import json
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from stp.train import finite, integrity, storage
 from stp.train.ckpt_read import SafeReader
 from stp.train.shards import Box, BoxLoadPlanner, BoxSavePlanner, box_of
+
+if TYPE_CHECKING:  # the pre-launch checks (stp.train.job) import this module: keep them
+    # from importing the executor and the models behind the Parts, which they never use
+    from stp.train.parts import Parts
 
 __all__ = ["checkpoint_name", "complete_checkpoints", "latest", "read_info", "save", "load",
            "check_writable", "check_resume"]
@@ -104,15 +108,17 @@ def read_info(path: str | Path) -> dict[str, Any]:
     return read_json_object(Path(path) / INFO)
 
 
-# -- what a trainer holds -------------------------------------------------------------------
+# -- what a trainer holds: its built parts, optimizer, LR scheduler and step count ---------
+
+Scheduler = torch.optim.lr_scheduler.LRScheduler
 
 
-def _params(trainer: Any) -> list[tuple[str, torch.nn.Parameter, torch.nn.Parameter, Box]]:
+def _params(parts: Parts) -> list[tuple[str, torch.nn.Parameter, torch.nn.Parameter, Box]]:
     """(name, model parameter, optimizer parameter, its box) once per name."""
-    stage_of = {name: st for st in trainer.stages.values() for name, _ in st.named_parameters()}
-    tp, tp_rank = trainer.dims.tp, trainer.mesh.coord.tp
+    stage_of = {name: st for st in parts.stages.values() for name, _ in st.named_parameters()}
+    tp, tp_rank = parts.dims.tp, parts.mesh.coord.tp
     out, seen = [], set()
-    prec = trainer.precision
+    prec = parts.precision
     for name, model, opt in zip(prec.names, prec.model, prec.params, strict=True):
         if name not in seen:
             seen.add(name)
@@ -126,24 +132,25 @@ def _hparams(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
             for g in optimizer.param_groups for p in g["params"]}
 
 
-def _save_state(trainer: Any) -> tuple[dict[str, Any], dict[str, Box]]:
+def _save_state(parts: Parts, optimizer: torch.optim.Optimizer, scheduler: Scheduler | None,
+                steps_done: int) -> tuple[dict[str, Any], dict[str, Box]]:
     state: dict[str, Any] = {}
     boxes: dict[str, Box] = {}
-    hparams = _hparams(trainer.optimizer)
-    for name, model, opt, box in _params(trainer):
+    hparams = _hparams(optimizer)
+    for name, model, opt, box in _params(parts):
         state[f"model/{name}"], boxes[f"model/{name}"] = box.real(model.detach()), box
-        if trainer.precision.mixed:
+        if parts.precision.mixed:
             state[f"master/{name}"], boxes[f"master/{name}"] = box.real(opt.detach()), box
-        for key, value in trainer.optimizer.state.get(opt, {}).items():
+        for key, value in optimizer.state.get(opt, {}).items():
             fqn = f"optim/{name}/{key}"
             state[fqn] = value
             if isinstance(value, torch.Tensor) and value.size() == opt.size():
                 state[fqn], boxes[fqn] = box.real(value), box
         state[f"optim/{name}/hparams"] = hparams[id(opt)]
-    if trainer.scheduler is not None:
-        state["scheduler"] = trainer.scheduler.state_dict()
-    state["trainer"] = {"step": trainer.steps_done, "data_position": trainer.steps_done}
-    state[f"rng/rank{trainer.mesh.rank}"] = _rng_state()
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    state["trainer"] = {"step": steps_done, "data_position": steps_done}
+    state[f"rng/rank{parts.mesh.rank}"] = _rng_state()
     return state, boxes
 
 
@@ -161,12 +168,12 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _info(trainer: Any) -> dict[str, Any]:
-    config = getattr(trainer, "model_config", None)
-    d = trainer.dims
+def _info(parts: Parts, steps_done: int) -> dict[str, Any]:
+    config, d = parts.model_config, parts.dims
     return {
-        "step": trainer.steps_done, "pp": d.pp, "tp": d.tp, "dp": d.dp,
-        "schedule": trainer.schedule.name, "dtype": str(trainer.dtype).removeprefix("torch."),
+        "step": steps_done, "pp": d.pp, "tp": d.tp, "dp": d.dp,
+        "schedule": parts.schedule.name,
+        "dtype": str(parts.options.dtype).removeprefix("torch."),
         "model": None if config is None else dataclasses.asdict(config),
     }
 
@@ -197,18 +204,20 @@ def _agree(rank: int, error: str | None) -> None:
         raise RuntimeError(box[0] if rank == 0 else f"global rank 0: {box[0]}")
 
 
-def save(trainer: Any, directory: str | Path, *, keep: int | None = None) -> Path:
-    """Write `trainer`'s checkpoint as `directory/step-<steps_done>` and return its
-    path. Collective: every rank calls it with the same directory. `keep`: keep
-    only that many newest checkpoints in `directory`."""
+def save(parts: Parts, optimizer: torch.optim.Optimizer, scheduler: Scheduler | None,
+         steps_done: int, directory: str | Path, *, keep: int | None = None) -> Path:
+    """Write the checkpoint of a trainer (its built `parts`, `optimizer`, LR
+    `scheduler`, after `steps_done` steps) as `directory/step-<steps_done>` and
+    return its path. Collective: every rank calls it with the same directory.
+    `keep`: keep only that many newest checkpoints in `directory`."""
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be >= 1 (or None: keep all), got {keep}")
     root = Path(directory)
-    final = root / checkpoint_name(trainer.steps_done)
+    final = root / checkpoint_name(steps_done)
     tmp = root / f".{final.name}.partial"
     rank = dist.get_rank()
     # a non-finite model is never written: it would rotate good checkpoints out
-    finite.require_finite(trainer.named_parameters(), f"checkpoint {final} not written "
+    finite.require_finite(parts.named_parameters(), f"checkpoint {final} not written "
                           "(the earlier ones are kept)")
     error = None
     if rank == 0:
@@ -219,7 +228,7 @@ def save(trainer: Any, directory: str | Path, *, keep: int | None = None) -> Pat
         except OSError as e:
             error = f"cannot write checkpoint directory {str(root)!r}: {e}"
     _agree(rank, error)
-    state, boxes = _save_state(trainer)
+    state, boxes = _save_state(parts, optimizer, scheduler, steps_done)
     storage.space_check(root, state, rank)  # a full disk refused before a byte is written
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=BoxSavePlanner(boxes))
@@ -228,7 +237,7 @@ def save(trainer: Any, directory: str | Path, *, keep: int | None = None) -> Pat
     digests = integrity.shard_digests(tmp)  # each rank hashes its own files
     if rank == 0:
         try:
-            (tmp / INFO).write_text(json.dumps(_info(trainer), indent=1) + "\n")
+            (tmp / INFO).write_text(json.dumps(_info(parts, steps_done), indent=1) + "\n")
             integrity.write_manifest(tmp, digests)  # verified before a resume loads
             _publish(tmp, final, keep)
         except OSError as e:
@@ -263,14 +272,14 @@ def _state_target(md: Any, opt: torch.Tensor, box: Box) -> tuple[Any, Any]:
 
 
 def _load_state(
-    trainer: Any, keys: Any, where: str
+    parts: Parts, keys: Any, where: str
 ) -> tuple[dict[str, Any], dict[str, Box], dict[str, torch.Tensor]]:
     """(what DCP loads into, the boxes, optimizer state key -> whole local tensor)."""
     optim = _optim_keys(keys)
     state: dict[str, Any] = {}
     boxes: dict[str, Box] = {}
     wholes: dict[str, torch.Tensor] = {}
-    for name, _, opt, box in _params(trainer):
+    for name, _, opt, box in _params(parts):
         key = f"master/{name}" if f"master/{name}" in keys else f"model/{name}"
         if key not in keys:
             raise ValueError(f"checkpoint {where} has no parameter {name!r}: it was saved from "
@@ -282,16 +291,17 @@ def _load_state(
                 wholes[fqn] = whole
                 if keys[fqn].size == box.size:
                     boxes[fqn] = box
-    for key in ("scheduler", "trainer", f"rng/rank{trainer.mesh.rank}"):
+    for key in ("scheduler", "trainer", f"rng/rank{parts.mesh.rank}"):
         if key in keys:
             state[key] = None
     return state, boxes, wholes
 
 
-def _apply_optimizer_state(trainer: Any, state: dict[str, Any]) -> None:
-    opt_state = trainer.optimizer.state
+def _apply_optimizer_state(parts: Parts, optimizer: torch.optim.Optimizer,
+                           state: dict[str, Any]) -> None:
+    opt_state = optimizer.state
     hparams: dict[int, dict[str, Any]] = {}
-    for name, _, opt, _ in _params(trainer):
+    for name, _, opt, _ in _params(parts):
         prefix = f"optim/{name}/"
         mine = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         if "hparams" in mine:
@@ -299,36 +309,38 @@ def _apply_optimizer_state(trainer: Any, state: dict[str, Any]) -> None:
         if mine:
             opt_state[opt] = {k: v.to(opt.device) if isinstance(v, torch.Tensor) and v.dim()
                               else v for k, v in mine.items()}
-    for group in trainer.optimizer.param_groups:
+    for group in optimizer.param_groups:
         saved = next((hparams[id(p)] for p in group["params"] if id(p) in hparams), None)
         if saved is not None:
             group.update(saved)
 
 
-def load(trainer: Any, path: str | Path) -> dict[str, Any]:
-    """Load checkpoint `path` (a `step-N` directory) into `trainer`, whatever mesh
-    and schedule wrote it; returns its stp.json. Collective."""
+def load(parts: Parts, optimizer: torch.optim.Optimizer, scheduler: Scheduler | None,
+         path: str | Path) -> int:
+    """Load checkpoint `path` (a `step-N` directory) into a trainer's built `parts`,
+    `optimizer` and LR `scheduler`, whatever mesh and schedule wrote it; returns
+    the steps done when it was saved, where the trainer goes on. Collective."""
     path = Path(path)
     integrity.verify_everywhere(path)  # rank 0 checks the files before any rank reads
     reader = SafeReader(path)  # never plain pickle: stp.train.ckpt_read
     keys = reader.read_metadata().state_dict_metadata
-    state, boxes, wholes = _load_state(trainer, keys, repr(str(path)))
+    state, boxes, wholes = _load_state(parts, keys, repr(str(path)))
     try:
         dcp.load(state, storage_reader=reader, planner=BoxLoadPlanner(boxes))
     except CheckpointException as e:  # a BaseException: one line naming the checkpoint
         raise storage.load_failure(e, path) from None
-    _apply_optimizer_state(trainer, {**state, **wholes})
-    if trainer.scheduler is not None and state.get("scheduler") is not None:
-        trainer.scheduler.load_state_dict(state["scheduler"])
-    if state.get("trainer") is not None:
-        trainer.steps_done = int(state["trainer"]["step"])
-    rng = state.get(f"rng/rank{trainer.mesh.rank}")
+    _apply_optimizer_state(parts, optimizer, {**state, **wholes})
+    if scheduler is not None and state.get("scheduler") is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    rng = state.get(f"rng/rank{parts.mesh.rank}")
     if rng is not None:
         _set_rng_state(rng)
-    trainer.precision.copy_to_model()
-    finite.require_finite(trainer.named_parameters(), f"checkpoint {path} refused: resuming "
+    parts.precision.copy_to_model()
+    finite.require_finite(parts.named_parameters(), f"checkpoint {path} refused: resuming "
                           "would train nothing")
-    return read_info(path)
+    if state.get("trainer") is not None:
+        return int(state["trainer"]["step"])
+    return int(read_info(path)["step"])
 
 
 # -- checks before a run starts -----------------------------------------------------------

@@ -11,10 +11,8 @@ forwards kept for a backward that will not come.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from stp.models import valid_token_ratio
 from stp.runtime.executor import Executor
@@ -22,6 +20,7 @@ from stp.schedule import Schedule
 from stp.schedule.ir import Kind, passes_of
 from stp.schedule.lower import lower
 from stp.train.data import split_batch
+from stp.train.parts import Parts
 
 __all__ = ["forward_only", "Evaluator"]
 
@@ -36,38 +35,36 @@ def forward_only(schedule: Schedule) -> Schedule:
 
 
 class Evaluator:
-    """Mean loss of global batches on a Trainer's stages (collective, like `step`)."""
+    """Mean loss of global batches on a Trainer's built parts (stp.train.setup.Parts;
+    collective, like `Trainer.step`)."""
 
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
-        t = trainer
+    def __init__(self, parts: Parts) -> None:
+        self.parts = parts
+        opts, mesh = parts.options, parts.mesh
         self.executor = Executor(
-            lower(forward_only(t.schedule), lookahead=t.options.lookahead), t.mesh.coord.pp,
-            t.stages, t.executor.p2p, boundary_shape=(1, 1, t.hidden), dtype=t.dtype,
-            device=t.device, where=t.mesh.describe(), braid=t.options.braid,
-            collective_peers=t.mesh.describe_group("tp"),
+            lower(forward_only(parts.schedule), lookahead=opts.lookahead), mesh.coord.pp,
+            parts.stages, parts.executor.p2p, boundary_shape=(1, 1, parts.hidden),
+            dtype=opts.dtype, device=parts.device, where=mesh.describe(), braid=opts.braid,
+            collective_peers=mesh.describe_group("tp"),
         )
 
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         """Mean loss of the global batch (tokens, targets) [B, s]; the same on every rank."""
-        t = self.trainer
-        d, m, c = t.dims, t.num_microbatches, t.mesh.coord
+        parts = self.parts
+        d, m, c = parts.dims, parts.schedule.num_microbatches, parts.mesh.coord
         tokens, targets = batch
-        inputs = [x.to(t.device) for x in split_batch(tokens, d.dp, c.dp, m)]
-        tgts = [x.to(t.device) for x in split_batch(targets, d.dp, c.dp, m)]
+        inputs = [x.to(parts.device) for x in split_batch(tokens, d.dp, c.dp, m)]
+        tgts = [x.to(parts.device) for x in split_batch(targets, d.dp, c.dp, m)]
         try:
             with torch.no_grad():  # boundary: decoder positions (a multimodal input row
                 # is pixel bytes + tokens; its targets span image tokens + tokens)
                 losses = self.executor.run(inputs, tgts,
-                                           boundary_shape=(*tgts[0].shape, t.hidden))
+                                           boundary_shape=(*tgts[0].shape, parts.hidden))
         finally:
-            for st in t.stages.values():
+            for st in parts.stages.values():
                 reset = getattr(st, "reset", None)
                 if reset is not None:
                     reset()
-        total = torch.zeros((), dtype=torch.float64, device=t.device)
-        if t.holds_loss and c.tp == 0:  # the mean over the valid (not ignored) targets
-            total += sum(float(v) for v in losses.values()) / (m * d.dp) * valid_token_ratio(
-                targets)
-        t._collective("eval loss all-reduce", "the world", dist.all_reduce, total)
-        return float(total)
+        # the mean over the valid (not ignored) targets, summed as a step's loss is
+        return parts.sync.world_loss(losses, m, valid_token_ratio(targets),
+                                     action="eval loss all-reduce")

@@ -30,8 +30,8 @@ def _local_full(stages: Mapping[int, Any], mesh: Mesh, collective: Callable[...,
             dim = st.shard_dim(name)
             if dim is not None and tp > 1:
                 parts = [torch.empty_like(t) for _ in range(tp)]
-                collective("state gather", "the TP group", dist.all_gather, parts,
-                           t.contiguous(), group=mesh.tp_group)
+                collective("state gather", f"a rank in {mesh.describe_group('tp')}",
+                           dist.all_gather, parts, t.contiguous(), group=mesh.tp_group)
                 unshard = getattr(st, "unshard", None)  # padding, replicated kv heads
                 t = unshard(name, parts) if unshard else torch.cat(parts, dim=dim)
             local[name] = t.cpu().clone()
@@ -42,12 +42,12 @@ def gather_full_state(stages: Mapping[int, Any], mesh: Mesh, collective: Callabl
                       *, grads: bool = False) -> dict[str, torch.Tensor] | None:
     """Parameters (grads=True: gradients) of the whole model on global rank 0, sorted
     by name; None elsewhere. `collective(action, peers, fn, *args, **kw)` runs a
-    collective with errors named (Trainer._collective)."""
+    collective with errors named (stp.train.grad_sync.collective)."""
     local = _local_full(stages, mesh, collective, grads)
     c = mesh.coord
     payload = local if c.tp == 0 and c.dp == 0 else {}
     out: list[Any] | None = [None] * mesh.dims.world_size if mesh.rank == 0 else None
-    collective("state gather", "the world", dist.gather_object, payload, out, dst=0)
+    collective("state gather", "a rank in the world", dist.gather_object, payload, out, dst=0)
     if out is None:
         return None
     merged: dict[str, torch.Tensor] = {}

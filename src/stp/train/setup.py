@@ -1,72 +1,51 @@
-"""How a Trainer is set up: its options, and the pieces it is built from.
+"""How a Trainer is set up: the parts it is built from, from what the user passed.
 
-`TrainerOptions` says how a Trainer runs; `resolve_schedule`, `stage_builder`
+`resolve_schedule`, `stage_builder`
 and `world_mesh` turn what the user passed (a schedule name or file, a model
 config or builder, a mesh or nothing) into the schedule, the stage builder
 and the process groups, each refusing bad input with one ValueError.
+
+`build` makes everything a Trainer runs with, once, as one `Parts`
+(stp.train.parts; `TrainerOptions`, how it runs, lives there too): this
+rank's stages, their precision (stp.train.precision), the executor of this
+pipeline rank's program, the activation offloader and the gradient
+collectives (stp.train.grad_sync). The Trainer adds what only running needs
+(the optimizer, the LR schedule, the step count); a checkpoint saves and
+loads the Parts with those three (stp.train.checkpoint).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from stp.models.hf import HFCheckpoint, agreeing_config
+from stp.runtime.executor import Executor
 from stp.runtime.launch import in_torchrun, init_distributed
 from stp.runtime.mesh import Mesh, ParallelDims
+from stp.runtime.offload import ActivationOffloader, runtime_plan
+from stp.runtime.p2p import P2P
+from stp.runtime.stage_api import PipelineStage
+from stp.runtime.trace import Recorder
 from stp.schedule import Schedule, registry, validate
+from stp.schedule.lower import lower
 from stp.train.families import family_of
-from stp.train.lr import LRSchedule
+from stp.train.grad_sync import GradSync
+from stp.train.parts import Parts, TrainerOptions
+from stp.train.precision import Precision
 from stp.train.schedules import is_schedule_file, load_schedule_file
 
-__all__ = ["TrainerOptions", "StageBuilder", "resolve_schedule", "stage_builder", "world_mesh"]
+__all__ = ["TrainerOptions", "StageBuilder", "Parts", "build", "resolve_schedule",
+           "stage_builder", "world_mesh"]
 
 StageBuilder = Callable[..., Any]
 """`builder(stage, num_stages, *, tp_group, tp_size, tp_rank, device, dtype)` -> a
 PipelineStage that also has `named_parameters()`, `shard_dim(name)`, `zero_grad()`."""
-
-
-@dataclass(frozen=True)
-class TrainerOptions:
-    """How a Trainer runs (what it trains: the model, optimizer and schedule)."""
-
-    dtype: torch.dtype = torch.float32
-    """Parameter and activation dtype."""
-    device: torch.device | str | None = None
-    """None: the mesh's device (CUDA when the backend is NCCL, else the CPU)."""
-    timeout: float = 300.0
-    """Seconds every receive and collective may wait before the rank gives up."""
-    hidden: int | None = None
-    """Width of stage boundary tensors; read from a ModelConfig, needed for a builder."""
-    lookahead: int = 1
-    """Receives are posted this many compute actions early (stp.schedule.lower)."""
-    offload: str | None = None
-    """Activation offload policy (none, stp, all, selective:X; stp.runtime.offload);
-    given, even as "none", resident activation bytes are measured every step."""
-    braid: bool = True
-    """Run braided blocks unit by unit with the TP all-reduces hidden (False: the
-    unbraided baseline)."""
-    trace: bool = False
-    """Record every step (`write_trace` writes the last one)."""
-    clip_grad: float | None = None
-    """Clip the global gradient norm to this (stp.train.clip); None: measured, not clipped."""
-    lr_schedule: LRSchedule | None = None
-    """Warm-up and decay of the optimizer's lr (stp.train.lr); None: constant."""
-    partition: tuple[int, ...] | None = None
-    """Transformer layers of each global stage (uneven stages, e.g. fewer on the
-    stages holding the embedding and the output layer); None: the even split."""
-
-    def __post_init__(self) -> None:
-        if not self.timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
-        if self.clip_grad is not None and not self.clip_grad > 0:
-            raise ValueError(f"clip_grad must be > 0 (or None: no clipping), got {self.clip_grad}")
-        if self.lookahead < 1:
-            raise ValueError(f"lookahead must be >= 1, got {self.lookahead}")
 
 
 def resolve_schedule(schedule: str | Schedule, dims: ParallelDims,
@@ -119,3 +98,80 @@ def world_mesh(dims: ParallelDims, opts: TrainerOptions) -> Mesh:
             )
         init_distributed(timeout=opts.timeout, device=device)
     return Mesh.from_world(dims, device=device, timeout=opts.timeout)
+
+
+def build(
+    model: Any, schedule: str | Schedule = "stp", *, pp: int = 1, tp: int = 1, dp: int = 1,
+    microbatches: int | None = None, mesh: Mesh | None = None,
+    options: TrainerOptions | None = None,
+    init_from: str | os.PathLike[str] | None = None,
+) -> Parts:
+    """This rank's Parts from the Trainer's arguments (stp.train.trainer.Trainer):
+    `mesh` given, its dims replace pp, tp, dp. Collective: every rank builds at
+    once (the process groups, the ranks' agreement on the gradient norm)."""
+    opts = options or TrainerOptions()
+    dims = mesh.dims if mesh is not None else ParallelDims(pp, tp, dp)
+    schedule = resolve_schedule(schedule, dims, microbatches)
+    source = None if init_from is None else HFCheckpoint.open(init_from)
+    if source is not None:
+        model = agreeing_config(model, source)
+    builder, hidden = stage_builder(model, opts, schedule.num_stages, dims.tp, source)
+    mesh = mesh or world_mesh(dims, opts)
+    device = mesh.device if opts.device is None else torch.device(opts.device)
+    stages = _stages(builder, schedule, mesh, device, opts.dtype)
+    family = family_of(model)
+    model_config = None if family is None else model
+    shared = None if family is None else family.model.shared_grads(model, stages, schedule, mesh)
+    named = [(n, p) for st in stages.values() for n, p in st.named_parameters()]
+    units = [u for st in stages.values() for u in getattr(st, "units", ())]
+    precision = Precision(named, units)
+    holds_loss = schedule.stage_to_rank[-1] == mesh.coord.pp
+    sync = GradSync(mesh, precision, stages, shared=shared, holds_loss=holds_loss,
+                    device=device)
+    offloader = None if opts.offload is None else ActivationOffloader(
+        schedule, mesh.coord.pp, stages, runtime_plan(schedule, opts.offload), device=device)
+    executor = _executor(schedule, mesh, stages, offloader, opts, hidden, device)
+    return Parts(mesh=mesh, dims=dims, schedule=schedule, options=opts, device=device,
+                 hidden=hidden, source=source, family=family, model_config=model_config,
+                 stages=stages,
+                 holds_loss=holds_loss, precision=precision, offloader=offloader,
+                 executor=executor, sync=sync)
+
+
+def _stages(builder: StageBuilder, schedule: Schedule, mesh: Mesh, device: torch.device,
+            dtype: torch.dtype) -> dict[int, Any]:
+    """The stages of `schedule` this rank's pipeline rank holds, checked to be
+    PipelineStages (the executor's contract)."""
+    c = mesh.coord
+    stages = {
+        s: builder(s, schedule.num_stages, tp_group=mesh.tp_group, tp_size=mesh.dims.tp,
+                   tp_rank=c.tp, device=device, dtype=dtype)
+        for s in schedule.stages_of(c.pp)
+    }
+    for st in stages.values():
+        if not isinstance(st, PipelineStage):
+            raise ValueError(
+                f"the stage builder returned a {type(st).__name__}, not a PipelineStage "
+                "(stp.runtime.stage_api)"
+            )
+    return stages
+
+
+def _executor(schedule: Schedule, mesh: Mesh, stages: dict[int, Any],
+              offloader: ActivationOffloader | None, opts: TrainerOptions, hidden: int,
+              device: torch.device) -> Executor:
+    """The executor of this pipeline rank's lowered program, with its transfers
+    (none on one pipeline rank) and, with `trace`, its recorder."""
+    p2p = None
+    if mesh.dims.pp > 1:
+        p2p = P2P(mesh.pp_group, mesh.ranks["pp"], schedule.num_stages,
+                  timeout=opts.timeout, where=mesh.describe())
+    recorder = None
+    if opts.trace:
+        recorder = Recorder(mesh.rank, [schedule.chunk_of(s) for s in range(schedule.num_stages)])
+    return Executor(
+        lower(schedule, lookahead=opts.lookahead), mesh.coord.pp, stages, p2p,
+        boundary_shape=(1, 1, hidden), dtype=opts.dtype, device=device,
+        where=mesh.describe(), collective_peers=mesh.describe_group("tp"),
+        offload=offloader, braid=opts.braid, recorder=recorder,
+    )

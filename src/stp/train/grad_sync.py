@@ -1,0 +1,137 @@
+"""A step's collectives after the backward, in the one order every rank runs them.
+
+After the executor's backward each rank holds its own gradients and, on the
+ranks of the last stage, its microbatches' losses. `GradSync.after_backward`
+then runs, on every rank:
+
+    1. the shared-gradient sum: tied embedding / head copies and replicated
+       kv heads (the decoder's SharedGrads), before the DP average (they commute);
+    2. the loss sum over the world: the mean over microbatches and replicas,
+       so every rank returns the same number;
+    3. the DP average of the gradients (fp32 main grads in mixed precision),
+       one flat all-reduce;
+    4. the global gradient norm's all-reduce (stp.train.clip).
+
+Every collective goes through `collective`, so a backend error becomes one
+rank error the one way (stp.runtime.errors.wrap): a lost DP peer is reported
+as lost, a stalled one as a timeout, both naming this rank, the collective
+and the group it waited on.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stp.runtime.errors import RankError, wrap
+from stp.runtime.mesh import Mesh
+from stp.train.clip import counted_mask, grad_norm
+from stp.train.precision import Precision
+from stp.train.shards import box_of, norm_key
+
+__all__ = ["GradSync", "SharedSum", "collective", "WORLD"]
+
+SharedSum = Callable[[dict[str, torch.Tensor]], None]
+"""Sums the gradients of parameters held in several places, in place, by global name."""
+
+WORLD = "a rank in the world"
+"""Who a collective over the whole world waits on, as error messages name it."""
+
+
+def collective(mesh: Mesh, action: str, peers: str, fn: Callable[..., Any], *args: Any,
+               **kw: Any) -> Any:
+    """`fn(*args, **kw)`, a torch.distributed collective this rank runs as `action`
+    waiting on `peers`; a backend error is raised as the rank error it is."""
+    try:
+        return fn(*args, **kw)
+    except RankError:
+        raise
+    except RuntimeError as e:
+        raise wrap(e, where=mesh.describe(), action=action, peers=peers) from e
+
+
+class GradSync:
+    """The gradient and loss collectives of one rank's steps (see the module doc).
+
+    `stages`: this rank's stages by global index; `shared`: sums, in place,
+    the gradients (by global name) of parameters held in several places (the
+    decoder's SharedGrads; None: a user's stage builder); `holds_loss`: this
+    pipeline rank runs the last stage; `device`: where this rank's tensors
+    live. Building it is collective: the ranks agree on which of them counts
+    each gradient in the norm.
+    """
+
+    def __init__(self, mesh: Mesh, precision: Precision, stages: Mapping[int, Any], *,
+                 shared: SharedSum | None, holds_loss: bool, device: torch.device) -> None:
+        self.mesh, self.precision, self.shared = mesh, precision, shared
+        self.holds_loss, self.device = holds_loss, device
+        self.collective = functools.partial(collective, mesh)
+        """`collective(action, peers, fn, *args, **kw)` on this rank (module function)."""
+        self.counted = self._norm_mask(stages)
+        """Which of this rank's gradients it adds to the global norm (stp.train.clip)."""
+
+    def _norm_mask(self, stages: Mapping[int, Any]) -> list[bool]:
+        tp, tp_rank = self.mesh.dims.tp, self.mesh.coord.tp
+        keys = [norm_key(st, n, box_of(st, n, p, tp, tp_rank))
+                for st in stages.values() for n, p in st.named_parameters()]
+        gather = None if self.mesh.dims.world_size == 1 else functools.partial(
+            self.collective, "gradient keys gather", WORLD, dist.all_gather_object)
+        return counted_mask(keys, rank=self.mesh.rank, gather=gather)
+
+    def after_backward(self, losses: Mapping[int, torch.Tensor], microbatches: int,
+                       valid_ratio: float) -> tuple[float, float]:
+        """(the step's mean loss, the global gradient norm), both the same on every
+        rank, with the gradients summed where shared and averaged over DP.
+        `losses`: this rank's microbatch mean losses (empty off the last stage);
+        `valid_ratio`: the global batch's share of counted targets (each
+        microbatch's mean is over its own valid targets). Collective."""
+        self.sum_shared()
+        loss = self.world_loss(losses, microbatches, valid_ratio)
+        if self.mesh.dims.dp > 1:
+            self.average_dp()
+        return loss, self.grad_norm()
+
+    def sum_shared(self) -> None:
+        """Sum the gradients of parameters held in more than one place."""
+        if self.shared is not None:
+            p = self.precision
+            grads = dict(zip(p.names, p.grads(), strict=True))
+            self.collective("tied / replicated gradient sum", "a rank sharing parameters",
+                            self.shared, grads)
+
+    def world_loss(self, losses: Mapping[int, torch.Tensor], microbatches: int,
+                   valid_ratio: float, *, action: str = "loss all-reduce") -> float:
+        """The global batch's mean loss from the microbatch means on the ranks holding
+        the last stage (one TP rank of each counts), summed over the world."""
+        d = self.mesh.dims
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.holds_loss and self.mesh.coord.tp == 0:
+            total += sum(float(v) for v in losses.values()) / (microbatches * d.dp) * valid_ratio
+        self.collective(action, WORLD, dist.all_reduce, total)
+        return float(total)
+
+    def average_dp(self) -> None:
+        """Average the gradients (fp32 main grads in mixed precision) over the DP
+        replicas in one flat all-reduce."""
+        grads = self.precision.grads()
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        peers = f"a rank in {self.mesh.describe_group('dp')}"
+        self.collective("DP gradient all-reduce", peers, dist.all_reduce, flat,
+                        group=self.mesh.dp_group)
+        flat /= self.mesh.dims.dp
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def grad_norm(self) -> float:
+        """The global L2 norm of the gradients (stp.train.clip). Collective."""
+        world_sum = None
+        if self.mesh.dims.world_size > 1:
+            world_sum = functools.partial(self.collective, "grad-norm all-reduce", WORLD,
+                                          dist.all_reduce)
+        return grad_norm(self.precision.grads(), self.counted, world_sum)

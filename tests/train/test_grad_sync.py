@@ -1,0 +1,58 @@
+"""The step's collectives (stp.train.grad_sync) on two DP replicas: the DP average
+and the loss sum, and a replica that goes away reported as lost, not as a timeout."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from _dist import DistFailure, run_dist
+from torch import nn
+
+from stp.runtime.mesh import Mesh, ParallelDims
+from stp.train.grad_sync import GradSync
+from stp.train.precision import Precision
+
+
+class _OneWeight:
+    """The least a GradSync reads of a stage: named parameters, none sharded."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        self.weight = weight
+
+    def named_parameters(self):
+        yield "w", self.weight
+
+    def shard_dim(self, name: str) -> None:
+        return None
+
+
+def _replica(rank: int, world: int, leave: bool) -> tuple[list[float], float, float]:
+    mesh = Mesh.from_world(ParallelDims(1, 1, 2), timeout=30)
+    weight = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    weight.grad = torch.full((3,), float(rank + 1), dtype=torch.float64)  # 1 and 2
+    precision = Precision([("w", weight)])
+    sync = GradSync(mesh, precision, {0: _OneWeight(weight)}, shared=None, holds_loss=True,
+                    device=torch.device("cpu"))
+    if leave and rank == 1:
+        os._exit(0)  # gone without a word, after the replicas agreed on the norm's owners
+    losses = {0: torch.tensor(2.0 + rank, dtype=torch.float64)}  # one microbatch each
+    loss, norm = sync.after_backward(losses, 1, 1.0)
+    return weight.grad.tolist(), loss, norm
+
+
+def test_dp_average_loss_and_norm_agree_on_both_replicas() -> None:
+    got = run_dist(_replica, 2, False, timeout=60)
+    for grads, loss, norm in got:
+        assert grads == [1.5, 1.5, 1.5]  # (1 + 2) / 2
+        assert loss == 2.5  # (2 + 3) / 2: the mean over replicas
+        assert norm == pytest.approx(1.5 * 3 ** 0.5, rel=1e-15)  # counted once, not twice
+
+
+def test_a_dp_replica_that_leaves_is_reported_lost_not_timed_out() -> None:
+    with pytest.raises(DistFailure) as info:
+        run_dist(_replica, 2, True, timeout=60, pg_timeout=30)
+    err = info.value.errors[0]
+    assert err.startswith("PeerLost: rank 0 (pp 0, tp 0, dp 0) in "), err
+    assert "closed the connection" in err and "timed out" not in err, err
