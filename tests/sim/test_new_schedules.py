@@ -50,9 +50,9 @@ def test_zb_interleaved_peak():
 
 
 # Chunk-time points where the DualPipeV bubble is linear in the costs (the
-# order of the drain does not change), checked on p = 2, 3, 4, 8; at
-# T_B + T_W = T_F on p = 8, or T_B > 5/4 T_F, or T_W > T_B, it is not.
-DUALPIPEV_COSTS = [Costs(1, 1, 1), Costs(1, 1, 0.5), Costs(1, 1.25, 1), Costs(1, 0.75, 0.5),
+# order of the drain does not change): T_W <= T_B <= T_F < T_B + T_W, checked
+# on p = 2, 3, 4, 8 (at p = 8, T_B = 5/4 T_F or T_B + T_W = T_F leave it).
+DUALPIPEV_COSTS = [Costs(1, 1, 1), Costs(1, 1, 0.5), Costs(1, 0.75, 0.75), Costs(1, 0.75, 0.5),
                    Costs(2, 2, 1), Costs(1, 1, 0.75)]
 
 
