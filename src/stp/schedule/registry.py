@@ -75,11 +75,13 @@ SCHEDULES: dict[str, GeneratorSpec] = {
             _G + "stp", "stp",
         ),
         GeneratorSpec(
-            "looped-bfs", "LoopedBFS: breadth first, every microbatch through a chunk, then the next",
+            "looped-bfs",
+            "LoopedBFS: breadth first, every microbatch through a chunk, then the next",
             _G + "bfs", "looped_bfs", takes_chunks=True,
         ),
         GeneratorSpec(
-            "zb-interleaved", "Interleaved Zero Bubble: interleaved 1F1B with split backward (ZB1P)",
+            "zb-interleaved",
+            "Interleaved Zero Bubble: interleaved 1F1B with split backward (ZB1P)",
             _G + "zb_interleaved", "zb_interleaved", takes_chunks=True,
         ),
         GeneratorSpec(
