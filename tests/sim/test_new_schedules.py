@@ -80,9 +80,9 @@ def test_dualpipev_pair_braided_hides_allreduce():
     """A braided pair hides TP all-reduce under its partner: DualPipeV's TP
     bubble is well under that of the same order run pass by pass, and so
     is its makespan. With nothing to hide (ar = 0) braiding adds no work
-    and no TP wait; the unit order is fixed, so where a backward's input
-    arrives while its partner forward runs, the forward's later units wait
-    with it (here 86 against 84.5 pass by pass)."""
+    and no TP wait, but a braided pass's output is final only when its last
+    unit has run, near the end of the pair, later than pass by pass; on
+    DualPipeV's critical path that costs time (here 86 against 84.5)."""
     from dataclasses import replace
 
     from stp.schedule import Block
