@@ -181,8 +181,8 @@ FINDINGS = """\
   at PP 4); braided it is 2 to 3% slower. A braided pair computes the same
   and waits on no all-reduce, but each pass's output is final only when its
   last unit has run, near the end of the pair, where pass by pass the
-  forward's output leaves half a pair earlier; on DualPipeV's critical path
-  (the V tip and the drain) that delay adds up. From ar/f = 0.1 to 0.2 on,
+  forward's output leaves before the backward runs; where those outputs are
+  on DualPipeV's critical path the delay adds up. From ar/f = 0.1 to 0.2 on,
   braided DualPipeV beats pass-by-pass DualPipeV, which is up to 31% slower
   at ar/f = 1.
 - **Memory: DualPipeV is lighter.** Its peak is `p + 1/2` M_B on every rank
