@@ -20,7 +20,7 @@ def test_schedules_lists_every_name(capsys):
     names = [line.split()[0] for line in out.splitlines()]
     assert code == 0
     assert names == ["gpipe", "1f1b", "1f1b-interleaved", "zb-h1", "zb-h2", "zb-v",
-                     "v-half", "v-min", "stp"]
+                     "v-half", "v-min", "stp", "looped-bfs", "zb-interleaved", "dualpipev"]
 
 
 def test_simulate_json_fields(capsys):
