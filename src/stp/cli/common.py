@@ -36,7 +36,7 @@ MAX_LAYERS = 64
 """Most transformer layers per chunk (--layers)."""
 MAX_STAGE_MICROBATCHES = 32768
 """Most stages x microbatches simulated: up to 98304 passes, about 3 s for
-one schedule (compare: each of nine) on a 2-core VM."""
+one schedule (compare: each of twelve) on a 2-core VM."""
 MAX_STAGE_MICROBATCH_LAYERS = 262144
 """Most stages x microbatches x layers per chunk simulated (the units)."""
 MAX_VALUE = 1e12
