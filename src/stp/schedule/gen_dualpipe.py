@@ -149,6 +149,9 @@ def dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
         meta={
             "chunks": 2,
             "torch_order": m >= 2 * p,
+            **({} if m >= 2 * p else {"torch_note": (
+                f"PyTorch's ScheduleDualPipeV refuses m={m} < 2p={2 * p}; this is its "
+                f"m={2 * p} order with microbatches {m}..{2 * p - 1} dropped")}),
             "bubble": "(p-1)(F&B+B-3W)",
             "peak_activation": "(2p+1) M_B / 2",
         },

@@ -73,6 +73,9 @@ def zb_interleaved(num_ranks: int, num_microbatches: int, chunks: int = 2) -> Sc
     table = issue_table(groups, v)
     warmups = tuple(min((v - 1) * groups[0] + (p - 1 - r), m * v) for r in range(p))
     actions = tuple(_rank_order(r, p, v, table, warmups[r]) for r in range(p))
+    note = {} if torch_accepts(p, m) else {"torch_note": (
+        f"PyTorch's ScheduleInterleavedZeroBubble refuses m={m} (its {len(groups)} rounds "
+        f"do not divide it); this runs groups {'/'.join(map(str, groups))}, larger first")}
     return Schedule(
         name="zb-interleaved",
         num_ranks=p,
@@ -85,6 +88,7 @@ def zb_interleaved(num_ranks: int, num_microbatches: int, chunks: int = 2) -> Sc
             "warmup": warmups,
             "pending_w": tuple(range(p)),
             "torch_order": torch_accepts(p, m),
+            **note,
             "bubble": "(p-1)(T_F+T_B-T_W)/v",
             "peak_activation": "min((v-1) g + p - r, m v) M_B / v",
         },
