@@ -70,3 +70,18 @@ def test_torch_dry_run_of_our_csv(name, p, m):
     if name == "dualpipev":
         assert any(isinstance(a, Block) for acts in sch.actions for a in acts)
         assert any("OVERLAP_F_B" in c for row in sch.rows() for c in row)
+
+
+REFUSED = [(name, p, m) for name in ("zb-interleaved", "dualpipev") for p in (2, 4, 8)
+           for m in range(1, 4 * p + 1) if torch_rows(name, p, m) is None]
+
+
+@pytest.mark.parametrize(("name", "p", "m"), REFUSED)
+def test_torch_validates_our_csv_where_its_class_refuses(name, p, m):
+    """PyTorch's class refuses these (p, m), but its schedule validation and
+    lowering accept stp's schedule for them, read from our CSV."""
+    sch = generate(name, p, m)
+    order = {r: [ts._Action.from_str(c) for c in row] for r, row in enumerate(sch.rows())}
+    mapping = ts._validate_schedule(order, p, sch.num_stages, m)
+    assert [mapping[s] for s in range(sch.num_stages)] == list(sch.stage_to_rank)
+    ts._add_send_recv(order, lambda s: mapping[s], sch.num_stages)

@@ -58,3 +58,18 @@ def test_export_dualpipev_and_read_back(capsys, tmp_path):
     want = run(capsys, "simulate", "--schedule", "dualpipev", "--pp", "2", "-m", "6",
                "--json")[1]
     assert json.loads(out)["makespan"] == json.loads(want)["makespan"]
+
+
+def test_compare_lists_them_and_offload_lowers_their_peak(capsys):
+    code, out, _ = run(capsys, "compare", "--pp", "4", "-m", "8", "--cost",
+                       "f=2,b=2,w=1,ar=0.4", "--json")
+    assert code == 0
+    rows = {r["schedule"]: r for r in json.loads(out)["rows"]}
+    assert {"looped-bfs", "zb-interleaved", "dualpipev"} <= set(rows)
+    for name in ("looped-bfs", "zb-interleaved", "dualpipev"):
+        code, out, _ = run(capsys, "simulate", "--schedule", name, "--pp", "4", "-m", "8",
+                           "--offload", "all", "--offload-bandwidth", "4", "--json")
+        assert code == 0
+        res = json.loads(out)
+        assert res["offloaded_passes"] > 0
+        assert max(res["peak_activation"]) < max(rows[name]["peak_activation"])
