@@ -141,3 +141,18 @@ def test_bad_chunks_refused_in_one_line():
         generate("looped-bfs", 2, 4, chunks=0)
     with pytest.raises(TypeError):
         generate("dualpipev", 2, 4, chunks=2)
+
+
+@pytest.mark.parametrize(("name", "chunks"), [("looped-bfs", 1), ("looped-bfs", 2),
+                                              ("looped-bfs", 3), ("zb-interleaved", 2),
+                                              ("zb-interleaved", 3), ("zb-interleaved", 4),
+                                              ("dualpipev", 2)])
+def test_valid_for_every_small_case(name, chunks):
+    """Valid (complete, in dependency order, deadlock-free), PyTorch's (p, m)
+    or not: every m up to 2p+2, and 3p+1 and 4p, on p in {1, 2, 3, 5, 8}
+    (every p <= 8 and m <= 4p was checked when the generators were written)."""
+    for p in (1, 2, 3, 5, 8):
+        for m in sorted({*range(1, 2 * p + 3), 3 * p + 1, 4 * p}):
+            sch = generate(name, p, m, **_options(name, chunks))
+            validate(sch)
+            assert sch.chunks == chunks

@@ -20,7 +20,8 @@ first (`gen_classic.interleaved_group_sizes`, as stp's 1f1b-interleaved
 does), which are PyTorch's groups whenever PyTorch accepts m, so the order
 is PyTorch's action for action there; where PyTorch refuses m it is the
 same rule on uneven groups (the warm-up counts the first, larger group),
-valid for every p <= 8, m <= 4p, v <= 4 (tests/schedule/test_gen_torch.py).
+valid for every p <= 8, m <= 4p, v <= 4 (all checked when written;
+tests/schedule/test_gen_torch.py keeps a covering subset).
 """
 
 from __future__ import annotations
