@@ -131,10 +131,14 @@ def _drop_microbatches(actions: list[Action], m: int) -> tuple[Action, ...]:
 def dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
     """DualPipeV on p ranks (2p stages in a V), m microbatches.
 
-    Bubble `(p-1)(F&B + B - 3W)` in chunk times (the DualPipe README's
-    `(PP/2-1)(F&B+B-3W)` with PP = 2p stages; B there is a chunk's full
-    backward, F&B an overlapped pair), for m >= 2p; peak activation
-    `2p+1` chunk activations on rank 0 (`(p+1/2) M_B`; the README's `PP+1`).
+    The DualPipe README gives its bubble as `(PP/2-1)(F&B + B - 3W)` in chunk
+    times (PP = 2p stages, B a chunk's full backward, F&B an overlapped
+    pair) and its activation as `PP+1` chunks. Simulated with nothing to
+    hide, this order's critical rank 0 waits `(p-1)(3T_F/2 + T_B - T_W)`
+    (T_B the input-gradient part) when T_W <= T_B <= T_F < T_B + T_W, less
+    than the README's by `(p-1)(T_B - T_F/2)`; the peak is the README's,
+    `2p+1` chunk activations (`(p+1/2) M_B`) on every rank, for m >= 2p
+    (tests/sim/test_new_schedules.py).
     """
     check_sizes("dualpipev", num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
