@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_json", "replacing", "write_text_atomic"]
+__all__ = ["read_json", "read_json_object", "replacing", "write_text_atomic"]
 
 
 @contextlib.contextmanager
@@ -50,3 +50,14 @@ def read_json(path: str | os.PathLike[str], max_bytes: int) -> Any:
         return json.loads(raw.decode("utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ValueError(f"{str(path)!r} is not JSON: {str(e)[:80]}") from None
+
+
+def read_json_object(path: str | os.PathLike[str], max_bytes: int = 16 << 20) -> dict[str, Any]:
+    """`read_json` of a file that must hold one JSON object (config.json, stp.json):
+    a list, a number or binary data is refused in one line naming the file."""
+    value = read_json(path, max_bytes)
+    if not isinstance(value, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+            type(value), "a number")
+        raise ValueError(f"{str(path)!r} holds {kind}, not a JSON object of settings")
+    return value

@@ -116,7 +116,7 @@ def test_train_with_emulated_compute_writes_a_trace(tmp_path: Path):
                "--out", str(tmp_path / "ckpt"))
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [r["step"] for r in rows] == [0, 1] and all(r["loss"] == 0.0 for r in rows)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] == 0.0 for r in rows)
     assert "emulated compute" in out.stderr and str(trace) in out.stderr
     doc = json.loads(trace.read_text())
     assert doc["otherData"]["emulate"] == "f=8,b=8,w=4" and doc["otherData"]["schedule"] == "zb-v"

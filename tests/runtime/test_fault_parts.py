@@ -30,6 +30,7 @@ from stp.runtime.errors import (
 from stp.runtime.launch import WorkerExit, diagnose, launch_local
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.runtime.p2p import P2P
+from stp.runtime.store import seal
 from stp.runtime.watch import BeatMonitor, Heartbeat
 from stp.schedule.lower import lower
 from stp.schedule.registry import make as make_schedule
@@ -120,7 +121,8 @@ def test_a_peer_that_leaves_is_not_reported_as_a_timeout() -> None:
 def test_heartbeats_show_who_stopped() -> None:
     store = dist.HashStore()
     beating = Heartbeat(store, 0, 3)
-    store.add("stp/beat/2", 1)  # rank 2 beat once, then froze; rank 1 never started
+    # rank 2 beat once (signed, as ranks beat), then froze; rank 1 never started
+    store.set("stp/beat/2", seal("stp/beat/2", "1"))
     assert beating.silent_ranks(window=0.6) == [1, 2]
     monitor = BeatMonitor(store, 3)
     monitor.poll(now=0.0)

@@ -118,7 +118,7 @@ def test_stp_train_offload_reports_resident_bytes_per_rank(tmp_path) -> None:
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         peaks = r["resident_activation_bytes"]
         assert len(peaks) == 2 and all(isinstance(b, int) and b > 0 for b in peaks)

@@ -29,7 +29,7 @@ def _stp(*argv: str, env: dict[str, str] | None = None, timeout: float = 120):
 
 def _json_losses(stdout: str) -> list[float]:
     rows = [json.loads(line) for line in stdout.splitlines()]  # every line is JSON
-    assert [r["step"] for r in rows] == list(range(len(rows)))
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
     for r in rows:
         assert set(r) >= {"step", "loss", "tokens_per_s"} and r["tokens_per_s"] > 0
     return [r["loss"] for r in rows]
@@ -76,8 +76,9 @@ def test_single_process_run_prints_progress_and_summary(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--tp", "3"], "num_heads=4 must be divisible by tp_size=3"),
-        (["--tp", "3", "--heads", "6", "--hidden", "48"], "ffn_hidden=128 must be divisible"),
+        (["--tp", "3"], "--heads 4 must be divisible by --tp 3"),
+        (["--tp", "3", "--heads", "6", "--hidden", "48"],
+         "the MLP width (from --hidden) 128 must be divisible by --tp 3"),
         (["--schedule", "zb-v", "--pp", "2", "--layers", "3"],
          "--layers 3 is fewer than the schedule's 4 stages"),
         (["-m", "0"], "0 must be >= 1"),

@@ -77,7 +77,7 @@ def test_eval_loss_on_every_nth_step_equal_on_pp1_pp2_and_reference(tmp_path):
     pp1 = _stp_rows([*argv, "--pp", "1"], tmp_path / "pp1")
     pp2 = _stp_rows([*argv, "--pp", "2"], tmp_path / "pp2")
     for rows in (pp1, pp2):
-        assert [r["step"] for r in rows if "eval_loss" in r] == [1, 3], rows
+        assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4], rows
     got1 = [r["eval_loss"] for r in pp1 if "eval_loss" in r]
     got2 = [r["eval_loss"] for r in pp2 if "eval_loss" in r]
     ref = _reference_eval_losses(JOB)

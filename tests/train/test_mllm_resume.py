@@ -66,7 +66,7 @@ def test_mllm_run_killed_while_saving_resumes_exactly(tmp_path: Path) -> None:
     straight = _run([*FLAGS, "--json", "--out", str(tmp_path / "straight")])
     assert straight.returncode == 0, straight.stderr[-3000:]
     rows = _rows(straight.stdout)
-    assert [r["step"] for r in rows] == list(range(6))
+    assert [r["step"] for r in rows] == list(range(1, 7))
     assert rows[5]["loss"] < rows[0]["loss"]  # it trains
     assert rows[0]["lr"] < rows[1]["lr"] > rows[5]["lr"]  # warm-up, then cosine decay
 
@@ -74,14 +74,14 @@ def test_mllm_run_killed_while_saving_resumes_exactly(tmp_path: Path) -> None:
     hook.mkdir()
     killed = _run([*FLAGS, "--json", "--out", str(out)], env=_killer_env(hook))
     assert killed.returncode != 0, killed.stderr[-3000:]
-    assert [r["step"] for r in _rows(killed.stdout)][-1] < 5  # it never finished
+    assert [r["step"] for r in _rows(killed.stdout)][-1] < 6  # it never finished
     assert (out / f".{checkpoint.checkpoint_name(4)}.partial" / ".metadata").exists()
     assert checkpoint.latest(out).name == checkpoint.checkpoint_name(2)
 
     resumed = _run([*FLAGS, "--json", "--out", str(out), "--resume", str(out)])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     again = _rows(resumed.stdout)
-    assert [r["step"] for r in again] == [2, 3, 4, 5]
+    assert [r["step"] for r in again] == [3, 4, 5, 6]
     keys = ("loss", "grad_norm", "lr")
     assert [[r[k] for k in keys] for r in again] == [[r[k] for k in keys] for r in rows[2:]]
     assert checkpoint.latest(out).name == checkpoint.checkpoint_name(6)

@@ -19,7 +19,7 @@ from stp.train.families import family_named, family_of
 from stp.train.resolve import resolve
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-from _hf import build  # noqa: E402
+from _hf import build, corpus_text, save_tokenizer  # noqa: E402
 
 
 def _counting(monkeypatch, module, name):
@@ -36,7 +36,8 @@ def _counting(monkeypatch, module, name):
 
 def test_one_run_resolves_its_job_and_reads_config_json_once(tmp_path, monkeypatch):
     ckpt = tmp_path / "llama"
-    build("llama", ckpt, vocab_size=300)  # holds the bytes: no tokenizer needed
+    build("llama", ckpt)
+    save_tokenizer(ckpt, corpus_text())
     resolves = _counting(monkeypatch, resolve_mod, "resolve")
     import stp.train.job as job_mod
 

@@ -56,7 +56,7 @@ def test_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_path: Path
     straight = _run([*flags, "--json", "--out", str(tmp_path / "straight")])
     assert straight.returncode == 0, straight.stderr
     rows = _rows(straight.stdout)
-    assert [r["step"] for r in rows] == list(range(6))
+    assert [r["step"] for r in rows] == list(range(1, 7))
     for r in rows:
         assert {"step", "loss", "grad_norm", "lr", "tokens_per_s", "step_s"} <= set(r)
         assert r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and r["step_s"] > 0
@@ -75,7 +75,7 @@ def test_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_path: Path
     resumed = _run([*flags, "--json", "--out", str(out), "--resume", str(out)])
     assert resumed.returncode == 0, resumed.stderr
     again = _rows(resumed.stdout)
-    assert [r["step"] for r in again] == [2, 3, 4, 5]
+    assert [r["step"] for r in again] == [3, 4, 5, 6]
     keys = ("loss", "grad_norm", "lr", "eval_loss")
     assert [[r.get(k) for k in keys] for r in again] == [[r.get(k) for k in keys]
                                                           for r in rows[2:]]

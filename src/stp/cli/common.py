@@ -23,7 +23,7 @@ __all__ = [
     "add_schedule_args", "add_size_args", "add_cost_args", "schedule_from_args",
     "costs_from_args", "check_work", "generated_stages", "int_in", "number_in",
     "positive_int", "positive_float", "pp_count", "microbatch_count", "chunk_count",
-    "layer_count", "MAX_CHUNKS", "MAX_LAYERS", "MAX_STAGE_MICROBATCHES",
+    "layer_count", "model_from_args", "MAX_CHUNKS", "MAX_LAYERS", "MAX_STAGE_MICROBATCHES",
     "MAX_STAGE_MICROBATCH_LAYERS", "MAX_VALUE", "EXIT_USAGE",
 ]
 
@@ -116,7 +116,7 @@ def add_size_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
     )
 
 
-def add_cost_args(p: argparse.ArgumentParser) -> None:
+def add_cost_args(p: argparse.ArgumentParser, *, recompute_auto: bool = False) -> None:
     p.add_argument(
         "--cost", default=None, metavar="f=..,b=..,w=..,ar=..,comm=..",
         help="times of one microbatch through one rank's share (default f=b=w=1, ar=comm=0; "
@@ -141,9 +141,17 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--hardware", default=None, metavar="NAME[,key=val..]",
-        help="hardware for --model: a100-80g (default) or a800-80g, and/or fields "
+        help="hardware for --model: a100-80g (default), a800-80g or h100-80g, and/or fields "
         "(peak_flops, efficiency, tp_bandwidth, tp_latency, pp_bandwidth, pp_latency, "
-        "host_bandwidth)",
+        "host_bandwidth, memory)",
+    )
+    p.add_argument(
+        "--recompute", default=None,
+        choices=("none", "selective", "full", *(("auto",) if recompute_auto else ())),
+        help="with --model: activation recomputation (selective: the attention core; full: "
+        "the whole layer from its input), charged to B and taken off M_B / M_W"
+        + ("; auto: per stage, what the memory limit needs (memory in M_B without "
+           "recomputation)" if recompute_auto else ""),
     )
 
 
@@ -227,10 +235,12 @@ def costs_from_args(args: argparse.Namespace) -> tuple[Costs, MemCosts]:
     model = getattr(args, "model", None)
     hardware = getattr(args, "hardware", None)
     if model is None:
+        if getattr(args, "recompute", None) is not None:
+            raise ValueError("--recompute needs --model (its formulas are per layer shape)")
         if hardware is not None:
             raise ValueError("--hardware needs --model (the model the costs are derived for)")
         return parse_costs(args.cost), parse_mem(args.mem)
-    from stp.costmodel import derive, parse_hardware, parse_model
+    from stp.costmodel import derive, parse_hardware
 
     for flag, text in (("--model", model), ("--hardware", hardware or "")):
         if not text.isascii():
@@ -238,6 +248,19 @@ def costs_from_args(args: argparse.Namespace) -> tuple[Costs, MemCosts]:
     pp = getattr(args, "pp", None)
     if pp is None:
         raise ValueError("--model needs --pp: costs are per pipeline rank's share of the model")
-    derived = derive(parse_model(model), parse_hardware(hardware or "a100-80g"), pp)
+    derived = derive(model_from_args(args), parse_hardware(hardware or "a100-80g"), pp)
     _check_derived(derived.costs, derived.mem)
     return parse_costs(args.cost, derived.costs), parse_mem(args.mem, derived.mem)
+
+
+def model_from_args(args: argparse.Namespace) -> object:
+    """The --model spec, with --recompute applied (a decoder's field)."""
+    from stp.costmodel import parse_model
+    from stp.costmodel.model import decoder_only
+
+    spec = parse_model(args.model)
+    mode = getattr(args, "recompute", None)
+    if mode in (None, "auto"):  # auto: the search's choice (stp.search.recompute)
+        return spec
+    spec = decoder_only(spec, "--recompute")
+    return dataclasses.replace(spec, recompute=mode)

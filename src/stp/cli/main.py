@@ -25,6 +25,7 @@ SUBCOMMANDS = (
     "stp.cli.export",
     "stp.cli.search",
     "stp.cli.costs",
+    "stp.cli.memory",
     "stp.cli.train",
     "stp.cli.bench",
 )

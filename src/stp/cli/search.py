@@ -18,6 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
+from stp.cli.budget_opts import add_budget_arg, budget_from_args, check_budget, limit_from_budget
 from stp.cli.common import (
     MAX_CHUNKS,
     MAX_VALUE,
@@ -54,11 +55,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"pipeline ranks p (at most {MAX_RANKS})")
     p.add_argument("--microbatches", "-m", type=microbatch_count, required=True,
                    help=f"microbatches m (at most {MAX_MICROBATCHES})")
-    add_cost_args(p)
+    add_cost_args(p, recompute_auto=True)
     add_stage_args(p)
-    p.add_argument("--memory-limit", type=positive_float, required=True, metavar="X",
+    p.add_argument("--memory-limit", type=positive_float, default=None, metavar="X",
                    help="most activation memory any rank may hold, units of M_B (a number "
-                   f"> 0 and <= {MAX_VALUE:g})")
+                   f"> 0 and <= {MAX_VALUE:g}); required unless --memory-budget gives it")
+    add_budget_arg(p)
     p.add_argument("--placement", choices=("looped", "v", "auto"), default="auto",
                    help="looped (--chunks per rank, default 1), v (two chunks in a V) or "
                    "auto (both, and any handcrafted schedule as a seed; default)")
@@ -138,34 +140,76 @@ def run(args: argparse.Namespace) -> int:
     # the V placement has two chunks per rank, the looped one --chunks
     check_work(args.pp * max(2, args.chunks), args.microbatches, args.layers,
                f"--pp {args.pp} -m {args.microbatches}")
+    budget = budget_from_args(args)
+    if args.memory_limit is None:
+        if budget is None:
+            raise ValueError("give --memory-limit X (units of M_B) or --memory-budget SIZE "
+                             "(bytes, with --model)")
+        args.memory_limit = limit_from_budget(args, budget)
     costs, mem = costs_from_args(args)
-    inputs = stage_inputs(args, costs, mem, args.pp, args.memory_limit)
-    placement, chunks = _placement(args, inputs)
-    costs, mem = inputs.reported(costs, mem, args.pp)  # the constructions' guide
-    res = search(
-        args.pp, args.microbatches, costs, mem,
-        memory_limit=args.memory_limit, placement_kind=placement,
-        braided=args.braided, chunks=chunks, objective=args.objective,
-        time_limit=args.time_limit, layers=args.layers,
-        stage_costs=None if inputs.uniform else inputs.for_stages,
-    )
-    auto = None
-    if inputs.partition == "auto":  # the found order, its partition judged by the simulator
-        stages, auto = inputs.for_schedule(res.schedule)
-        res.result = auto.result if auto else res.result
+    choice = None
+    if args.recompute == "auto":
+        res, choice, costs, mem = _search_recompute(args)
+        stages_auto = None
+    else:
+        inputs = stage_inputs(args, costs, mem, args.pp, args.memory_limit)
+        placement, chunks = _placement(args, inputs)
+        costs, mem = inputs.reported(costs, mem, args.pp)  # the constructions' guide
+        res = search(
+            args.pp, args.microbatches, costs, mem,
+            memory_limit=args.memory_limit, placement_kind=placement,
+            braided=args.braided, chunks=chunks, objective=args.objective,
+            time_limit=args.time_limit, layers=args.layers,
+            stage_costs=None if inputs.uniform else inputs.for_stages,
+        )
+        stages_auto = None
+        if inputs.partition == "auto":  # the found order, its partition judged by the simulator
+            _, stages_auto = inputs.for_schedule(res.schedule)
+            res.result = stages_auto.result if stages_auto else res.result
+    check_budget(args, res.result)
     if args.out:
         _write(res, args.out)
     if args.json:
-        print(json.dumps(res.to_json()))
+        print(json.dumps({**res.to_json(), **(choice.to_json() if choice else {})}))
         return 0
     c = costs
+    sp = f" ag={c.ag:g} rs={c.rs:g}" if c.ag or c.rs else ""
     print(f"search p={args.pp} m={args.microbatches} limit {args.memory_limit:g} M_B  costs "
-          f"f={c.f:g} b={c.b:g} w={c.w:g} ar={c.ar:g} comm={c.comm:g}; mem b={mem.m_b:g} "
+          f"f={c.f:g} b={c.b:g} w={c.w:g} ar={c.ar:g}{sp} comm={c.comm:g}; mem b={mem.m_b:g} "
           f"w={mem.m_w:g}")
     print(f"found in {res.seconds:.2f} s ({res.evaluated} candidates): {res.origin}")
-    for line in describe(res.result.stages, auto):
+    if choice is not None:
+        tried = ", ".join(f"{k} {'-' if v is None else f'{v:.4g}'}"
+                          for k, v in choice.tried.items())
+        print(f"recompute per stage: {','.join(choice.modes)} (every stage in one mode: {tried})")
+    for line in describe(res.result.stages, stages_auto):
         print(line)
     print(_table(res))
     if args.out:
         print(f"wrote {args.out}")
     return 0
+
+
+def _search_recompute(args: argparse.Namespace) -> tuple:
+    """`--recompute auto`: stp.search.recompute over the modes, memory in M_B
+    without recomputation."""
+    from stp.cli.common import model_from_args
+    from stp.costmodel import parse_hardware
+    from stp.costmodel.model import decoder_only
+    from stp.search.recompute import search_recompute
+
+    if args.model is None:
+        raise ValueError("--recompute auto needs --model (a decoder preset or fields)")
+    spec = model_from_args(args)
+    spec = decoder_only(spec, "--recompute auto")
+    for flag, val in (("--partition", args.partition), ("--cost", args.cost),
+                      ("--mem", args.mem)):
+        if val is not None:
+            raise ValueError(f"--recompute auto prices every mode from --model; drop {flag}")
+    choice = search_recompute(
+        spec, parse_hardware(args.hardware or "a100-80g"), args.pp, args.microbatches,
+        memory_limit=args.memory_limit, time_limit=args.time_limit, layers=args.layers,
+        placement_kind=args.placement, braided=args.braided, chunks=args.chunks,
+        objective=args.objective)
+    res = choice.result
+    return res, choice, res.result.costs, res.result.mem

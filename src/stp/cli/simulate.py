@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from stp.cli.budget_opts import add_budget_arg, budget_from_args, check_budget
 from stp.cli.common import (
     MAX_VALUE,
     add_cost_args,
@@ -40,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-limit", type=positive_float, default=None, metavar="X",
                    help="refuse the schedule if a rank's peak activation exceeds this "
                    f"(units of M_B; a number > 0 and <= {MAX_VALUE:g})")
+    add_budget_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_simulate)
 
@@ -73,6 +75,7 @@ def _fmt(x: float) -> str:
 
 def run_simulate(args: argparse.Namespace) -> int:
     sch = load_schedule(args)
+    budget_from_args(args)  # a bad size or a budget without --model, before any work
     costs, mem = costs_from_args(args)
     inputs = stage_inputs(args, costs, mem, sch.num_ranks, args.memory_limit)
     costs, mem = inputs.reported(costs, mem, sch.num_ranks)
@@ -88,6 +91,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         worst = max(res.ranks, key=lambda r: r.peak_activation)
         raise ValueError(f"rank {worst.rank}: peak activation {worst.peak_activation:g} with "
                          f"offload {args.offload} exceeds the limit {args.memory_limit:g}")
+    check_budget(args, res)
     if args.json:
         print(json.dumps({**res.to_json(), **auto_json(auto)}))
         return 0
@@ -100,9 +104,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     print(f"makespan {_fmt(res.makespan)}  bubble_rate {res.bubble_rate:.2%}  "
           f"pp_bubble {_fmt(res.pp_bubble)}  tp_bubble {_fmt(res.tp_bubble)}  "
           f"(critical rank {res.critical_rank.rank})")
-    header = ["rank", "span", "compute", "exposed_tp", "idle", "peak_act"]
-    rows = [[str(r.rank), _fmt(r.span), _fmt(r.compute), _fmt(r.exposed_tp), _fmt(r.idle),
-             _fmt(r.peak_activation)] for r in res.ranks]
+    header = ["rank", "span", "compute", "tp_total", "exposed_tp", "hidden_tp", "idle",
+              "peak_act"]
+    rows = [[str(r.rank), _fmt(r.span), _fmt(r.compute), _fmt(r.tp_total), _fmt(r.exposed_tp),
+             _fmt(r.hidden_tp), _fmt(r.idle), _fmt(r.peak_activation)] for r in res.ranks]
     if plan is not None:
         base = simulate(sch, costs, mem, layers=args.layers, record_spans=False,
                         stages=stages)
@@ -118,7 +123,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def _costs_text(res: SimResult) -> str:
     c = res.costs
-    return (f"f={c.f:g} b={c.b:g} w={c.w:g} ar={c.ar:g} comm={c.comm:g}; "
+    sp = f" ag={c.ag:g} rs={c.rs:g}" if c.ag or c.rs else ""
+    return (f"f={c.f:g} b={c.b:g} w={c.w:g} ar={c.ar:g}{sp} comm={c.comm:g}; "
             f"mem b={res.mem.m_b:g} w={res.mem.m_w:g}")
 
 

@@ -146,10 +146,11 @@ def stage_inputs(args: argparse.Namespace, costs: Costs, mem: MemCosts, num_rank
     if num_ranks is None:
         raise ValueError("--partition needs --pp (costs are per rank's share)")
     if args.model is not None:
-        from stp.costmodel import parse_hardware, parse_model
+        from stp.cli.common import model_from_args
+        from stp.costmodel import parse_hardware
         from stp.costmodel.stages import layered_costs
 
-        model = parse_model(args.model)
+        model = model_from_args(args)
         _check_partition_sum(model, part)
         layered = layered_costs(model, parse_hardware(args.hardware or "a100-80g"), num_ranks,
                                 costs, mem, layers)

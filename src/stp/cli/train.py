@@ -73,7 +73,8 @@ class _Progress:
 
     def __call__(self, r: Any) -> None:
         if self.as_json:
-            row = {"step": r.step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
+            # counted from 1, as the progress line and the checkpoint names count
+            row = {"step": r.step + 1, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
                    "tokens_per_s": r.tokens_per_s, "step_s": r.step_time_s,
                    "resident_activation_bytes": r.resident_activation_bytes}
             row.update({"skipped": True} if r.skipped else {})
@@ -94,9 +95,9 @@ class _Progress:
         if r.eval_loss is not None and not self.tty:
             print(line, file=sys.stderr, flush=True)
             return
-        if self.tty:
+        if self.tty:  # "\x1b[K" clears what a longer earlier line left on the right
             end = "\n" if done == self.total else ""
-            print("\r" + line, end=end, file=sys.stderr, flush=True)
+            print("\r" + line + "\x1b[K", end=end, file=sys.stderr, flush=True)
         elif done % self.every == 0 or done in (1, self.total):
             print(line, file=sys.stderr, flush=True)
 
@@ -104,11 +105,15 @@ class _Progress:
 def _summary(s: Any, as_json: bool) -> None:
     """Rank 0's closing lines (s: stp.train.loop.RunSummary)."""
     job = s.job
+    trained = len(s.step_times_s)
+    first = job.steps - trained + 1
     text = (
-        f"trained {job.steps} steps of {job.schedule} on pp={job.pp} tp={job.tp} "
+        f"trained {trained} steps of {job.schedule} on pp={job.pp} tp={job.tp} "
         f"dp={job.dp} (m={s.microbatches}, {s.backend} on {s.device}, "
         f"{s.parameters:,} parameters)"
     )
+    if first > 1:
+        text += f"\nsteps {first}..{job.steps}, resumed after step {first - 1}"
     if job.partition is not None:
         text += f"\nlayers per global stage: {job.partition}"
     if job.emulate:
@@ -185,6 +190,8 @@ def _under_torchrun(job: Any, as_json: bool) -> int:
         agree(shared_settings(job), timeout=max(job.timeout, STARTUP_S))
         job = with_schedule_file(job)
         resolved = check(job, world_size=int(os.environ["WORLD_SIZE"]))
+        if not _announce(resolved, quiet=os.environ.get("RANK") != "0"):
+            return 0
     except ValueError as e:
         # Once: by rank 0; a disagreement also on the other nodes (their first rank).
         if os.environ.get("RANK") == "0" or (
@@ -198,6 +205,33 @@ def _under_torchrun(job: Any, as_json: bool) -> int:
     return 0
 
 
+def _announce(resolved: Any, *, quiet: bool = False) -> bool:
+    """Say what the run reads and where it resumes (stderr: stdout keeps --json's lines);
+    False when a resumed run has nothing left to train."""
+    job = resolved.job
+    lines = []
+    if resolved.resumed is not None:
+        if resolved.resumed_step >= job.steps:
+            if not quiet:
+                say(f"stp: nothing to do: {resolved.resumed} has trained "
+                    f"{resolved.resumed_step} steps and --steps is {job.steps}; give --steps "
+                    f"above {resolved.resumed_step} to train on")
+            return False
+        lines.append(f"resumed from step {resolved.resumed_step} ({resolved.resumed})")
+    if job.data is not None:
+        from stp.train.data import open_corpus
+
+        corpus = open_corpus(job.data)
+        skipped = (f"; skipped {corpus.skipped} (hidden, __pycache__ or binary)"
+                   if corpus.skipped else "")
+        lines.append(f"data: {len(corpus.files)} files, {corpus.size:,} bytes from "
+                     f"{job.data}{skipped}")
+    if not quiet:
+        for line in lines:
+            say(line)
+    return True
+
+
 def run_train(args: argparse.Namespace) -> int:
     # Before torch loads OpenMP (here and in spawned workers): idle intra-op
     # threads sleep instead of spinning. Spinning threads on shared cores
@@ -205,16 +239,28 @@ def run_train(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from stp.runtime.launch import in_torchrun, launch_local
     from stp.train.job import check
+    from stp.train.outlock import existing_out, hold_out
     from stp.train.schedules import with_schedule_file
 
     job = from_args(TrainJob, args)
     if in_torchrun():
         return _under_torchrun(job, args.json)
+    # One run per --out until this process ends (stp.train.outlock). An existing one
+    # (--out, or the run --resume continues) is locked before the checks: a run in
+    # progress is the answer, not its half-written files; a new one after them, so
+    # that refused input leaves nothing behind.
+    early = existing_out(job)
+    if early is not None:
+        hold_out(early)
     job = with_schedule_file(job)  # -m of a schedule file, before the batch size is fixed
     resolved = check(job)
+    job = resolved.job
     if job.out is None:  # fixed once, after the checks: the default is a new directory
-        job = dataclasses.replace(resolved.job, out=str(job.out_dir()))
+        job = dataclasses.replace(job, out=str(job.out_dir()))
         resolved = dataclasses.replace(resolved, job=job)
+    hold_out(job.out)
+    if not _announce(resolved):
+        return 0
     if job.world_size == 1:
         return _train_here(resolved, args.json)
     result = launch_local(_worker, (resolved, args.json), job.world_size,

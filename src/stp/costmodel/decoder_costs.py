@@ -10,6 +10,9 @@ One rank's share (`derive_decoder`): what one rank does for one microbatch
     ar        L x 2 all-reduces of the layer output (s b h 16-bit values) in one
               F pass (Megatron-LM TP: after attention and after the MLP; B has the
               same two on the input gradients; Shoeybi et al. 2019, section 3)
+    ag, rs    with sequence parallelism, instead of `ar`: L x 2 all-gathers and
+              L x 2 reduce-scatters of the same s b h values (ring: each moves
+              (t-1)/t of the bytes, half an all-reduce's traffic)
     comm      one send of the stage output, s b h 16-bit values (1/t of it per
               TP rank with sequence parallelism, Korthikanti et al. 2023)
     mem       M_B = 1 unit = L x M_B bytes of a layer; M_W as a fraction of it
@@ -57,7 +60,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stp.costmodel.hardware import HardwareSpec, allreduce_time, p2p_time
+from stp.costmodel.hardware import (
+    HardwareSpec,
+    allgather_time,
+    allreduce_time,
+    p2p_time,
+    reduce_scatter_time,
+)
 from stp.costmodel.model import ModelSpec, layer_activation_bytes, layer_flops
 from stp.schedule.memory import MemCosts
 from stp.sim.costs import Costs
@@ -89,7 +98,8 @@ class Derived:
     def to_json(self) -> dict[str, object]:
         c = self.costs
         return {
-            "costs_ms": {"f": c.f, "b": c.b, "w": c.w, "ar": c.ar, "comm": c.comm},
+            "costs_ms": {"f": c.f, "b": c.b, "w": c.w, "ar": c.ar, "comm": c.comm,
+                         "ag": c.ag, "rs": c.rs},
             "mem": {"b": self.mem.m_b, "w": self.mem.m_w},
             "bytes_per_unit": self.bytes_per_unit,
             "layers_per_rank": self.layers_per_rank,
@@ -112,12 +122,20 @@ def derive_decoder(model: ModelSpec, hardware: HardwareSpec, pp: int) -> Derived
     ms = 1e3 / hardware.achieved_flops
     s, b, h, t = model.sequence, model.micro_batch, model.hidden, model.tp
     layer_out = 2.0 * s * b * h  # bytes of one 16-bit layer output
-    ar = 2 * per_rank * allreduce_time(layer_out, t, hardware.tp_bandwidth, hardware.tp_latency)
+    link = (t, hardware.tp_bandwidth, hardware.tp_latency)
+    if model.sequence_parallel:
+        # Korthikanti et al. (arXiv 2205.05198) section 4.2.2: each all-reduce
+        # becomes a reduce-scatter and an all-gather of the same s b h values.
+        ar, gather = 0.0, 2 * per_rank * allgather_time(layer_out, *link)
+        scatter = 2 * per_rank * reduce_scatter_time(layer_out, *link)
+    else:
+        ar, gather, scatter = 2 * per_rank * allreduce_time(layer_out, *link), 0.0, 0.0
     sent = layer_out / t if model.sequence_parallel else layer_out
     comm = p2p_time(sent, hardware.pp_bandwidth, hardware.pp_latency)
     m_b, m_w = layer_activation_bytes(model)
     unit = m_b * per_rank
-    costs = Costs(f=f_fl * ms, b=b_fl * ms, w=w_fl * ms, ar=ar * 1e3, comm=comm * 1e3)
+    costs = Costs(f=f_fl * ms, b=b_fl * ms, w=w_fl * ms, ar=ar * 1e3, comm=comm * 1e3,
+                  ag=gather * 1e3, rs=scatter * 1e3)
     lm_head = 2.0 * s * b * h * model.vocab / t * ms
     compute = costs.f + costs.b + costs.w
     offload = (unit / hardware.host_bandwidth * 1e3) / compute

@@ -1,31 +1,10 @@
 """Model + hardware + pipeline size -> the simulator's costs and memory units,
 and the `--model` / `--hardware` text a user gives for them.
 
-`derive` hands a spec to its own cost functions (stp.costmodel.families: the
-decoder's in stp.costmodel.decoder_costs, the multimodal model's in
-stp.costmodel.mllm_costs). For a decoder:
-
-What one rank does for one microbatch (its share: `L = layers / pp`
-transformer layers, all of its chunks together; `stp.sim.costs`):
-
-    f, b, w   L x (F, B, W FLOPs of a layer, `stp.costmodel.model`) / achieved FLOP/s
-    ar        L x 2 all-reduces of the layer output (s b h 16-bit values) in one
-              F pass (Megatron-LM TP: after attention and after the MLP; B has the
-              same two on the input gradients; Shoeybi et al. 2019, section 3)
-    comm      one send of the stage output, s b h 16-bit values (1/t of it per
-              TP rank with sequence parallelism, Korthikanti et al. 2023)
-    mem       M_B = 1 unit = L x M_B bytes of a layer; M_W as a fraction of it
-
-Times are in milliseconds. The embedding and output layer (vocabulary) sit on
-the first and last stage only, so they are not in these uniform costs (the
-output layer's forward is reported as `lm_head_ms`); `stp.costmodel.stages`
-adds them to the first and last stage of a per-stage cost table, which is
-what `--model` simulates, and `--partition auto` balances them by giving
-those stages fewer layers, as the Zero Bubble and STP papers do.
-
-The offload ratio of "PipeOffload" (arXiv 2503.01328), `k = T_offload /
-T_compute`, is `M_B bytes / host bandwidth` over `f + b + w`: k <= 1 means
-every activation can go to host memory and back within its own compute.
+`derive` hands a spec to its own cost functions (stp.costmodel.families): a
+decoder's in stp.costmodel.decoder_costs (whose doc gives the formulas: times
+of one rank's share in milliseconds, memory in units of its M_B, PipeOffload's
+offload ratio), a multimodal model's in stp.costmodel.mllm_costs.
 """
 
 from __future__ import annotations

@@ -6,6 +6,14 @@ Operations in MPICH", IJHPCA 2005):
 
     point-to-point   T = alpha + n / beta
     ring all-reduce  T = 2 (t-1) alpha + 2 (t-1)/t * n / beta
+    ring all-gather  T = (t-1) alpha + (t-1)/t * n / beta     (n: the gathered bytes)
+    ring reduce-scatter, the same                              (n: the bytes reduced)
+
+Each rank of a ring moves (t-1)/t of the bytes once in an all-gather or a
+reduce-scatter, and twice in an all-reduce, which is exactly a
+reduce-scatter followed by an all-gather (Thakur et al., section 4.4):
+sequence parallelism's two collectives cost what the all-reduce they
+replace cost.
 
 with `n` bytes, `t` ranks, `beta` the bandwidth of one direction of one link.
 """
@@ -14,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-__all__ = ["HardwareSpec", "allreduce_time", "p2p_time"]
+__all__ = ["HardwareSpec", "allgather_time", "allreduce_time", "p2p_time",
+           "reduce_scatter_time"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,9 @@ class HardwareSpec:
     host_bandwidth: float = 25e9
     """Bytes/s between GPU and host memory (PCIe), for activation offload."""
     name: str = "custom"
+    memory: float = 0.0
+    """Bytes of device memory one GPU offers (what nvidia-smi reports as total);
+    0: not known (a custom spec that does not say)."""
 
     def __post_init__(self) -> None:
         for fl in fields(self):
@@ -61,6 +73,19 @@ def allreduce_time(num_bytes: float, ranks: int, bandwidth: float, latency: floa
         return 0.0
     steps = 2 * (ranks - 1)
     return steps * latency + steps / ranks * num_bytes / bandwidth
+
+
+def allgather_time(num_bytes: float, ranks: int, bandwidth: float, latency: float) -> float:
+    """Ring all-gather whose result is `num_bytes` (each rank brings 1/`ranks`)."""
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) * latency + (ranks - 1) / ranks * num_bytes / bandwidth
+
+
+def reduce_scatter_time(num_bytes: float, ranks: int, bandwidth: float,
+                        latency: float) -> float:
+    """Ring reduce-scatter of `num_bytes` (each rank keeps 1/`ranks` of the sum)."""
+    return allgather_time(num_bytes, ranks, bandwidth, latency)
 
 
 def p2p_time(num_bytes: float, bandwidth: float, latency: float) -> float:

@@ -34,13 +34,35 @@ Models" (MLSys 2023), section 4.1, generalised to GQA and gated MLPs:
 For GPT (t = 1) these are Zero Bubble's `M_B = sb(34h + 5as)` and
 `M_W = 32sbh` (Table 1). With sequence parallelism the replicated terms are
 split too (Korthikanti eq. 5); flash attention keeps no s^2 terms.
+
+Activation recomputation (`recompute`; Korthikanti et al., section 5):
+
+    selective  the attention core (Q K^T, softmax, its dropout, the weighted
+               sum) is recomputed in B: M_B loses its `5 a s^2 b / t` term
+               (eq. 6: `34 s b h / t` per layer with SP) and B gains the
+               core's forward FLOPs `A = 4 s^2 b h / t`. With flash
+               attention the kernel already keeps no scores and recomputes
+               them in its own backward, so selective changes nothing.
+    full       only the layer's input is kept (`2 s b h`, `/ t` with SP,
+               section 5 "full activation recomputation"); B recomputes the
+               whole forward (B gains F). M_W is capped at that M_B: a split
+               backward whose W runs later must keep the inputs B recomputed
+               for it, a growth at B that the simulator's memory model (F
+               allocates, B and W free) cannot express, so full
+               recomputation is exact for full backwards (W right after B)
+               and understates a deferred W by up to the old M_W minus
+               `2 s b h / t` per microbatch waiting for its W.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-__all__ = ["ModelSpec", "layer_flops", "layer_activation_bytes", "num_parameters"]
+__all__ = ["RECOMPUTE_MODES", "ModelSpec", "decoder_only", "layer_flops", "layer_activation_bytes",
+           "num_parameters"]
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+"""Activation recomputation: nothing, the attention core, or the whole layer."""
 
 
 @dataclass(frozen=True)
@@ -70,14 +92,25 @@ class ModelSpec:
     flash_attention: bool = False
     """Attention kernels that keep no s x s scores (no 5as^2b activation term)."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism: the replicated activations are split by t too."""
+    """Megatron sequence parallelism: the replicated activations are split by t too,
+    and each all-reduce becomes a reduce-scatter and an all-gather."""
     name: str = "custom"
+    recompute: str = "none"
+    """Activation recomputation: none, selective (the attention core) or full."""
+    dropout: bool = True
+    """The layer keeps dropout masks (Korthikanti's formulas count them: 2 s b h
+    bytes after attention and the MLP, `a s^2 b` after the softmax). stp's own
+    decoder, Llama and Qwen2 train without dropout: specs made from their
+    configs (`stp.costmodel.configs`) set False, and those bytes go."""
 
     def __post_init__(self) -> None:
         for fl in fields(self):
             val = getattr(self, fl.name)
             if fl.type == "int" and (not isinstance(val, int) or isinstance(val, bool) or val < 1):
                 raise ValueError(f"model {fl.name}={val!r} must be an integer >= 1")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"model recompute={self.recompute!r}: choose one of "
+                             f"{', '.join(RECOMPUTE_MODES)}")
         if self.hidden % self.heads:
             raise ValueError(
                 f"model hidden={self.hidden} must be a multiple of heads={self.heads}"
@@ -108,7 +141,12 @@ def layer_flops(spec: ModelSpec) -> tuple[float, float, float]:
     linear = 2 * s * b * (h * (h + 2 * kd) + h * h + spec.mlp_matrices * h * f)
     attn = 4 * s * s * b * h
     t = spec.tp
-    return (linear + attn) / t, (linear + 2 * attn) / t, linear / t
+    recomputed = 0.0  # the forward B runs again (module doc, recomputation)
+    if spec.recompute == "full":
+        recomputed = linear + attn
+    elif spec.recompute == "selective" and not spec.flash_attention:
+        recomputed = attn
+    return (linear + attn) / t, (linear + 2 * attn + recomputed) / t, linear / t
 
 
 def layer_activation_bytes(spec: ModelSpec) -> tuple[float, float]:
@@ -116,14 +154,15 @@ def layer_activation_bytes(spec: ModelSpec) -> tuple[float, float]:
     s, b, h, f, t = spec.sequence, spec.micro_batch, spec.hidden, spec.ffn, spec.tp
     kd = spec.kv_heads * spec.head_dim
     g = spec.mlp_matrices
-    replicated = 10 * h
+    replicated = 10 * h if spec.dropout else 8 * h  # less the two 1-byte dropout masks
     split = 2 * h + 4 * kd + 2 * h + 2 * (g - 1) * f + 2 * f
     if spec.sequence_parallel:
         m_b = s * b * (replicated + split) / t
     else:
         m_b = s * b * (replicated + split / t)
-    if not spec.flash_attention:
-        m_b += 5 * spec.heads * s * s * b / t
+    if not spec.flash_attention and spec.recompute == "none":
+        per_score = 5 if spec.dropout else 4  # scores, softmax (2 bytes each), dropout mask
+        m_b += per_score * spec.heads * s * s * b / t
     sp = t if spec.sequence_parallel else 1
     m_w = 2 * s * b * (
         (h / sp + (h + 2 * kd) / t)  # QKV: input, output gradient
@@ -131,6 +170,9 @@ def layer_activation_bytes(spec: ModelSpec) -> tuple[float, float]:
         + (h / sp + (g - 1) * f / t)  # MLP up (and gate)
         + (f / t + h / sp)  # MLP down
     )
+    if spec.recompute == "full":
+        m_b = 2 * s * b * h / sp  # the layer input only
+        m_w = min(m_w, m_b)
     return m_b, m_w
 
 
@@ -141,3 +183,13 @@ def num_parameters(spec: ModelSpec, *, tied_embeddings: bool = False) -> int:
     per_layer = h * (h + 2 * kd) + h * h + spec.mlp_matrices * h * f
     embed = spec.vocab * h * (1 if tied_embeddings else 2)
     return spec.layers * per_layer + embed
+
+
+def decoder_only(spec: object, feature: str) -> ModelSpec:
+    """`spec` when it is a decoder's; else a one-line ValueError saying that
+    `feature` has formulas for decoders only (the multimodal encoder has none
+    yet). Callers above the cost model ask here instead of testing classes."""
+    if not isinstance(spec, ModelSpec):
+        raise ValueError(f"{feature} covers decoder models; a {type(spec).__name__} has no "
+                         "formulas for it yet")
+    return spec

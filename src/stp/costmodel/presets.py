@@ -13,6 +13,15 @@ Models
     `num_parameters`) with a layer count of the form k*PP - 2 for PP in
     {2, 4, 8}, as the paper splits the model with two fewer layers on the
     last stage. Override any field: `--model qwen2-12.1b,sequence=6144,tp=8`.
+  * `qwen2-72b`: Qwen2-72B as published (Yang et al., "Qwen2 Technical
+    Report", arXiv 2407.10671, Table 1, and its released config.json: 80
+    layers, hidden 8192, 64 query / 8 key-value heads, SwiGLU width 29568,
+    vocabulary 152064, untied head); sequence 4096, tp 8 by default.
+  * `llama3-405b`: Llama 3 405B as published (Llama Team, "The Llama 3 Herd
+    of Models", arXiv 2407.21783, Table 3: 126 layers, model dimension
+    16384, FFN dimension 53248, 128 attention / 8 key-value heads,
+    vocabulary 128000 (128256 in the released config.json, used here);
+    pre-training sequence 8192, tp 8 (section 3.3.2).
   * `mllm-qwen2vl-7b`: a multimodal model (Qwen2-VL-7B's shapes), in
     `stp.costmodel.mllm.MLLM_MODELS`.
 
@@ -22,6 +31,12 @@ assumptions, override them with `--hardware a800-80g,efficiency=0.45`)
   * `a100-80g`: NVLink 600 GB/s both directions; the Zero Bubble paper's
     nodes are linked by RoCE (assumed 200 Gb/s per GPU).
   * `a800-80g`: the export variant, NVLink capped at 400 GB/s both directions.
+  * `h100-80g`: H100 SXM5 (NVIDIA H100 datasheet: 989 TFLOP/s dense BF16,
+    NVLink 900 GB/s both directions; assumed 300 GB/s effective one way, as
+    a100-80g takes 2/3 of its link; 400 Gb/s InfiniBand per GPU between
+    pipeline stages; PCIe Gen5 to the host, 50 GB/s assumed effective).
+`memory` is each card's total as nvidia-smi reports it: 81920 MiB on the
+A100 / A800 80 GB, 81559 MiB on the H100 80 GB.
 """
 
 from __future__ import annotations
@@ -53,6 +68,15 @@ def _qwen2(name: str, layers: int, hidden: int, heads: int, ffn: int) -> ModelSp
     )
 
 
+def _llama3(name: str, layers: int, hidden: int, heads: int, ffn: int) -> ModelSpec:
+    return ModelSpec(
+        layers=layers, hidden=hidden, heads=heads, kv_heads=8, ffn=ffn, vocab=128256,
+        sequence=8192, micro_batch=1, tp=8, gated_mlp=True, flash_attention=True, name=name,
+    )
+
+
+_MIB = 1 << 20
+
 MODELS: dict[str, ModelSpec] = {
     m.name: m
     for m in [
@@ -62,6 +86,8 @@ MODELS: dict[str, ModelSpec] = {
         _gpt("zb-28.3b", 62, 48, 6144, 1),
         _qwen2("qwen2-12.1b", 38, 5120, 40, 13824),
         _qwen2("qwen2-26.3b", 46, 7168, 56, 18944),
+        _qwen2("qwen2-72b", 80, 8192, 64, 29568),
+        _llama3("llama3-405b", 126, 16384, 128, 53248),
     ]
 }
 
@@ -71,10 +97,17 @@ HARDWARE: dict[str, HardwareSpec] = {
         HardwareSpec(
             name="a100-80g", peak_flops=312e12, efficiency=0.5, tp_bandwidth=200e9,
             tp_latency=5e-6, pp_bandwidth=25e9, pp_latency=10e-6, host_bandwidth=25e9,
+            memory=81920 * _MIB,
         ),
         HardwareSpec(
             name="a800-80g", peak_flops=312e12, efficiency=0.5, tp_bandwidth=130e9,
             tp_latency=5e-6, pp_bandwidth=25e9, pp_latency=10e-6, host_bandwidth=25e9,
+            memory=81920 * _MIB,
+        ),
+        HardwareSpec(
+            name="h100-80g", peak_flops=989e12, efficiency=0.5, tp_bandwidth=300e9,
+            tp_latency=5e-6, pp_bandwidth=50e9, pp_latency=10e-6, host_bandwidth=50e9,
+            memory=81559 * _MIB,
         ),
     ]
 }

@@ -8,7 +8,9 @@ timeout that says nothing about the cause. Before `init_process_group`,
 MASTER_ADDR:MASTER_PORT when TORCHELASTIC_USE_AGENT_STORE is set, and so is
 every worker of stp.runtime.launch); rank 0 compares each rank's with its
 own and publishes one verdict that every rank waits for: agreement, or the
-first rank and setting that differ.
+first rank and setting that differ. Settings and verdict are signed with the
+job's secret (stp.runtime.store), so another client of the store cannot fake
+either.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from stp.runtime.store import shared_store
+from stp.runtime.store import seal, shared_store, unseal
 
 __all__ = ["SettingsDiffer", "agree", "first_difference"]
 
@@ -52,7 +54,11 @@ def _verdict(
         return (f"rank {missing} did not report its settings within {timeout:g} s: "
                 "was every node started?")
     for r, key in enumerate(keys, 1):
-        diff = first_difference(mine, json.loads(store.get(key)))
+        value = unseal(key, store.get(key))  # signed with the job's secret (stp.runtime.store)
+        if value is None:
+            return (f"rank {r}'s settings in the job's store are not signed with this job's "
+                    "secret: set the same STP_JOB_TOKEN on every node")
+        diff = first_difference(mine, json.loads(value))
         if diff is not None:
             name, ours, theirs = diff
             return (f"ranks were started with different settings: {name} is {ours} on rank 0 "
@@ -69,14 +75,19 @@ def agree(settings: Mapping[str, str], *, timeout: float) -> None:
         return
     store, rank, world = shared.store, shared.rank, shared.world_size
     prefix = shared.key("settings")
-    store.set(f"{prefix}/{rank}", json.dumps(dict(settings)))
+    key = f"{prefix}/{rank}"
+    store.set(key, seal(key, json.dumps(dict(settings))))
+    verdict = f"{prefix}/verdict"
     if rank == 0:
-        store.set(f"{prefix}/verdict", _verdict(store, prefix, settings, world, timeout))
+        store.set(verdict, seal(verdict, _verdict(store, prefix, settings, world, timeout)))
     try:  # rank 0 may wait `timeout` for a missing rank before it answers
-        store.wait([f"{prefix}/verdict"], timedelta(seconds=2 * timeout + 5))
-        error = store.get(f"{prefix}/verdict").decode()
+        store.wait([verdict], timedelta(seconds=2 * timeout + 5))
+        error = unseal(verdict, store.get(verdict))
     except RuntimeError:
         raise SettingsDiffer(f"rank 0 did not compare the ranks' settings within {timeout:g} s: "
                              "is it running?") from None
+    if error is None:
+        raise SettingsDiffer("the settings verdict in the job's store is not signed with this "
+                             "job's secret: set the same STP_JOB_TOKEN on every node")
     if error:
         raise SettingsDiffer(error)

@@ -6,7 +6,8 @@
 * Without torchrun, `launch_local` starts one process per rank itself
   (stp.runtime.worker), so one command trains on a laptop. It hosts the
   job's store (a TCPStore on a free port it holds, the way torchrun's agent
-  does: no port race), watches every worker's exit and heartbeat
+  does: no port race; listening on 127.0.0.1 only, its heartbeats signed with
+  a per-job secret: stp.runtime.store), watches every worker's exit and heartbeat
   (stp.runtime.watch), and when one fails, freezes or the launcher is
   interrupted, stops the rest and returns what happened: each rank's exit
   status or signal, and which rank failed first and why. (torch's
@@ -44,7 +45,7 @@ import torch.distributed as dist
 
 from stp.runtime import worker
 from stp.runtime.errors import EXIT_PEER, CommTimeout
-from stp.runtime.store import shared_store
+from stp.runtime.store import TOKEN_ENV, loopback_store, new_token, shared_store
 from stp.runtime.watch import LAUNCHER_PID_ENV, STOP_SIGNALS, BeatMonitor
 
 __all__ = [
@@ -227,11 +228,12 @@ def diagnose(
 class _Workers:
     """The worker processes of one launch, their exits and their heartbeats."""
 
-    def __init__(self, procs: dict[int, subprocess.Popen[bytes]], store: dist.Store) -> None:
+    def __init__(self, procs: dict[int, subprocess.Popen[bytes]], store: dist.Store,
+                 token: str) -> None:
         self.procs = procs
         self.start = time.monotonic()
         self.exits: dict[int, WorkerExit] = {}
-        self.beats = BeatMonitor(store, len(procs))
+        self.beats = BeatMonitor(store, len(procs), token)
         self._stopping = False
         self.silences_at_stop: dict[int, float] = {}
         """Seconds since each live, silent rank last beat, when the stop began."""
@@ -309,11 +311,13 @@ needed: setting the trim threshold alone turns off glibc's dynamic mmap threshol
 leaving it at 128 KiB, so every large tensor becomes a fresh mmap (more faults)."""
 
 
-def _start(directory: Path, nprocs: int, port: int) -> dict[int, subprocess.Popen[bytes]]:
+def _start(directory: Path, nprocs: int, port: int,
+           token: str) -> dict[int, subprocess.Popen[bytes]]:
     base = {**MALLOC_ENV, **os.environ, "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
             "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             # every rank is a client of the launcher's store, as under torchrun
-            "TORCHELASTIC_USE_AGENT_STORE": "True", LAUNCHER_PID_ENV: str(os.getpid())}
+            "TORCHELASTIC_USE_AGENT_STORE": "True", LAUNCHER_PID_ENV: str(os.getpid()),
+            TOKEN_ENV: token}
     return {
         r: subprocess.Popen(
             [sys.executable, "-c", worker.COMMAND, str(directory)],
@@ -362,12 +366,12 @@ def launch_local(
     `describe(rank)` names a rank in `LaunchResult.cause` (e.g. with its mesh
     coordinates). Called from the main thread, it handles SIGINT and SIGTERM:
     they stop every worker, and the result says so."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
+    store = loopback_store(60.0)  # reachable from this machine only (stp.runtime.store)
     with tempfile.TemporaryDirectory(prefix="stp-launch-") as tmp, _Interrupts() as interrupts:
         directory = Path(tmp)
         _write_call(directory, entry, args)
-        workers = _Workers(_start(directory, nprocs, store.port), store)
+        token = new_token()  # signs heartbeats: only this job's workers know it
+        workers = _Workers(_start(directory, nprocs, store.port, token), store, token)
         try:
             _supervise(workers, interrupts, grace)
         finally:  # an exception here (a bug) must not leave workers behind

@@ -12,8 +12,9 @@ also ends the worker when the launcher is gone, so no worker outlives it.
 
 Heartbeat. A frozen process (SIGSTOP, a hung driver, a swapped-out node)
 closes no connection: its peers see only a timeout, and cannot tell which
-rank is at fault. Every rank adds 1 to `stp/beat/<rank>` in the job's
-store every `BEAT_S` seconds from a daemon thread; the thread stops only
+rank is at fault. Every rank writes its beat count, signed with the job's
+secret (stp.runtime.store.seal), to `stp/beat/<rank>` in the job's store
+every `BEAT_S` seconds from a daemon thread; the thread stops only
 when the whole process stops, so a counter that stops moving names a frozen
 rank. A rank that timed out asks `Heartbeat.silent_ranks`; the local
 launcher follows the counters all along (`BeatMonitor`).
@@ -30,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from stp.runtime.store import shared_store
+from stp.runtime.store import seal, shared_store, unseal
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -53,6 +54,16 @@ _PARENT_POLL_S = 0.5
 
 def beat_key(rank: int) -> str:
     return f"stp/beat/{rank}"
+
+
+def read_beat(store: dist.Store, rank: int, token: str | None = None) -> int:
+    """Rank `rank`'s beat count, 0 before its first beat or when the value was not
+    signed with the job's secret (written by someone else: stp.runtime.store)."""
+    key = beat_key(rank)
+    if not store.check([key]):
+        return 0
+    value = unseal(key, store.get(key), token)
+    return int(value) if value is not None and value.isdigit() else 0
 
 
 class _SignalWatcher:
@@ -122,6 +133,7 @@ class Heartbeat:
         self.store, self.rank, self.world_size = store, rank, world_size
         self._lock = threading.Lock()  # one store client, two threads
         self._stop = threading.Event()
+        self._beats = 0
         threading.Thread(target=self._run, name="stp-heartbeat", daemon=True).start()
 
     @classmethod
@@ -137,8 +149,10 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(BEAT_S):
             try:
-                with self._lock:
-                    self.store.add(beat_key(self.rank), 1)
+                self._beats += 1
+                key = beat_key(self.rank)
+                with self._lock:  # signed: a beat nobody else can fake
+                    self.store.set(key, seal(key, str(self._beats)))
             except Exception:  # noqa: BLE001 - the store is gone: the run is ending
                 return
 
@@ -147,7 +161,7 @@ class Heartbeat:
 
     def counts(self) -> list[int]:
         with self._lock:
-            return [int(self.store.add(beat_key(r), 0)) for r in range(self.world_size)]
+            return [read_beat(self.store, r) for r in range(self.world_size)]
 
     def silent_ranks(self, window: float = SILENCE_S) -> list[int]:
         """The other ranks that did not beat during the next `window` seconds."""
@@ -166,8 +180,8 @@ class BeatMonitor:
     Only ranks that have beaten at least once count (a rank still importing
     torch has not started its heartbeat yet)."""
 
-    def __init__(self, store: dist.Store, world_size: int) -> None:
-        self.store, self.world_size = store, world_size
+    def __init__(self, store: dist.Store, world_size: int, token: str | None = None) -> None:
+        self.store, self.world_size, self.token = store, world_size, token
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (count, when it changed)
         self._polled = float("-inf")
 
@@ -177,7 +191,7 @@ class BeatMonitor:
             return
         self._polled = now
         for r in range(self.world_size):
-            count = int(self.store.add(beat_key(r), 0))
+            count = read_beat(self.store, r, self.token)
             old = self._seen.get(r)
             if count and (old is None or old[0] != count):
                 self._seen[r] = (count, now)

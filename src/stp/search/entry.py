@@ -198,7 +198,7 @@ def search(
 
     `placement_kind`: `looped` (v = `chunks`, 1 for a plain pipeline), `v` (two
     chunks in a V) or `auto` (both). `braided`: `on` lets the search form STP
-    braided blocks, `off` forbids them, `auto` is `on` when costs.ar > 0.
+    braided blocks, `off` forbids them, `auto` is `on` when costs.tp_time > 0.
     Raises ValueError for a limit below `min_memory_limit(mem)`, naming it.
 
     `stage_costs(num_stages)` (optional) gives the per-stage cost table
@@ -217,7 +217,7 @@ def search(
     )
     run = Run(
         p, m, costs, mem, memory_limit, objective, layers,
-        braid=braided == "on" or (braided == "auto" and costs.ar > 0),
+        braid=braided == "on" or (braided == "auto" and costs.tp_time > 0),
         kinds=kinds, started=t0, time_limit=time_limit, stage_costs=stage_costs,
     )
     baselines = _baselines(p, m, costs, mem, memory_limit, layers, stage_costs)
@@ -230,7 +230,7 @@ def search(
               and _in_space(sch, placement_kind, kinds, run.braid)])
     run.v_constructions()
     best_by_kind = run.greedy_grid()
-    if run.braid and costs.ar > 0:
+    if run.braid and costs.tp_time > 0:
         run.braid_best()
     run.refine_caps(best_by_kind)
     run.local_search()

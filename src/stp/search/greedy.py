@@ -121,7 +121,7 @@ class _Greedy:
         self.stages_of = [[s for s in range(S) if owner[s] == r] for r in range(P)]
         self.entry = [st[0] for st in self.stages_of]
         self.f_alloc, self.b_free, self.w_free = mem.m_b / v, (mem.m_b - mem.m_w) / v, mem.m_w / v
-        ar = costs.ar
+        ar = costs.tp_time
         self.d_f, self.d_b, self.d_w = (costs.f + ar) / v, (costs.b + ar) / v, costs.w / v
         self.d_bw = (costs.b + costs.w + max(0.0, ar - costs.w)) / v
         self.f_end: list[list[float | None]] = [[None] * m for _ in range(S)]
@@ -165,7 +165,7 @@ class _Greedy:
             meta={"origin": "greedy", "policy": self.policy.label()},
         )
         braided = any(isinstance(a, Block) for acts in self.actions for a in acts)
-        exact = self.costs.ar == 0 and not braided
+        exact = self.costs.tp_time == 0 and not braided
         spans = [self.t_free[r] - self.first_f[r] for r in range(self.P)]
         return Built(sch, max(self.t_free), max(spans), exact)
 
@@ -274,8 +274,8 @@ class _Greedy:
             return
         pending = self.wq[r]
         if pending and self.policy.braid_defer_w:
-            k = max(1, min(len(pending), round(costs.ar / costs.w) if costs.w > 0 else 1))
-            dur = (costs.f + k * costs.w + max(0.0, costs.ar - k * costs.w)) / v
+            k = max(1, min(len(pending), round(costs.tp_time / costs.w) if costs.w > 0 else 1))
+            dur = (costs.f + k * costs.w + max(0.0, costs.tp_time - k * costs.w)) / v
             self.finish(r, (fp, *self.take_w(r, k)), max(c, a), dur)
             return
         second = self.second_forward(r, s, i, g)

@@ -109,7 +109,7 @@ def braid_pass(
             t = max(t, got)
         return t
 
-    w_per_f = max(1, round(costs.ar / costs.w)) if costs.w > 0 else 1
+    w_per_f = max(1, round(costs.tp_time / costs.w)) if costs.w > 0 else 1
     new_actions: list[tuple[Action, ...]] = []
     merged = 0
     for r, acts in enumerate(sch.actions):

@@ -1,11 +1,12 @@
 """A fast replay of pass-only schedules, for the local search's many trials.
 
-Exact where the simulator's model reduces to whole passes: no TP all-reduce
-(costs.ar = 0), one layer per chunk and no braided block. Then a pass starts
-when its rank is free and its inputs are there (plus `comm` from another
-rank) and takes F = f/v, B = b/v, W = w/v, BW = (b+w)/v ("Zero Bubble Pipeline
-Parallelism", arXiv 2401.10241, section 2), which is what `stp.sim.simulate`
-computes; `tests/search/test_v_search.py` checks the two agree. Elsewhere the
+Exact where the simulator's model reduces to whole passes: no TP collective
+(costs.tp_time = 0: no all-reduce, all-gather or reduce-scatter), one layer
+per chunk and no braided block. Then a pass starts when its rank is free and
+its inputs are there (plus `comm` from another rank) and takes F = f/v,
+B = b/v, W = w/v, BW = (b+w)/v ("Zero Bubble Pipeline Parallelism", arXiv
+2401.10241, section 2), which is what `stp.sim.simulate` computes;
+`tests/search/test_v_search.py` checks the two agree. Elsewhere the
 search calls the simulator.
 """
 
@@ -38,7 +39,7 @@ class Timeline:
 
 def exact_for(sch: Schedule, costs: Costs, layers: int) -> bool:
     """Whether `play` gives the simulator's timeline for this schedule."""
-    if costs.ar != 0 or layers != 1:
+    if costs.tp_time != 0 or layers != 1:
         return False
     return not any(isinstance(a, Block) for acts in sch.actions for a in acts)
 

@@ -125,7 +125,7 @@ def warmup_caps(stage_to_rank: tuple[int, ...], costs: Costs) -> tuple[int, ...]
     S = len(owner)
     P = max(owner) + 1
     v = S // P
-    d_f, d_b = (costs.f + costs.ar) / v, (costs.b + costs.ar) / v
+    d_f, d_b = (costs.f + costs.tp_time) / v, (costs.b + costs.tp_time) / v
     t = 0.0
     f_start = [0.0] * S
     for s in range(S):

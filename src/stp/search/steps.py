@@ -253,7 +253,7 @@ class Run:
             self.evaluated += got.evaluated
             if got.moves:
                 better = self.add(got.schedule, f"{cand.origin} + {got.moves} moves")
-                if self.braid and self.costs.ar > 0 and not self.out_of_time():
+                if self.braid and self.costs.tp_time > 0 and not self.out_of_time():
                     self.braid_one(better)
 
     def _starts(self) -> list[Candidate]:

@@ -28,6 +28,12 @@ class Costs:
     """TP all-reduce time of one F (or one B) pass, all units together."""
     comm: float = 0.0
     """Point-to-point latency of one activation/gradient send between ranks."""
+    ag: float = 0.0
+    """Sequence parallelism: all-gather time of one F (or one B) pass, all units
+    together; each F/B unit starts with one (before its column-parallel linears)."""
+    rs: float = 0.0
+    """Sequence parallelism: reduce-scatter time of one F (or one B) pass, all units
+    together; each F/B unit ends with one (after its row-parallel linears)."""
 
     def __post_init__(self) -> None:
         for fl in fields(self):
@@ -36,6 +42,13 @@ class Costs:
                 raise ValueError(f"cost {fl.name}={val!r} must be a finite number >= 0")
         if self.f + self.b + self.w <= 0:
             raise ValueError("costs f, b, w are all zero; at least one must be > 0")
+
+    @property
+    def tp_time(self) -> float:
+        """All TP collective time of one F (or B) pass: the all-reduces, or with
+        sequence parallelism the all-gathers and reduce-scatters (a ring all-reduce
+        is exactly one reduce-scatter and one all-gather of the same bytes)."""
+        return self.ar + self.ag + self.rs
 
 
 @dataclass(frozen=True)
@@ -86,7 +99,8 @@ def _parse_kv(text: str, allowed: tuple[str, ...], what: str) -> dict[str, float
 
 
 def parse_costs(text: str | None, base: Costs | None = None) -> Costs:
-    """`"f=1,b=1,w=1,ar=0.2,comm=0"` -> Costs; missing keys keep `base`'s values."""
+    """`"f=1,b=1,w=1,ar=0.2,comm=0"` (or `ag=0.1,rs=0.1` for sequence
+    parallelism) -> Costs; missing keys keep `base`'s values."""
     base = base or Costs()
     if not text:
         return base

@@ -17,6 +17,23 @@ Model (one rank; every rank of a TP group does the same, so one stands for all):
   rules alone give the TP-bubble column of the table of "Synergistic Tensor
   and Pipeline Parallelism" (arXiv 2510.27257): `2m T_AR` for interleaved
   1F1B, `4m T_AR` for ZB-V, `(2p+1) T_AR` for STP.
+* sequence parallelism (`ag`, `rs` > 0; Korthikanti et al., "Reducing
+  Activation Recomputation in Large Transformer Models", arXiv 2205.05198,
+  section 4.2.2): each F or B unit starts with an all-gather (before its
+  column-parallel linears; in B, of the output gradient) and ends with a
+  reduce-scatter (after its row-parallel linears; in B, of the input
+  gradient), `ag / v / U` and `rs / v / U` each. Between two units of one
+  pass the reduce-scatter and the next unit's all-gather run back to back on
+  the TP lane where the all-reduce ran (the norm between them is folded into
+  the units), so the braid rule is unchanged: the next unit waits for them.
+  A pass's first all-gather is launched when its input arrives (the runtime
+  starts it when the receive completes) and delays only that pass's first
+  unit; it is not queued behind the rank's other collectives, which are
+  issued at unit ends while the rank computes. Its wait counts as exposed TP
+  time. The last reduce-scatter ends the pass, as the last all-reduce did.
+  Megatron-LM gathers a column-parallel linear's input once more in the
+  backward for its weight gradient (it keeps only the s/t shard); that
+  all-gather is not charged.
 * sends: a pass's output leaves when its last all-reduce ends and arrives
   `comm` later on another rank; same-rank hand-offs (the V tip) are free.
 * memory: an action allocates its forwards' activations when it starts and
@@ -116,7 +133,7 @@ class _Rank:
         self.d2h = self.h2d = 0.0
         """Offload copy lanes free."""
         self.first_f = float("inf")
-        self.last_end = self.busy = self.tp_wait = self.off_wait = 0.0
+        self.last_end = self.busy = self.tp_wait = self.off_wait = self.tp_total = 0.0
         self.mem_events: list[MemEvent] = []
         self.waiting: Done | None = None
         """A result the next action needs that was missing when last checked."""
@@ -132,6 +149,7 @@ class _Rank:
             exposed_tp=self.tp_wait,
             peak_activation=peak,
             exposed_offload=self.off_wait,
+            tp_total=self.tp_total,
         )
 
 
@@ -245,13 +263,25 @@ class _Simulation:
         chain_ar = [0.0] * len(passes)  # end of the chain's last all-reduce
         chain_end = [0.0] * len(passes)
         sink = self.sink
-        unit_times = [self.table.unit_time[p.stage] for p in passes]
-        ar_times = [self.table.ar_time[p.stage] for p in passes]
+        table = self.table
+        unit_times = [table.unit_time[p.stage] for p in passes]
+        ar_times = [table.ar_time[p.stage] for p in passes]
+        ag_times = [table.ag_time[p.stage] for p in passes]
+        rs_times = [table.rs_time[p.stage] for p in passes]
+        last_unit = [table.units[p.stage] - 1 if p.kind is _F else 0 for p in passes]
         t, tp, busy, tp_wait = rank.lane, rank.tp, rank.busy, rank.tp_wait
         start = -1.0
         for it in items:
             c = it.chain
-            base = self._chain_start(rank, passes[c], t, ready[c]) if it.first else t
+            if it.first:
+                lead = ag_times[c][it.kind]
+                base, gather_wait = self._chain_start(rank, passes[c], t, ready[c], lead)
+                tp_wait += gather_wait
+                if lead > 0:
+                    rank.tp_total += lead
+                    sink.allreduce(it, ready[c], ready[c] + lead, "AG")
+            else:
+                base = t
             s = max(base, chain_ar[c]) if it.waits_ar else base
             tp_wait += s - base
             if start < 0:
@@ -259,13 +289,18 @@ class _Simulation:
             e = s + unit_times[c][it.kind]
             busy += e - s
             sink.unit(it, s, e)
-            ar_time = ar_times[c][it.kind]
-            if it.has_ar and ar_time > 0:
-                a0 = max(e, tp)
-                tp = chain_ar[c] = a0 + ar_time
-                sink.allreduce(it, a0, tp)
-            elif it.has_ar:
-                chain_ar[c] = e
+            if it.has_ar:
+                kind = it.kind
+                rs = rs_times[c][kind]
+                ag = ag_times[c][kind] if it.unit != last_unit[c] else 0.0
+                trail = ar_times[c][kind] + rs + ag
+                if trail > 0:
+                    rank.tp_total += trail
+                    a0 = max(e, tp)
+                    tp = chain_ar[c] = a0 + trail
+                    sink.allreduce(it, a0, tp, "RS+AG" if ag > 0 else "RS" if rs > 0 else "AR")
+                else:
+                    chain_ar[c] = e
             chain_end[c] = max(e, chain_ar[c])
             t = e
         if len(passes) == 1:
@@ -276,20 +311,25 @@ class _Simulation:
         rank.lane, rank.tp, rank.busy, rank.tp_wait = t, tp, busy, tp_wait
         return start, chain_end
 
-    def _chain_start(self, rank: _Rank, p: Pass, t: float, arrival: float) -> float:
-        """When pass p's first unit may start on a lane free at `t`: its input
-        has arrived and, for a backward of an offloaded forward, its copy back
-        has ended (the wait counts as exposed offload time)."""
+    def _chain_start(self, rank: _Rank, p: Pass, t: float, arrival: float,
+                     gather: float = 0.0) -> tuple[float, float]:
+        """(when pass p's first unit may start on a lane free at `t`, the part of
+        the wait spent on its leading all-gather): its input has arrived, the
+        all-gather launched on arrival (`gather`, sequence parallelism) has
+        ended and, for a backward of an offloaded forward, its copy back has
+        ended (that wait counts as exposed offload time)."""
         base = max(t, arrival)
         if p.kind is _F:
             rank.first_f = min(rank.first_f, base)
-            return base
+        gathered = max(base, arrival + gather)
+        if p.kind is _F:
+            return gathered, gathered - base
         back = self.reload_ready.pop((p.stage, p.mb), None)
         if back is None:
-            return base
-        start = max(base, back)
-        rank.off_wait += start - base
-        return start
+            return gathered, gathered - base
+        start = max(gathered, back)
+        rank.off_wait += start - gathered
+        return start, gathered - base
 
     def _output(self, rank: _Rank, chain: int, p: Pass, fin: float) -> None:
         """Pass p (chain `chain` of the action) is final at `fin`: copy its

@@ -62,6 +62,14 @@ class RankStats:
     """Peak resident activations, units of M_B."""
     exposed_offload: float = 0.0
     """Compute-lane time spent waiting for a reload (activation offload)."""
+    tp_total: float = 0.0
+    """Time of every TP collective the rank runs (all-reduces, or with sequence
+    parallelism all-gathers and reduce-scatters); what is not exposed is hidden."""
+
+    @property
+    def hidden_tp(self) -> float:
+        """TP collective time that ran under compute (never below 0)."""
+        return max(0.0, self.tp_total - self.exposed_tp)
 
     @property
     def span(self) -> float:
@@ -139,6 +147,8 @@ class SimResult:
                     "end": r.end,
                     "compute": r.compute,
                     "exposed_tp": r.exposed_tp,
+                    "tp_total": r.tp_total,
+                    "hidden_tp": r.hidden_tp,
                     "exposed_offload": r.exposed_offload,
                     "idle": r.idle,
                     "peak_activation": r.peak_activation,

@@ -31,8 +31,11 @@ class SpanSink(Protocol):
 
     def unit(self, item: Item, start: float, end: float) -> None: ...
 
-    def allreduce(self, item: Item, start: float, end: float) -> None:
-        """The TP all-reduce that ends unit `item`."""
+    def allreduce(self, item: Item, start: float, end: float, kind: str = "AR") -> None:
+        """The TP collective next to unit `item`: the all-reduce that ends it, or
+        with sequence parallelism its reduce-scatter and the next unit's
+        all-gather (`RS+AG`), the pass's last reduce-scatter (`RS`) or the
+        all-gather before its first unit (`AG`)."""
 
     def sent(self, chain: int, at: float) -> None:
         """The pass's output leaves at `at`."""
@@ -53,7 +56,7 @@ class NoSpans:
     def unit(self, item: Item, start: float, end: float) -> None:
         pass
 
-    def allreduce(self, item: Item, start: float, end: float) -> None:
+    def allreduce(self, item: Item, start: float, end: float, kind: str = "AR") -> None:
         pass
 
     def sent(self, chain: int, at: float) -> None:
@@ -90,9 +93,9 @@ class SpanRecorder:
                                _LABEL[item.kind], p.stage, p.mb, self._chunk_of[p.stage],
                                item.unit, self._index, self._braided))
 
-    def allreduce(self, item: Item, start: float, end: float) -> None:
+    def allreduce(self, item: Item, start: float, end: float, kind: str = "AR") -> None:
         p = self._passes[item.chain]
-        self.spans.append(Span(self._rank, "tp", start, end, self._names[item.chain], "AR",
+        self.spans.append(Span(self._rank, "tp", start, end, self._names[item.chain], kind,
                                p.stage, p.mb, self._chunk_of[p.stage], item.unit, self._index,
                                self._braided))
 

@@ -22,8 +22,10 @@ File format (`stp simulate --stage-costs FILE.json`, what `stp costs` writes):
 
 one object per global stage in stage order; `f`, `b`, `w` are required,
 `ar` (TP all-reduce time of the F pass), `ar_b` (of the B pass; default
-`ar`), `mem_b`, `mem_w` (default 0) and `units` (pieces of the pass, each
-F/B unit ending in an all-reduce; default 2) optional. `comm` (point-to-point
+`ar`), `mem_b`, `mem_w` (default 0), `units` (pieces of the pass, each
+F/B unit ending in an all-reduce; default 2) and, with sequence
+parallelism, `ag` / `rs` (all-gather / reduce-scatter time of one F or B
+pass; default 0) optional. `comm` (point-to-point
 latency) and `partition` (layers per stage, for reports) are optional.
 """
 
@@ -44,7 +46,8 @@ MAX_TABLE_BYTES = 4 << 20
 """Largest stage-cost file read (4 MiB: far more than 1024 stages need)."""
 _MAX_UNITS = 128
 _MAX_VALUE = 1e12
-_KEYS = ("f", "b", "w", "ar", "ar_b", "mem_b", "mem_w", "units")
+_KEYS = ("f", "b", "w", "ar", "ar_b", "mem_b", "mem_w", "units", "ag", "rs")
+_NUMBER_KEYS = tuple(k for k in _KEYS if k != "units")
 
 
 def _number(val: object, what: str) -> float:
@@ -79,9 +82,15 @@ class StageCost:
     units: int = 2
     """Pieces the pass is cut into, each F/B piece ending in an all-reduce
     (`stp.sim.units`): two per transformer layer at the finest."""
+    ag: float = 0.0
+    """Sequence parallelism: all-gather time of one F or B pass, all units
+    together (each F/B unit starts with one; `stp.sim.engine`)."""
+    rs: float = 0.0
+    """Sequence parallelism: reduce-scatter time of one F or B pass (each F/B
+    unit ends with one)."""
 
     def __post_init__(self) -> None:
-        for key in ("f", "b", "w", "ar", "mem_b", "mem_w"):
+        for key in ("f", "b", "w", "ar", "mem_b", "mem_w", "ag", "rs"):
             _number(getattr(self, key), key)
         if self.ar_b is not None:
             _number(self.ar_b, "ar_b")
@@ -104,6 +113,8 @@ class StageCost:
         if self.ar_b is not None:
             out["ar_b"] = self.ar_b
         out.update(mem_b=self.mem_b, mem_w=self.mem_w, units=self.units)
+        if self.ag or self.rs:
+            out.update(ag=self.ag, rs=self.rs)
         return out
 
     @classmethod
@@ -116,7 +127,7 @@ class StageCost:
         missing = [k for k in ("f", "b", "w") if k not in obj]
         if missing:
             raise ValueError(f"{where}: {', '.join(missing)} missing (f, b, w are required)")
-        vals = {k: _number(obj[k], f"{where} {k}") for k in _KEYS[:-1] if k in obj}
+        vals = {k: _number(obj[k], f"{where} {k}") for k in _NUMBER_KEYS if k in obj}
         units = obj.get("units", 2)
         try:
             return cls(**vals, units=units)  # type: ignore[arg-type]
@@ -160,7 +171,7 @@ class StageCosts:
         rank share's costs and keeps 1/`chunks` of its memory."""
         v = chunks
         one = StageCost(costs.f / v, costs.b / v, costs.w / v, costs.ar / v, None,
-                        mem.m_b / v, mem.m_w / v, 2 * layers)
+                        mem.m_b / v, mem.m_w / v, 2 * layers, costs.ag / v, costs.rs / v)
         return cls((one,) * num_stages, costs.comm)
 
     def check_fits(self, num_stages: int, where: str = "the stage cost table") -> None:
@@ -191,6 +202,7 @@ class StageCosts:
             f=sum(s.f for s in self.stages) / n, b=sum(s.b for s in self.stages) / n,
             w=sum(s.w for s in self.stages) / n,
             ar=sum((s.ar + s.ar_backward) / 2 for s in self.stages) / n, comm=self.comm,
+            ag=sum(s.ag for s in self.stages) / n, rs=sum(s.rs for s in self.stages) / n,
         )
 
     def mean_mem(self, num_ranks: int) -> MemCosts:

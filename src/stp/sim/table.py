@@ -28,6 +28,10 @@ class StageTable:
     """Time of one F, B or W unit."""
     ar_time: list[dict[UnitKind, float]]
     """All-reduce after one F or B unit."""
+    ag_time: list[dict[UnitKind, float]]
+    """Sequence parallelism: all-gather before one F or B unit."""
+    rs_time: list[dict[UnitKind, float]]
+    """Sequence parallelism: reduce-scatter after one F or B unit."""
     units: list[int]
     """Units of one pass."""
     delta: list[dict[Kind, float]]
@@ -44,24 +48,36 @@ def _uniform(num_stages: int, chunks: int, costs: Costs, mem: MemCosts, layers: 
     unit = {UnitKind.F: costs.f / v / n, UnitKind.B: costs.b / v / n, UnitKind.W: costs.w / v / n}
     ar = costs.ar / v / n
     ars = {UnitKind.F: ar, UnitKind.B: ar, UnitKind.W: 0.0}
+    ags = _f_and_b(costs.ag / v / n)
+    rss = _f_and_b(costs.rs / v / n)
     delta = {k: pass_memory_delta(Pass(0, k, 0), v, mem) for k in Kind}
     act = mem.m_b / v
-    return StageTable([unit] * num_stages, [ars] * num_stages, [n] * num_stages,
+    return StageTable([unit] * num_stages, [ars] * num_stages, [ags] * num_stages,
+                      [rss] * num_stages, [n] * num_stages,
                       [delta] * num_stages, [act] * num_stages,
                       [oc.copy_time(act)] * num_stages)
 
 
+def _f_and_b(per_unit: float) -> dict[UnitKind, float]:
+    """A collective of F and B units (its dual in the backward moves the same
+    bytes: an all-gather's is a reduce-scatter and the reverse); W has none."""
+    return {UnitKind.F: per_unit, UnitKind.B: per_unit, UnitKind.W: 0.0}
+
+
 def _per_stage(stages: StageCosts, oc: OffloadCosts) -> StageTable:
-    units, times, ars, deltas, acts = [], [], [], [], []
+    units, times, ars, ags, rss, deltas, acts = [], [], [], [], [], [], []
     for st in stages.stages:
         n = st.units
         units.append(n)
         times.append({UnitKind.F: st.f / n, UnitKind.B: st.b / n, UnitKind.W: st.w / n})
         ars.append({UnitKind.F: st.ar / n, UnitKind.B: st.ar_backward / n, UnitKind.W: 0.0})
+        ags.append(_f_and_b(st.ag / n))
+        rss.append(_f_and_b(st.rs / n))
         deltas.append({Kind.F: st.mem_b, Kind.B: -(st.mem_b - st.mem_w), Kind.W: -st.mem_w,
                        Kind.BW: -st.mem_b})
         acts.append(st.mem_b)
-    return StageTable(times, ars, units, deltas, acts, [oc.copy_time(a) for a in acts])
+    return StageTable(times, ars, ags, rss, units, deltas, acts,
+                      [oc.copy_time(a) for a in acts])
 
 
 def stage_table(num_stages: int, chunks: int, costs: Costs, mem: MemCosts, layers: int,

@@ -50,8 +50,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from stp.train import finite, integrity, storage
+from stp.train.ckpt_read import SafeReader
 from stp.train.shards import Box, BoxLoadPlanner, BoxSavePlanner, box_of
 
 __all__ = ["checkpoint_name", "complete_checkpoints", "latest", "read_info", "save", "load",
@@ -94,8 +97,11 @@ def latest(path: str | Path) -> Path:
 
 
 def read_info(path: str | Path) -> dict[str, Any]:
-    """The checkpoint's stp.json: step, mesh, schedule, dtype, model."""
-    return json.loads((Path(path) / INFO).read_text())
+    """The checkpoint's stp.json: step, mesh, schedule, dtype, model (ValueError naming
+    the file when it is not a JSON object)."""
+    from stp.files import read_json_object
+
+    return read_json_object(Path(path) / INFO)
 
 
 # -- what a trainer holds -------------------------------------------------------------------
@@ -201,22 +207,32 @@ def save(trainer: Any, directory: str | Path, *, keep: int | None = None) -> Pat
     final = root / checkpoint_name(trainer.steps_done)
     tmp = root / f".{final.name}.partial"
     rank = dist.get_rank()
+    # a non-finite model is never written: it would rotate good checkpoints out
+    finite.require_finite(trainer.named_parameters(), f"checkpoint {final} not written "
+                          "(the earlier ones are kept)")
     error = None
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
+            # left by a run killed while saving: no live run owns it (stp.train.outlock)
+            shutil.rmtree(tmp, ignore_errors=True)
         except OSError as e:
             error = f"cannot write checkpoint directory {str(root)!r}: {e}"
     _agree(rank, error)
     state, boxes = _save_state(trainer)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=BoxSavePlanner(boxes))
+    storage.space_check(root, state, rank)  # a full disk refused before a byte is written
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=BoxSavePlanner(boxes))
+    except CheckpointException as e:  # a BaseException: one line, the partial removed
+        raise storage.save_failure(e, tmp, final, rank) from None
+    digests = integrity.shard_digests(tmp)  # each rank hashes its own files
     if rank == 0:
         try:
             (tmp / INFO).write_text(json.dumps(_info(trainer), indent=1) + "\n")
+            integrity.write_manifest(tmp, digests)  # verified before a resume loads
             _publish(tmp, final, keep)
         except OSError as e:
-            error = f"cannot finish checkpoint {str(final)!r}: {e}"
+            error = str(storage.save_failure(e, tmp, final, rank))
     _agree(rank, error)
     return final
 
@@ -293,10 +309,14 @@ def load(trainer: Any, path: str | Path) -> dict[str, Any]:
     """Load checkpoint `path` (a `step-N` directory) into `trainer`, whatever mesh
     and schedule wrote it; returns its stp.json. Collective."""
     path = Path(path)
-    reader = dcp.FileSystemReader(path)
+    integrity.verify_everywhere(path)  # rank 0 checks the files before any rank reads
+    reader = SafeReader(path)  # never plain pickle: stp.train.ckpt_read
     keys = reader.read_metadata().state_dict_metadata
     state, boxes, wholes = _load_state(trainer, keys, repr(str(path)))
-    dcp.load(state, storage_reader=reader, planner=BoxLoadPlanner(boxes))
+    try:
+        dcp.load(state, storage_reader=reader, planner=BoxLoadPlanner(boxes))
+    except CheckpointException as e:  # a BaseException: one line naming the checkpoint
+        raise storage.load_failure(e, path) from None
     _apply_optimizer_state(trainer, {**state, **wholes})
     if trainer.scheduler is not None and state.get("scheduler") is not None:
         trainer.scheduler.load_state_dict(state["scheduler"])
@@ -306,6 +326,8 @@ def load(trainer: Any, path: str | Path) -> dict[str, Any]:
     if rng is not None:
         _set_rng_state(rng)
     trainer.precision.copy_to_model()
+    finite.require_finite(trainer.named_parameters(), f"checkpoint {path} refused: resuming "
+                          "would train nothing")
     return read_info(path)
 
 
@@ -331,7 +353,11 @@ def check_resume(path: str | Path, model: dict[str, Any] | None) -> Path:
     """The checkpoint `--resume path` would load; ValueError when there is none, or
     when its model shape differs from `model` (dataclasses.asdict of a ModelConfig)."""
     found = latest(path)
+    integrity.verify(found)  # checksums and .metadata, before any worker starts
+    finite.scan_dcp(found)  # NaN/inf weights: one line now, not a run that trains nothing
     saved = read_info(found).get("model")
+    if saved is not None and not isinstance(saved, dict):
+        raise ValueError(f"{found / INFO}: its model is not a JSON object (damaged)")
     if saved is not None and model is not None:
         for key in sorted(set(saved) | set(model)):
             if key != "seed" and saved.get(key) != model.get(key):

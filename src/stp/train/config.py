@@ -157,6 +157,13 @@ class TrainJob:
         None, "--arch mllm: held-out images for --eval-every, a directory like --images "
         "(needed with --images); default: generated shapes from a stream the training never "
         "draws from", metavar="DIR")
+    max_skipped_steps: int = option(
+        10, "stop (exit 1) after N consecutive steps whose gradients hold inf/NaN (their "
+        "updates are skipped); 0: never stop", minimum=0, metavar="N")
+    memory_budget: str | None = option(
+        None, "bytes one device may hold (plain bytes, or 80GB / 80GiB): a run whose estimated "
+        "peak rank (`stp memory`) exceeds it is refused before any worker starts; default: "
+        "the ranks of this machine must fit its available memory", metavar="SIZE")
     timeout: float = option(
         120.0, "seconds a rank may wait on a peer before all ranks stop", above=0)
     offload: str = option(

@@ -3,8 +3,10 @@
 Default corpus: the Python standard library's own source files (the `*.py`
 files at the top of `sysconfig.get_paths()["stdlib"]`, sorted by name),
 concatenated as bytes up to a cap (DEFAULT_MAX_BYTES). `--data PATH` takes
-a file or a directory (every regular file under it, sorted by relative
-path), all of it. Tokens are bytes, so the vocabulary is 256.
+a file or a directory (every regular text file under it, sorted by relative
+path: hidden files and directories, `__pycache__` and binary files, those
+with a NUL byte in their first BINARY_PROBE bytes as git judges them, are
+skipped and counted), all of it. Tokens are bytes, so the vocabulary is 256.
 
 Read in pieces: a `Corpus` knows its files and sizes and reads only the
 windows a batch needs (a positioned read each), so a rank holds a few
@@ -44,14 +46,33 @@ def stdlib_files() -> list[Path]:
     return sorted((p for p in root.glob("*.py") if p.is_file()), key=lambda p: p.name)
 
 
-def _files_under(path: Path) -> list[Path]:
+BINARY_PROBE = 8192
+"""Bytes of a file read to tell text from binary (git reads as many)."""
+SKIPPED_DIRS = ("__pycache__",)
+
+
+def _is_binary(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return b"\0" in f.read(BINARY_PROBE)
+
+
+def _files_under(path: Path) -> tuple[list[Path], int]:
+    """(the text files of `path`, how many files under it were skipped)."""
     if path.is_file():
-        return [path]
-    files = []
+        return [path], 0
+    files, skipped = [], 0
     for dirpath, dirnames, filenames in os.walk(path):
-        dirnames.sort()
-        files.extend(Path(dirpath) / f for f in sorted(filenames))
-    return [f for f in files if f.is_file()]
+        keep = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIPPED_DIRS)
+        skipped += sum(len(fs) for d in set(dirnames) - set(keep)
+                       for _, _, fs in os.walk(Path(dirpath) / d))
+        dirnames[:] = keep
+        for name in sorted(filenames):
+            f = Path(dirpath) / name
+            if name.startswith(".") or not f.is_file() or _is_binary(f):
+                skipped += 1
+            else:
+                files.append(f)
+    return files, skipped
 
 
 class ByteSource(Protocol):
@@ -70,8 +91,11 @@ class Corpus:
     where a cap falls) at offset `starts[i]` of the sequence.
     """
 
-    def __init__(self, files: list[Path], sizes: list[int], what: str) -> None:
+    def __init__(self, files: list[Path], sizes: list[int], what: str,
+                 skipped: int = 0) -> None:
         self.files, self.sizes, self.what = files, sizes, what
+        self.skipped = skipped
+        """Files under a --data directory left out (hidden, __pycache__, binary)."""
         self.starts = [0]
         for n in sizes[:-1]:
             self.starts.append(self.starts[-1] + n)
@@ -109,6 +133,7 @@ def open_corpus(
     Raises ValueError naming the path when it is missing or holds too little
     text to train on.
     """
+    skipped = 0
     if path is None:
         files, what = stdlib_files(), "the Python standard library"
         max_bytes = min(max_bytes or DEFAULT_MAX_BYTES, DEFAULT_MAX_BYTES)
@@ -116,7 +141,8 @@ def open_corpus(
         p = Path(path)
         if not p.exists():
             raise ValueError(f"data path {str(path)!r} does not exist; give a file or a directory")
-        files, what = _files_under(p), repr(str(path))
+        files, skipped = _files_under(p)
+        what = repr(str(path))
     used, sizes, total = [], [], 0
     for f in files:
         if max_bytes is not None and total >= max_bytes:
@@ -129,7 +155,7 @@ def open_corpus(
             total += n
     if total < MIN_BYTES:
         raise ValueError(f"data {what} holds {total} bytes; at least {MIN_BYTES} are needed")
-    return Corpus(used, sizes, what)
+    return Corpus(used, sizes, what, skipped)
 
 
 def read_corpus(

@@ -10,6 +10,7 @@ ValueError naming the flag and what would be accepted.
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -17,11 +18,13 @@ from typing import Any
 from stp.models.emulated import parse_emulate
 from stp.runtime.mesh import ParallelDims
 from stp.schedule.offload import parse_policy
-from stp.train.checkpoint import check_resume, check_writable
+from stp.train.checkpoint import check_resume, check_writable, complete_checkpoints
 from stp.train.config import DTYPES, TrainJob
 from stp.train.data import open_corpus, read_corpus
+from stp.train.memory_check import check_memory
 from stp.train.pretrained import check_pretrained
 from stp.train.resolve import Run, resolve
+from stp.train.storage import check_free_space, checkpoint_bytes
 
 __all__ = ["check", "check_output_file", "model_config"]
 
@@ -60,6 +63,8 @@ def check(job: TrainJob, world_size: int | None = None) -> Run:
                 f"--seq-len + 2 = {job.model.seq_len + 2}"
             )
     _check_training(job, run.config)
+    check_memory(run, None if world_size is None else int(os.environ.get(
+        "LOCAL_WORLD_SIZE", world_size)))  # before any worker allocates
     return run
 
 
@@ -91,4 +96,10 @@ def _check_training(job: TrainJob, config: Any) -> None:
         model = None if job.emulate else dataclasses.asdict(config)
         check_resume(job.resume, model)
     if job.out is not None:  # the default is a new directory, created when chosen
+        held = complete_checkpoints(job.out)
+        if held and job.resume is None:
+            raise ValueError(f"--out {job.out!r} holds another run's checkpoints "
+                             f"({held[-1].name}); continue it with --resume {job.out}, or give "
+                             "another --out")
         check_writable(job.out)
+        check_free_space(job.out, checkpoint_bytes(config, job.dtype))

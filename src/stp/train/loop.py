@@ -24,11 +24,15 @@ import torch
 import torch.distributed as dist
 
 from stp.files import replacing
+from stp.runtime.launch import in_torchrun
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.train.config import TrainJob
+from stp.train.finite import SkipCounter
 from stp.train.lr import LRSchedule, adamw
+from stp.train.outlock import lock_error
 from stp.train.pretrained import copy_tokenizer
 from stp.train.resolve import Run
+from stp.train.resume import write_settings
 from stp.train.trainer import Trainer, TrainerOptions
 
 __all__ = ["StepReport", "RunSummary", "run"]
@@ -122,6 +126,11 @@ def _shared_out(run: Run) -> Run:
     """`run` with global rank 0's --out on every rank (the default names the time)."""
     box = [str(run.job.out_dir()) if dist.get_rank() == 0 else None]  # the default creates it
     dist.broadcast_object_list(box, src=0)
+    if in_torchrun():  # under torchrun rank 0 locks --out (stp's launcher did already)
+        error = [lock_error(box[0]) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(error, src=0)
+        if error[0]:
+            raise ValueError(error[0])
     return dataclasses.replace(run, job=dataclasses.replace(run.job, out=box[0]))
 
 
@@ -144,6 +153,8 @@ def run(resolved: Run,
     mesh = Mesh.from_world(ParallelDims(job.pp, job.tp, job.dp), timeout=job.timeout)
     resolved = _shared_out(resolved)
     job, schedule = resolved.job, resolved.schedule
+    if mesh.rank == 0:  # what a later --resume restores (stp.train.resume)
+        write_settings(job, job.out_dir())
     batches = resolved.family.batches(resolved)  # bytes, tokens, or images and captions
     args = (resolved.stage_model(), adamw(job.lr, weight_decay=job.weight_decay), schedule)
     kw = {"mesh": mesh, "options": _options(resolved), "init_from": job.init_from}
@@ -152,6 +163,7 @@ def run(resolved: Run,
     tokens_per_step = job.global_batch * job.model.seq_len
     losses, times = [], []
     peaks: list[int] | None = None
+    skips = SkipCounter(job.max_skipped_steps)  # a run that trains nothing stops
     for step in range(trainer.steps_done, job.steps):
         start = time.perf_counter()
         loss = trainer.step(batches.batch(step))
@@ -162,9 +174,10 @@ def run(resolved: Run,
         if resident is not None:
             old = peaks or resident
             peaks = [max(a, b) for a, b in zip(old, resident, strict=True)]
+        update = trainer.last_update
+        skips.update(update is not None and update.skipped, step + 1)
         eval_loss, saved = _after_step(job, trainer, step, evals)
         sharded = saved or sharded
-        update = trainer.last_update
         if mesh.rank == 0 and on_step is not None and update is not None:
             on_step(StepReport(step, loss, tokens_per_step / elapsed, elapsed, resident,
                                update.grad_norm, update.lr, update.skipped, eval_loss,

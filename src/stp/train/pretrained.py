@@ -81,10 +81,16 @@ def check_pretrained(job: Any, config: ModelConfig, found: Tokenizer | None) -> 
                          "--emulate-compute")
     if job.save_hf is not None:
         _check_save_dir(job)
+    if job.init_from is not None:  # NaN/inf weights: one line now, before any worker starts
+        from stp.models.hf import HFCheckpoint
+        from stp.train.finite import scan_hf
+
+        scan_hf(HFCheckpoint.open(job.init_from))
     if found is None:
-        if job.init_from is not None and config.vocab_size < 256:
-            raise ValueError(f"{job.init_from!r} has no tokenizer.json and its vocabulary of "
-                             f"{config.vocab_size} cannot hold bytes; give --tokenizer PATH")
+        if job.init_from is not None:  # its token ids mean its tokenizer's tokens, not bytes
+            raise ValueError(f"--init-from {job.init_from!r} has no tokenizer.json: a pretrained "
+                             "model's ids are its tokenizer's tokens, not bytes; give "
+                             "--tokenizer PATH (a tokenizer.json or the directory holding one)")
         return
     vocab = tokenizer_vocab(found.path)
     if vocab > config.vocab_size:

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from stp.schedule import Schedule
 from stp.schedule.placement import partition_layers
 from stp.sim.layered import check_partition, parse_partition
+from stp.train.checkpoint import latest, read_info
 from stp.train.config import TrainJob
 from stp.train.families import TrainFamily, family_named
+from stp.train.resume import restore_settings, run_dir_of
 from stp.train.schedules import job_schedule
 from stp.train.tokens import Tokenizer, run_tokenizer
 
@@ -51,6 +54,10 @@ class Run:
     """Layers of each global stage; None: the even split."""
     tokenizer: Tokenizer | None
     """The tokenizer of the text; None: bytes (or no text)."""
+    resumed: Path | None = None
+    """The checkpoint `--resume` loads (None: a fresh start)."""
+    resumed_step: int = 0
+    """The steps that checkpoint has trained."""
 
     def stage_model(self) -> Any:
         """What the Trainer builds stages from: the model's config, or with
@@ -77,7 +84,18 @@ class Run:
 
 def resolve(job: TrainJob) -> Run:
     """The run `job` describes; ValueError (one line, naming the flag) for a schedule,
-    model, partition or tokenizer that does not fit."""
+    model, partition, tokenizer or checkpoint to resume that does not fit.
+
+    `--resume DIR` restores the model settings the resumed run recorded
+    (stp.train.resume) and, unless `--out` says otherwise, goes on writing in the
+    directory holding its checkpoints."""
+    resumed, resumed_step = None, 0
+    if job.resume is not None:
+        resumed = latest(job.resume)  # ValueError naming the path when there is none
+        resumed_step = int(read_info(resumed).get("step", 0))
+        job = restore_settings(job, run_dir_of(resumed))
+        if job.out is None:
+            job = dataclasses.replace(job, out=str(run_dir_of(resumed)))
     schedule = job_schedule(job)  # a name, or a file checked against the mesh
     family = family_named(job.arch)
     family.check_flags(job)
@@ -88,7 +106,7 @@ def resolve(job: TrainJob) -> Run:
     if partition is not None:
         job = dataclasses.replace(job, partition=",".join(map(str, partition)))
     return Run(job=job, family=family, config=config, schedule=schedule, partition=partition,
-               tokenizer=tokenizer)
+               tokenizer=tokenizer, resumed=resumed, resumed_step=resumed_step)
 
 
 def _partition(job: TrainJob, family: TrainFamily, config: Any,

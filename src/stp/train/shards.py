@@ -145,3 +145,10 @@ class BoxLoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self.state_dict[index.fqn]
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        # DCP's default reads these with torch.load(weights_only=False): code could run
+        from stp.train.ckpt_read import safe_load_bytes
+
+        self.state_dict[read_item.dest_index.fqn] = safe_load_bytes(value,
+                                                                    read_item.dest_index.fqn)

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from stp.files import read_json_object
 from stp.train.data import ByteBatches, Corpus, open_corpus
 
 __all__ = ["TokenStream", "TokenBatches", "Tokenizer", "eos_id", "find_tokenizer",
@@ -58,7 +59,7 @@ def run_tokenizer(tokenizer: str | None, init_from: str | None) -> Tokenizer | N
         return None
     config = None
     if init_from is not None and (Path(init_from) / "config.json").is_file():
-        config = json.loads((Path(init_from) / "config.json").read_text())
+        config = read_json_object(Path(init_from) / "config.json")  # a list: one line
     return Tokenizer(path, eos_id(path, config))
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from stp.costmodel.configs import spec_from_config
 from stp.costmodel.model import ModelSpec
 from stp.models.decoder.reference import build_reference
 from stp.models.decoder.shared_grads import SharedGrads
@@ -50,12 +51,7 @@ class DecoderFamily:
 
     def cost_spec(self, config: ModelConfig, *, sequence: int, micro_batch: int,
                   tp: int) -> ModelSpec:
-        return ModelSpec(
-            layers=config.num_layers, hidden=config.num_heads * config.head_dim,
-            heads=config.num_heads, kv_heads=config.num_kv_heads, ffn=config.ffn,
-            vocab=config.vocab_size, sequence=sequence, micro_batch=micro_batch, tp=tp,
-            gated_mlp=True, name="stp-decoder",
-        )
+        return spec_from_config(config, seq_len=sequence, microbatch_size=micro_batch, tp=tp)
 
     def shared_grads(self, config: ModelConfig, stages: Mapping[int, Any], schedule: Any,
                      mesh: Any) -> SharedGrads:

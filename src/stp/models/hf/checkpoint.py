@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from stp.files import read_json_object
 from stp.models.decoder.init import ParamSpec, pad_shard, parameter_specs, tp_slice
 from stp.models.hf.config import config_from_hf
 from stp.models.hf.names import hf_name, stp_name
@@ -46,25 +47,82 @@ def same_weights(a: ModelConfig, b: ModelConfig) -> bool:
     return replace(a, **{f: getattr(b, f) for f in RUN_FIELDS}) == b
 
 
+MAX_HEADER_BYTES = 100 << 20
+"""safetensors' own limit on a header (its tensor names, shapes and offsets)."""
+
+
+def check_safetensors(file: Path) -> None:
+    """ValueError naming `file` unless its header is complete and its tensors fit the
+    file exactly: the header length read and compared with the file's size before the
+    header is read (a length of 1e12 must not be allocated), a truncated file refused
+    before safetensors maps it."""
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{file}: not a complete safetensors file ({why})")
+
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise bad(f"{size} bytes, shorter than the 8-byte header length")
+            n = int.from_bytes(head, "little")
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise bad(f"its header claims {n} bytes, the file holds {size}")
+            header = json.loads(fh.read(n))
+    except OSError as e:
+        raise ValueError(f"cannot read {file}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise bad("its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise bad("its header is not a JSON object")
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise bad(f"tensor {name!r} has no valid data_offsets")
+        end = max(end, offsets[1])
+    if 8 + n + end != size:
+        raise bad(f"its tensors need {8 + n + end} bytes, the file holds {size}: truncated "
+                  "or damaged")
+
+
+def _open(file: Path) -> Any:
+    """safe_open of a file check_safetensors passed; its own errors in one line."""
+    try:
+        return safe_open(file, "pt")
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        text = " ".join(str(e).split())[:120]  # one line, whatever safetensors says
+        raise ValueError(f"{file}: not a readable safetensors file ({text})") from None
+
+
 def _weight_files(path: Path) -> dict[str, Path]:
     """Hugging Face key -> the safetensors file holding it."""
     index = path / INDEX
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index}: not a safetensors index ({e})") from None
+        weight_map = read_json_object(index, 256 << 20).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(n, str) and n and "/" not in n and "\\" not in n and n[0] != "."
+                for n in weight_map.values()):
+            raise ValueError(f"{index}: not a safetensors index (weight_map must map tensor "
+                             "names to file names in the directory)")
         files = {key: path / name for key, name in weight_map.items()}
         for f in sorted(set(files.values())):
             if not f.is_file():
                 raise ValueError(f"{index} names {f.name}, which is missing from {path}")
+            check_safetensors(f)
         return files
     found = sorted(path.glob("*.safetensors"))
     if not found:
         raise ValueError(f"{path} holds no *.safetensors weights (nor {INDEX})")
     files: dict[str, Path] = {}
     for f in found:
-        with safe_open(f, "pt") as handle:
+        check_safetensors(f)
+        with _open(f) as handle:
             files.update((key, f) for key in handle.keys())  # noqa: SIM118 (not a dict)
     return files
 
@@ -89,10 +147,7 @@ class HFCheckpoint:
         if not config_file.is_file():
             raise ValueError(f"{config_file} is missing: a Hugging Face checkpoint directory "
                              "holds config.json and *.safetensors")
-        try:
-            raw = json.loads(config_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{config_file}: not JSON ({e})") from None
+        raw = read_json_object(config_file)  # a list, binary, not JSON: one line
         ckpt = cls(root, raw, config_from_hf(raw, str(config_file)), _weight_files(root))
         ckpt.check_tensors()
         return ckpt
@@ -105,6 +160,12 @@ class HFCheckpoint:
     def check_tensors(self) -> None:
         """ValueError unless every expected tensor is there with the config's shape and
         nothing else is (header reads only)."""
+        stored = {int(k.split(".")[2]) for k in self.files
+                  if k.startswith("model.layers.") and k.split(".")[2].isdigit()}
+        if self.config.num_layers != len(stored):  # before a spec is built per layer
+            raise ValueError(f"{self.path}/config.json: num_hidden_layers="
+                             f"{self.config.num_layers}, but the weights hold {len(stored)} "
+                             "layers")
         wanted = {hf_name(s.name): s for s in self.expected()}
         missing = [k for k in wanted if k not in self.files]
         if missing:
@@ -112,7 +173,7 @@ class HFCheckpoint:
                              f"describes {self.config.num_layers} layers)")
         shapes: dict[str, tuple[int, ...]] = {}
         for file in sorted({self.files[k] for k in wanted}):
-            with safe_open(file, "pt") as handle:
+            with _open(file) as handle:
                 shapes.update((k, tuple(handle.get_slice(k).get_shape()))
                               for k in wanted if self.files[k] == file)
         for key, spec in wanted.items():
@@ -154,6 +215,9 @@ class HFCheckpoint:
             else:
                 t = part[:, where.start : where.stop]
             t = t.to(dtype=dtype, copy=True)  # not a view of the file's mapping
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{self.files[key]}: tensor {key} holds NaN or inf: training "
+                             "from it would skip every step")
         return pad_shard(t, where).contiguous().to(device)
 
     def full_tensors(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:

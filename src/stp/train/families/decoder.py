@@ -5,6 +5,7 @@ tokenizer's tokens."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from stp.models.decoder.family import DECODER
@@ -15,7 +16,21 @@ from stp.train.data import VOCAB_SIZE, ByteBatches, read_corpus
 from stp.train.pretrained import checkpoint_config
 from stp.train.tokens import Tokenizer, make_batches, tokenizer_vocab
 
-__all__ = ["FAMILY", "DecoderJob", "decoder_config"]
+__all__ = ["FAMILY", "DecoderJob", "decoder_config", "in_flag_words"]
+
+_FLAGS = {"hidden": "--hidden", "num_heads": "--heads", "num_kv_heads": "--kv-heads",
+          "num_layers": "--layers", "max_seq_len": "--seq-len", "tp_size": "--tp",
+          "ffn_hidden": "the MLP width (from --hidden)"}
+_FIELD = re.compile(r"\b(?:ModelConfig\.|ModelConfig )?(" + "|".join(_FLAGS) + r")\b(=)?")
+
+
+def in_flag_words(err: ValueError) -> ValueError:
+    """`err` with the model's field names (`ModelConfig.hidden=30`, `tp_size=3`) said as
+    the `stp train` flags a user gives (`--hidden 30`, `--tp 3`)."""
+    def flag(m: re.Match[str]) -> str:
+        return _FLAGS[m.group(1)] + (" " if m.group(2) else "")
+
+    return ValueError(_FIELD.sub(flag, str(err)).replace("ModelConfig ", ""))
 
 
 def decoder_config(job: TrainJob, tokenizer: Tokenizer | None) -> ModelConfig:
@@ -47,10 +62,16 @@ class DecoderJob:
     def config(self, job: TrainJob, tokenizer: Tokenizer | None) -> ModelConfig:
         if job.init_from is not None:  # config.json and tensor headers checked
             return checkpoint_config(job.init_from, job.model)
-        return decoder_config(job, tokenizer)
+        try:
+            return decoder_config(job, tokenizer)
+        except ValueError as e:
+            raise in_flag_words(e) from None
 
     def check_run(self, job: TrainJob, config: ModelConfig, schedule: Schedule) -> None:
-        self.model.check(config, job.tp, schedule.num_stages)
+        try:
+            self.model.check(config, job.tp, schedule.num_stages)
+        except ValueError as e:
+            raise in_flag_words(e) from None
 
     def batches(self, run: Any) -> Any:
         job = run.job

@@ -1,0 +1,268 @@
+"""Bytes per pipeline rank: model states, peak activations, communication buffers.
+
+`estimate(model, hardware, layout, features)` prices one training step of a
+decoder cut into `layout.pp` pipeline ranks, `tp` tensor-parallel and `dp`
+data-parallel ranks. Every TP and DP peer of a pipeline rank holds the same
+bytes, so a rank here is a pipeline rank. Per rank, with `P` the parameters
+it holds (one TP shard of its stages' layers, the vocab-parallel embedding
+on the first stage, the final norm and output layer on the last):
+
+    weights      P x the compute dtype's bytes (2 for bfloat16)
+    grads        P x 4 in a 16-bit run: stp, like Megatron-LM, adds each
+                 microbatch's weight gradient into an fp32 buffer per
+                 parameter; P x the dtype's bytes otherwise
+    masters      fp32 master weights, P x 4, in a 16-bit run; 0 in float32
+                 or float64 (the weights are the masters)
+    optimizer    AdamW's two moments, P x 8 in fp32 (P x 16 in float64)
+    with a sharded optimizer (ZeRO stage 1, Rajbhandari et al., "ZeRO:
+    Memory Optimizations Toward Training Trillion Parameter Models", arXiv
+    1910.02054, section 5.1: `4 Psi + 12 Psi / N_d` with 16-bit gradients;
+    masters too, as Megatron-LM's distributed optimizer) masters and
+    optimizer are divided by dp.
+    activations  the simulator's peak of resident activations on the rank
+                 (`stp.sim.simulate` under the model's per-stage costs, so
+                 the schedule, offload, recomputation and sequence
+                 parallelism count; `stp.costmodel.model` for the per-layer
+                 formulas), in bytes; scaled by dtype bytes / 2, the
+                 formulas being for 16-bit activations.
+    buffers      point-to-point receive buffers: one activation and one
+                 gradient per stage the rank holds, `s b h` values each
+                 (`/ t` with sequence parallelism); the all-gathered input of
+                 a unit with sequence parallelism, `s b h`, for each of the
+                 two passes a braided block runs at once; with a sharded
+                 optimizer, the reduce-scattered fp32 gradient shard `4 P /
+                 dp`. All-reduces run in place and are not counted, nor is
+                 the allocator's fragmentation or the CUDA context.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from stp.costmodel.configs import spec_from_config
+from stp.costmodel.decoder_costs import derive_decoder
+from stp.costmodel.hardware import HardwareSpec
+from stp.costmodel.model import RECOMPUTE_MODES, ModelSpec, decoder_only
+from stp.costmodel.stages import layered_costs
+from stp.schedule.ir import Kind, passes_of
+from stp.schedule.offload import parse_policy
+from stp.schedule.registry import generate
+from stp.shapes import ModelConfig
+from stp.sim.costs import OffloadCosts
+from stp.sim.engine import simulate
+from stp.sim.layered import check_partition, even_partition
+from stp.sim.offload import plan_offload
+from stp.sim.result import SimResult
+
+__all__ = ["DTYPE_BYTES", "CATEGORIES", "Layout", "Features", "RankMemory", "MemoryEstimate",
+           "estimate", "format_bytes", "memory_of_run", "rank_parameters"]
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+CATEGORIES = ("weights", "grads", "masters", "optimizer", "activations_peak", "buffers")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a step is cut: the mesh, the batch and the schedule."""
+
+    pp: int
+    tp: int = 1
+    dp: int = 1
+    microbatches: int = 1
+    microbatch_size: int = 1
+    seq_len: int = 4096
+    schedule: str = "stp"
+    partition: tuple[int, ...] | None = None
+    """Layers per global stage (None: the even split, `stp.sim.layered`)."""
+
+    def __post_init__(self) -> None:
+        for key in ("pp", "tp", "dp", "microbatches", "microbatch_size", "seq_len"):
+            val = getattr(self, key)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{key}={val!r} must be an integer >= 1")
+        if self.partition is not None:
+            object.__setattr__(self, "partition", tuple(self.partition))
+            if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1
+                       for c in self.partition):
+                raise ValueError(f"partition {self.partition}: layer counts >= 1 expected")
+
+
+@dataclass(frozen=True)
+class Features:
+    """What a run turns on that changes its memory."""
+
+    dtype: str = "bfloat16"
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    shard_optimizer: bool = False
+    offload: str = "none"
+    """An offload policy of `stp.sim.offload` (none, stp, all, selective:X)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute {self.recompute!r}: choose one of "
+                             f"{', '.join(RECOMPUTE_MODES)}")
+        parse_policy(self.offload)  # ValueError naming the policy
+
+    @property
+    def sixteen_bit(self) -> bool:
+        return DTYPE_BYTES[self.dtype] == 2
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one pipeline rank (each of its TP and DP peers) holds at its peak."""
+
+    rank: int
+    parameters: int
+    weights: float
+    grads: float
+    masters: float
+    optimizer: float
+    activations_peak: float
+    buffers: float
+
+    def __post_init__(self) -> None:
+        for key in ("rank", "parameters", *CATEGORIES):
+            val = getattr(self, key)
+            if isinstance(val, bool) or not isinstance(val, int | float) or not val >= 0:
+                raise ValueError(f"rank memory {key}={val!r} must be a number >= 0")
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, k) for k in CATEGORIES)
+
+    @property
+    def largest(self) -> str:
+        return max(CATEGORIES, key=lambda k: getattr(self, k))
+
+    def to_json(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = {k: getattr(self, k) for k in CATEGORIES}
+        out["total"] = self.total
+        return out
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    ranks: tuple[RankMemory, ...]
+    layout: Layout
+    features: Features
+    notes: tuple[str, ...] = ()
+    step_time: float | None = None
+    """The simulated step (makespan) the activations came from, in the cost
+    model's milliseconds."""
+
+    @property
+    def peak(self) -> RankMemory:
+        """The rank with the largest total (the first of equals)."""
+        return max(self.ranks, key=lambda r: (r.total, -r.rank))
+
+    def to_json(self) -> dict[str, object]:
+        return {"memory": self.peak.to_json(), "peak_rank": self.peak.rank,
+                "ranks": [{"rank": r.rank, "parameters": r.parameters, **r.to_json()}
+                          for r in self.ranks],
+                "notes": list(self.notes), "step_ms": self.step_time}
+
+
+def _layer_parameters(spec: ModelSpec) -> float:
+    """One TP rank's share of a layer: Q and O split by t; K and V split by t,
+    or one kv head per rank when there are fewer kv heads than ranks (each is
+    replicated); the MLP split by t; the two norms replicated."""
+    h, t, d = spec.hidden, spec.tp, spec.head_dim
+    kv_per_rank = max(spec.kv_heads // t, 1) * d
+    return 2 * h * h / t + 2 * h * kv_per_rank + spec.mlp_matrices * h * spec.ffn / t + 2 * h
+
+
+def rank_parameters(spec: ModelSpec, num_stages: int, stage_to_rank: tuple[int, ...],
+                    counts: tuple[int, ...]) -> list[int]:
+    """Parameters each pipeline rank holds (one TP shard): its stages' layers, the
+    vocab-parallel embedding on stage 0, the final norm and output layer on the
+    last stage (both padded to a multiple of t, as the runtime pads them)."""
+    vocab_rows = -(-spec.vocab // spec.tp)
+    out = [0.0] * (max(stage_to_rank) + 1)
+    for stage in range(num_stages):
+        rank = stage_to_rank[stage]
+        out[rank] += counts[stage] * _layer_parameters(spec)
+        if stage == 0:
+            out[rank] += vocab_rows * spec.hidden
+        if stage == num_stages - 1:
+            out[rank] += vocab_rows * spec.hidden + spec.hidden
+    return [int(round(x)) for x in out]
+
+
+def estimate(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout: Layout,
+             features: Features = Features()) -> MemoryEstimate:
+    """Bytes per pipeline rank of a training step (module doc). `model` is a
+    cost-model spec or the `ModelConfig` a run builds (`stp.costmodel.configs`);
+    its tp, sequence, micro_batch, sequence_parallel and recompute are taken
+    from `layout` and `features`."""
+    if isinstance(model, ModelConfig):
+        model = spec_from_config(model, seq_len=layout.seq_len)
+    model = decoder_only(model, "a memory estimate")
+    spec = replace(model, tp=layout.tp, sequence=layout.seq_len,
+                   micro_batch=layout.microbatch_size,
+                   sequence_parallel=features.sequence_parallel, recompute=features.recompute)
+    sch = generate(layout.schedule, layout.pp, layout.microbatches)
+    if spec.layers < sch.num_stages:
+        raise ValueError(f"the model's {spec.layers} layers cannot fill {sch.num_stages} "
+                         f"stages of {layout.schedule} at pp={layout.pp}")
+    derived = derive_decoder(spec, hardware, layout.pp)
+    counts = (even_partition(spec.layers, sch.num_stages) if layout.partition is None
+              else check_partition(layout.partition, sch.num_stages, spec.layers))
+    table = layered_costs(spec, hardware, layout.pp, derived.costs, derived.mem).table(counts)
+    oc = OffloadCosts(bandwidth=hardware.host_bandwidth / 1e3, act_bytes=derived.bytes_per_unit)
+    plan = plan_offload(sch, features.offload, derived.costs, derived.mem, oc, stages=table)
+    res = simulate(sch, derived.costs, derived.mem, offload=plan if len(plan) else None,
+                   offload_costs=oc, record_spans=False, stages=table)
+    return memory_of_run(spec, res, derived.bytes_per_unit, features, dp=layout.dp)
+
+
+def memory_of_run(spec: ModelSpec, res: SimResult, bytes_per_unit: float,
+                  features: Features = Features(), dp: int = 1) -> MemoryEstimate:
+    """Bytes per rank of a simulated run of `spec` (its per-stage table
+    priced from `spec`; memory units of `bytes_per_unit` bytes, as
+    `derive` gives them); the layout is read off the run."""
+    sch = res.schedule
+    counts = (res.stages.partition if res.stages is not None and res.stages.partition
+              else even_partition(spec.layers, sch.num_stages))
+    layout = Layout(pp=sch.num_ranks, tp=spec.tp, dp=dp, microbatches=sch.num_microbatches,
+                    microbatch_size=spec.micro_batch, seq_len=spec.sequence, schedule=sch.name,
+                    partition=tuple(counts))
+    act_scale = bytes_per_unit * DTYPE_BYTES[features.dtype] / 2
+    params = rank_parameters(spec, sch.num_stages, sch.stage_to_rank, tuple(counts))
+    ranks = tuple(_rank(r, n, res.ranks[r].peak_activation * act_scale, spec, sch.chunks,
+                        layout, features)
+                  for r, n in enumerate(params))
+    notes = []
+    splits = any(p.kind is Kind.W for acts in sch.actions for a in acts for p in passes_of(a))
+    if spec.recompute == "full" and splits:
+        notes.append(f"{sch.name} defers W: full recomputation's inputs kept for a "
+                     "deferred W are not counted (stp.costmodel.model)")
+    return MemoryEstimate(ranks, layout, features, tuple(notes), res.makespan)
+
+
+def _rank(rank: int, params: int, activations: float, spec: ModelSpec, chunks: int,
+          layout: Layout, f: Features) -> RankMemory:
+    width = DTYPE_BYTES[f.dtype]
+    shard = layout.dp if f.shard_optimizer else 1
+    grad_bytes = 4 if f.sixteen_bit else width
+    masters = 4 * params / shard if f.sixteen_bit else 0.0
+    moments = 2 * max(4, width) * params / shard
+    values = spec.sequence * spec.micro_batch * spec.hidden * width  # one s b h tensor
+    p2p = 2 * chunks * values / (spec.tp if spec.sequence_parallel else 1)
+    gathered = 2 * values if spec.sequence_parallel and spec.tp > 1 else 0.0
+    grad_shard = 4 * params / shard if f.shard_optimizer and layout.dp > 1 else 0.0
+    return RankMemory(rank, params, float(params * width), float(params * grad_bytes),
+                      float(masters), float(moments), float(activations),
+                      float(p2p + gathered + grad_shard))
+
+
+def format_bytes(n: float) -> str:
+    """`12.3 GiB` style, binary units."""
+    if n < 1024:
+        return f"{n:.0f} B"
+    exp = min(int(math.log(n, 1024)), 4)
+    return f"{n / 1024 ** exp:.2f} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[exp]}"

@@ -1,0 +1,112 @@
+"""`stp train` refuses a run that cannot fit before any worker allocates.
+
+The estimate is the cost model's (`stp.costmodel.memory.estimate`: weights,
+gradients, masters, optimizer state, the simulator's peak activations for the
+run's schedule, partition and offload, buffers), for the run's own model,
+mesh, batch and dtype. Attention is priced without a fused kernel (the s x s
+scores kept), as stp's CPU runtime computes it, so the estimate errs on the
+large side of the activations.
+
+- `--memory-budget SIZE`: the peak rank's total must fit SIZE (one device).
+- without it, every rank this machine runs together (the whole world for
+  `stp train`'s own launcher, LOCAL_WORLD_SIZE under torchrun) must fit the
+  host's available memory (MemAvailable): a run of `--seq-len 1048576` is
+  refused in one line instead of allocating until the kernel kills it.
+
+Families without a byte estimate (the multimodal model today) and emulated
+stages are not checked.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from stp.costmodel import HARDWARE
+from stp.costmodel.budget import parse_size
+from stp.costmodel.configs import spec_from_config
+from stp.costmodel.memory import Features, Layout, MemoryEstimate, estimate, format_bytes
+from stp.shapes import ModelConfig
+
+__all__ = ["available_host_bytes", "check_memory", "run_estimate"]
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def run_estimate(run: Any) -> MemoryEstimate | None:
+    """The cost model's bytes per rank of `run` (stp.train.resolve.Run); None where
+    there is no estimate (emulated stages, a family the byte model does not price)."""
+    job = run.job
+    if job.emulate is not None or type(run.config) is not ModelConfig:
+        return None
+    spec = spec_from_config(run.config, seq_len=job.model.seq_len,
+                            microbatch_size=job.microbatch_size, tp=job.tp,
+                            flash_attention=False)
+    layout = Layout(pp=job.pp, tp=job.tp, dp=job.dp, microbatches=job.num_microbatches,
+                    microbatch_size=job.microbatch_size, seq_len=job.model.seq_len,
+                    schedule=run.schedule.name, partition=run.partition)
+    features = Features(dtype=job.dtype, offload=job.offload)
+    if not _registry_schedule(run):
+        return None  # a schedule file: the estimate generates schedules by name
+    return estimate(spec, HARDWARE["a100-80g"], layout, features)
+
+
+def _registry_schedule(run: Any) -> bool:
+    from stp.schedule import registry
+
+    return run.schedule.name in registry.names() and not run.job.schedule.lower().endswith(
+        (".json", ".csv"))
+
+
+def _largest(est: MemoryEstimate) -> str:
+    peak = est.peak
+    name = peak.largest
+    return f"{name.replace('_', ' ')} {format_bytes(getattr(peak, name))}"
+
+
+def check_memory(run: Any, local_ranks: int | None = None) -> None:
+    """ValueError (one line) when the run's estimate exceeds `--memory-budget`, or with
+    no budget when the ranks this machine runs exceed its available memory."""
+    job = run.job
+    budget = None
+    if job.memory_budget is not None:
+        try:
+            budget = parse_size(job.memory_budget)
+        except ValueError as e:
+            raise ValueError(f"--memory-budget {e}") from None
+    est = run_estimate(run)
+    if est is None:
+        return
+    peak = est.peak
+    if budget is not None:
+        if peak.total > budget:
+            raise ValueError(f"--memory-budget {job.memory_budget}: pipeline rank {peak.rank} "
+                             f"needs an estimated {format_bytes(peak.total)}, most of it "
+                             f"{_largest(est)}; give a larger budget, more --pp/--tp, a "
+                             "shorter --seq-len or a smaller --microbatch-size")
+        return
+    free = available_host_bytes()
+    if free is None:
+        return
+    ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", job.world_size))
+    if ranks == job.world_size:  # every pipeline rank here, with its tp x dp peers
+        total = sum(r.total for r in est.ranks) * job.tp * job.dp
+    else:  # some ranks of a larger world: the heaviest, as a bound
+        total = peak.total * ranks
+    if total > free:
+        raise ValueError(f"this run needs an estimated {format_bytes(total)} on this machine "
+                         f"({ranks} ranks; pipeline rank {peak.rank}: "
+                         f"{format_bytes(peak.total)}, most of it {_largest(est)}) but "
+                         f"{format_bytes(free)} is available; give a shorter --seq-len, a "
+                         "smaller --microbatch-size or fewer -m, or --memory-budget SIZE to "
+                         "judge it against a device instead")

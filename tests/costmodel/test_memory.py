@@ -1,0 +1,145 @@
+"""Bytes per rank (`stp.costmodel.memory`): model states per parameter, ZeRO
+stage 1's division by dp, activations from the simulator, the peak rank."""
+
+from dataclasses import replace
+
+import pytest
+
+from stp.costmodel import MODELS, ModelSpec, num_parameters, parse_hardware
+from stp.costmodel.budget import over_budget, parse_size
+from stp.costmodel.configs import spec_from_config, spec_from_hf_json
+from stp.costmodel.decoder_costs import derive_decoder
+from stp.costmodel.memory import Features, Layout, estimate
+from stp.shapes import ModelConfig
+
+HW = parse_hardware("a100-80g")
+SPEC = ModelSpec(layers=8, hidden=512, heads=8, kv_heads=8, ffn=1536, vocab=1024, sequence=256)
+LAYOUT = Layout(pp=2, tp=2, dp=4, microbatches=8, seq_len=256, schedule="zb-v")
+
+
+def test_states_per_parameter_bfloat16_and_float32():
+    """bf16: 2 (weights) + 4 (fp32 gradient buffer) + 4 (masters) + 8 (moments);
+    float32 keeps no masters."""
+    for r in estimate(SPEC, HW, LAYOUT).ranks:
+        assert (r.weights, r.grads, r.masters, r.optimizer) == \
+            (2 * r.parameters, 4 * r.parameters, 4 * r.parameters, 8 * r.parameters)
+    for r in estimate(SPEC, HW, LAYOUT, Features(dtype="float32")).ranks:
+        assert (r.weights, r.grads, r.masters, r.optimizer) == \
+            (4 * r.parameters, 4 * r.parameters, 0, 8 * r.parameters)
+
+
+def test_sharded_optimizer_divides_masters_and_moments_by_dp():
+    plain = estimate(SPEC, HW, LAYOUT).ranks
+    sharded = estimate(SPEC, HW, LAYOUT, Features(shard_optimizer=True)).ranks
+    for a, b in zip(plain, sharded, strict=True):
+        assert b.masters == a.masters / 4 and b.optimizer == a.optimizer / 4
+        assert b.weights == a.weights and b.grads == a.grads
+        assert b.buffers == pytest.approx(a.buffers + 4 * a.parameters / 4)
+
+
+def test_parameters_add_up_to_the_model():
+    """Every rank's TP shard, times t, is the whole model (+ norms: 2h per layer
+    and the final h, which num_parameters leaves out)."""
+    ranks = estimate(SPEC, HW, LAYOUT).ranks
+    total = sum(r.parameters for r in ranks) * LAYOUT.tp
+    norms = (2 * SPEC.layers + 1) * SPEC.hidden * LAYOUT.tp
+    assert total == num_parameters(SPEC) + norms
+
+
+def test_activations_are_the_simulated_peak_in_bytes():
+    est = estimate(SPEC, HW, LAYOUT)
+    from stp.costmodel.stages import layered_costs
+    from stp.schedule import generate
+    from stp.sim import simulate
+    from stp.sim.layered import even_partition
+
+    spec = replace(SPEC, tp=2)
+    d = derive_decoder(spec, HW, 2)
+    sch = generate("zb-v", 2, 8)
+    table = layered_costs(spec, HW, 2, d.costs, d.mem).table(even_partition(8, 4))
+    res = simulate(sch, d.costs, d.mem, stages=table, record_spans=False)
+    for r, got in zip(res.ranks, est.ranks, strict=True):
+        assert got.activations_peak == pytest.approx(r.peak_activation * d.bytes_per_unit)
+
+
+def test_sequence_parallel_and_recompute_lower_the_peak():
+    base = estimate(SPEC, HW, LAYOUT).peak.activations_peak
+    sp = estimate(SPEC, HW, LAYOUT, Features(sequence_parallel=True)).peak.activations_peak
+    full = estimate(SPEC, HW, LAYOUT, Features(sequence_parallel=True, recompute="full"))
+    assert full.peak.activations_peak < sp < base
+
+
+def test_peak_rank_is_the_largest_total():
+    est = estimate(MODELS["qwen2-12.1b"], HW, Layout(pp=2, tp=8, microbatches=8, seq_len=6144))
+    assert est.peak.total == max(r.total for r in est.ranks)
+    obj = est.to_json()
+    assert obj["peak_rank"] == est.peak.rank
+    assert set(obj["memory"]) >= {"weights", "grads", "masters", "optimizer",
+                                  "activations_peak", "total"}
+
+
+def test_sizes_and_budgets():
+    assert parse_size("80GB") == 80 * 10**9
+    assert parse_size("80GiB") == 80 * 2**30
+    assert parse_size("1234") == 1234
+    for bad in ("80XB", "-1", "GB", "1e3", "８0GB"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    est = estimate(SPEC, HW, LAYOUT)
+    assert over_budget(est, est.peak.total) is None
+    line = over_budget(est, est.peak.total - 1)
+    assert line is not None and f"rank {est.peak.rank}" in line and est.peak.largest in line
+
+
+def test_specs_from_configs():
+    cfg = ModelConfig(vocab_size=1000, hidden=256, num_layers=4, num_heads=4, num_kv_heads=2)
+    spec = spec_from_config(cfg, seq_len=128, tp=2)
+    assert (spec.layers, spec.hidden, spec.kv_heads, spec.ffn, spec.tp) == (4, 256, 2,
+                                                                              cfg.ffn, 2)
+    hf = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+          "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936}
+    got = spec_from_hf_json(hf, "config.json")
+    assert (got.hidden, got.layers, got.heads, got.kv_heads, got.ffn) == (896, 24, 14, 2, 4864)
+    with pytest.raises(ValueError, match="hidden_size"):
+        spec_from_hf_json({**hf, "hidden_size": "x"}, "config.json")
+
+
+def test_published_presets():
+    assert num_parameters(MODELS["qwen2-72b"]) == pytest.approx(72.7e9, rel=0.01)
+    assert num_parameters(MODELS["llama3-405b"]) == pytest.approx(405.8e9, rel=0.01)
+    assert parse_hardware("h100-80g").memory == 81559 * 2**20
+
+
+def test_a_run_config_is_estimated_as_its_spec():
+    """`estimate` takes the ModelConfig a run builds (the entry point `stp train`
+    flags can reach) and prices it as a decoder without dropout."""
+    cfg = ModelConfig(vocab_size=1024, hidden=512, num_layers=8, num_heads=8, num_kv_heads=8,
+                      ffn_hidden=1536)
+    from_config = estimate(cfg, HW, LAYOUT)
+    from_spec = estimate(replace(SPEC, dropout=False, flash_attention=True), HW, LAYOUT)
+    assert from_config.to_json()["ranks"] == from_spec.to_json()["ranks"]
+    with pytest.raises(ValueError, match="covers decoder models"):
+        from stp.costmodel import MLLM_MODELS
+
+        estimate(next(iter(MLLM_MODELS.values())), HW, LAYOUT)
+
+
+def test_dropout_masks_are_what_the_formula_adds():
+    """Korthikanti's 10h replicated bytes hold two 1-byte masks (2h) and the
+    5 a s^2 b scores term one mask (a s^2 b)."""
+    from stp.costmodel.model import layer_activation_bytes
+
+    s, b, h, a, t = SPEC.sequence, SPEC.micro_batch, SPEC.hidden, SPEC.heads, 2
+    spec = replace(SPEC, tp=t)
+    with_masks = layer_activation_bytes(spec)[0]
+    without = layer_activation_bytes(replace(spec, dropout=False))[0]
+    assert with_masks - without == pytest.approx(2 * s * b * h + a * s * s * b / t)
+
+
+def test_an_explicit_partition_moves_the_parameters():
+    even = estimate(SPEC, HW, LAYOUT).ranks
+    uneven = estimate(SPEC, HW, replace(LAYOUT, partition=(1, 3, 3, 1))).ranks
+    assert uneven[0].parameters < even[0].parameters  # zb-v: rank 0 holds stages 0 and 3
+    assert sum(r.parameters for r in uneven) == sum(r.parameters for r in even)
+    with pytest.raises(ValueError, match="sums to 7"):
+        estimate(SPEC, HW, replace(LAYOUT, partition=(1, 3, 2, 1)))
