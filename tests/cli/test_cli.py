@@ -20,7 +20,7 @@ def test_schedules_lists_every_name(capsys):
     names = [line.split()[0] for line in out.splitlines()]
     assert code == 0
     assert names == ["gpipe", "1f1b", "1f1b-interleaved", "zb-h1", "zb-h2", "zb-v",
-                     "v-half", "v-min", "stp"]
+                     "v-half", "v-min", "stp", "looped-bfs", "zb-interleaved", "dualpipev"]
 
 
 def test_simulate_json_fields(capsys):
@@ -57,7 +57,7 @@ def test_compare_sorted_by_makespan(capsys):
         (["simulate", "--schedule", "nope", "--pp", "2", "-m", "4"], "choose one of: gpipe, 1f1b"),
         (["simulate", "--schedule", "stp", "--pp", "4", "-m", "0"], "0 must be >= 1"),
         (["simulate", "--schedule", "gpipe", "--pp", "2", "-m", "4", "--chunks", "2"],
-         "--chunks applies to 1f1b-interleaved only"),
+         "--chunks applies to 1f1b-interleaved, looped-bfs, zb-interleaved only"),
         (["simulate", "--schedule", "1f1b-interleaved", "--pp", "2", "-m", "4", "--chunks", "1"],
          "chunks"),
         (["simulate", "--schedule", "1f1b", "--pp", "0", "-m", "4"], "--pp"),

@@ -31,7 +31,8 @@ CONFIG = ModelConfig(vocab_size=64, hidden=32, num_layers=4, num_heads=4, num_kv
 SEQ, MBS, M = 12, 2, 4
 TOL = 1e-12
 CASES = [("1f1b", False), ("1f1b", True), ("1f1b-interleaved", False), ("zb-v", False),
-         ("zb-v", True)]
+         ("zb-v", True), ("looped-bfs", False), ("zb-interleaved", False),
+         ("dualpipev", False), ("dualpipev", True)]
 BROKEN = ("1f1b", False, "next targets")
 """A case run with a bug planted in stp's side (its executor only)."""
 

@@ -33,8 +33,13 @@ TORCH_CLASSES = {
     "1f1b": "Schedule1F1B",
     "1f1b-interleaved": "ScheduleInterleaved1F1B",
     "zb-v": "ScheduleZBVZeroBubble",
+    "looped-bfs": "ScheduleLoopedBFS",
+    "zb-interleaved": "ScheduleInterleavedZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
-"""stp schedule name -> PyTorch's class running the same order (pp=2: identical lists)."""
+"""stp schedule name -> PyTorch's class running the same order (pp=2: identical lists;
+the last three at every (pp, m) PyTorch accepts, tests/schedule/test_gen_torch.py).
+PyTorch runs DualPipeV's OVERLAP_F_B pairs pass after pass; stp braids them."""
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -15,7 +15,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from stp.schedule import Schedule, generate
+from stp.schedule import SCHEDULES, Schedule, generate
 from stp.schedule.limits import MAX_MICROBATCHES, MAX_RANKS
 from stp.sim.costs import Costs, MemCosts, parse_costs, parse_mem
 
@@ -36,7 +36,7 @@ MAX_LAYERS = 64
 """Most transformer layers per chunk (--layers)."""
 MAX_STAGE_MICROBATCHES = 32768
 """Most stages x microbatches simulated: up to 98304 passes, about 3 s for
-one schedule (compare: each of nine) on a 2-core VM."""
+one schedule (compare: each of twelve) on a 2-core VM."""
 MAX_STAGE_MICROBATCH_LAYERS = 262144
 """Most stages x microbatches x layers per chunk simulated (the units)."""
 MAX_VALUE = 1e12
@@ -111,7 +111,8 @@ def add_size_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
                    help=f"microbatches m (at most {MAX_MICROBATCHES})")
     p.add_argument(
         "--chunks", type=chunk_count, default=None,
-        help=f"chunks per rank for 1f1b-interleaved (default 2, at most {MAX_CHUNKS})",
+        help="chunks per rank for 1f1b-interleaved, looped-bfs and zb-interleaved "
+        f"(default 2, at most {MAX_CHUNKS})",
     )
 
 
@@ -181,8 +182,9 @@ def schedule_from_args(args: argparse.Namespace, name: str | None = None) -> Sch
     name = name or args.schedule
     opts: dict[str, object] = {}
     if getattr(args, "chunks", None) is not None:
-        if name != "1f1b-interleaved":
-            raise ValueError(f"--chunks applies to 1f1b-interleaved only, not {name}")
+        takers = [n for n, spec in SCHEDULES.items() if spec.takes_chunks]
+        if name not in takers:
+            raise ValueError(f"--chunks applies to {', '.join(takers)} only, not {name}")
         opts["chunks"] = args.chunks
     check_work(generated_stages(args), args.microbatches, getattr(args, "layers", 1),
                f"--pp {args.pp} -m {args.microbatches}")

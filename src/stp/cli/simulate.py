@@ -97,6 +97,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         return 0
     print(f"schedule {sch.name}: p={sch.num_ranks} m={sch.num_microbatches} "
           f"v={sch.chunks} layers/chunk={args.layers}  costs {_costs_text(res)}")
+    if "torch_note" in sch.meta:  # where PyTorch refuses (p, m): how this one differs
+        print(f"note: {sch.meta['torch_note']}")
     for line in describe(stages, auto):
         print(line)
     print(f"makespan {_fmt(res.makespan)}  bubble_rate {res.bubble_rate:.2%}  "

@@ -18,6 +18,7 @@ __all__ = [
     "one_f_one_b",
     "interleaved_1f1b",
     "interleaved_group_sizes",
+    "issue_table",
     "check_sizes",
 ]
 
@@ -135,7 +136,7 @@ def interleaved_group_sizes(num_ranks: int, num_microbatches: int) -> tuple[int,
     return (q + 1,) * rem + (q,) * (rounds - rem)
 
 
-def _issue_table(groups: tuple[int, ...], chunks: int) -> list[tuple[int, int]]:
+def issue_table(groups: tuple[int, ...], chunks: int) -> list[tuple[int, int]]:
     """(microbatch, chunk) in forward issue order: per group, chunk by chunk,
     the group's microbatches in order (Megatron-LM's schedule table)."""
     table = []
@@ -182,7 +183,7 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, chunks: int = 2) -> 
         )
     p, m, v = num_ranks, num_microbatches, chunks
     groups = interleaved_group_sizes(p, m)
-    table = _issue_table(groups, v)
+    table = issue_table(groups, v)
     total = m * v
     actions = []
     warmups = []

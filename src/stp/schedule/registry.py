@@ -26,6 +26,8 @@ class GeneratorSpec:
     module: str
     func: str
     min_ranks: int = 1
+    takes_chunks: bool = False
+    """Accepts `chunks` (stages per rank on the looped placement; `--chunks`)."""
 
     def load(self) -> Callable[..., Schedule]:
         return getattr(import_module(self.module), self.func)
@@ -46,7 +48,7 @@ SCHEDULES: dict[str, GeneratorSpec] = {
         ),
         GeneratorSpec(
             "1f1b-interleaved", "Interleaved 1F1B (Megatron), v chunks per rank, looped placement",
-            _G + "classic", "interleaved_1f1b",
+            _G + "classic", "interleaved_1f1b", takes_chunks=True,
         ),
         GeneratorSpec(
             "zb-h1", "Zero Bubble H1: split backward, 1F1B memory, bubble (p-1)(F+B-W)",
@@ -71,6 +73,20 @@ SCHEDULES: dict[str, GeneratorSpec] = {
         GeneratorSpec(
             "stp", "STP: V placement with braided F/B blocks hiding TP all-reduce",
             _G + "stp", "stp",
+        ),
+        GeneratorSpec(
+            "looped-bfs",
+            "LoopedBFS: breadth first, every microbatch through a chunk, then the next",
+            _G + "bfs", "looped_bfs", takes_chunks=True,
+        ),
+        GeneratorSpec(
+            "zb-interleaved",
+            "Interleaved Zero Bubble: interleaved 1F1B with split backward (ZB1P)",
+            _G + "zb_interleaved", "zb_interleaved", takes_chunks=True,
+        ),
+        GeneratorSpec(
+            "dualpipev", "DualPipeV: V placement, F&B pairs braided to hide TP all-reduce",
+            _G + "dualpipe", "dualpipev",
         ),
     ]
 }
