@@ -12,9 +12,9 @@ from __future__ import annotations
 import types
 
 import pytest
-import stp.search.api
-import stp.search.run
 
+import stp.search.entry
+import stp.search.steps
 from stp.costmodel import ZB_PROFILED
 from stp.schedule import ScheduleError, generate, peak_by_order, validate
 from stp.schedule.building_block import block_peak, repeat
@@ -164,8 +164,8 @@ class _Clock:
 def test_search_honours_its_time_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = _Clock(0.002)
     fake = types.SimpleNamespace(perf_counter=clock.perf_counter)
-    monkeypatch.setattr(stp.search.run, "time", fake)
-    monkeypatch.setattr(stp.search.api, "time", fake)
+    monkeypatch.setattr(stp.search.steps, "time", fake)
+    monkeypatch.setattr(stp.search.entry, "time", fake)
     got = search(8, 24, ZB_1_5B, MemCosts(1.0, 0.3664), memory_limit=6,
                  placement_kind="v", time_limit=1.5)
     # Each step stopped at its deadline (the last, the limit less its 10%
@@ -181,8 +181,8 @@ def test_evaluation_budget_gives_the_same_schedule_whatever_the_clock(
     got = []
     for tick in (1e-6, 1e-4):
         fake = types.SimpleNamespace(perf_counter=_Clock(tick).perf_counter)
-        monkeypatch.setattr(stp.search.run, "time", fake)
-        monkeypatch.setattr(stp.search.api, "time", fake)
+        monkeypatch.setattr(stp.search.steps, "time", fake)
+        monkeypatch.setattr(stp.search.entry, "time", fake)
         got.append(search(4, 8, ZB_1_5B, MemCosts(1.0, 0.3664), memory_limit=4,
                           placement_kind="v", time_limit=60, max_evaluations=25))
     assert got[0].schedule.actions == got[1].schedule.actions
