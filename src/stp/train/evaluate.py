@@ -59,7 +59,7 @@ class Evaluator:
             with torch.no_grad():  # boundary: decoder positions (a multimodal input row
                 # is pixel bytes + tokens; its targets span image tokens + tokens)
                 losses = self.executor.run(inputs, tgts,
-                                           boundary_shape=(*tgts[0].shape, t.hidden))
+                                           boundary_shape=t.boundary_shape(tgts[0]))
         finally:
             for st in t.stages.values():
                 reset = getattr(st, "reset", None)

@@ -156,6 +156,8 @@ class Trainer:
             iter(data) if data is not None else None
         )
         self.steps_done = 0
+        self.seq_shards = dims.tp if opts.sequence_parallel and dims.tp > 1 else 1
+        """Sequence shards of a tensor sent between stages (sequence parallelism)."""
 
     def _norm_mask(self) -> list[bool]:
         """Which local gradients this rank adds to the global norm (stp.train.clip)."""
@@ -183,6 +185,12 @@ class Trainer:
             collective_peers=mesh.describe_group("tp"),
             offload=self.offloader, braid=opts.braid, recorder=recorder,
         )
+
+    def boundary_shape(self, targets: torch.Tensor) -> tuple[int, ...]:
+        """Shape of the hidden states sent between stages for microbatch targets [b, s]:
+        [b, s / tp, h] with sequence parallelism (each TP rank sends its rows)."""
+        b, s = targets.shape
+        return (b, s // self.seq_shards, self.hidden)
 
     @property
     def num_microbatches(self) -> int:
@@ -229,7 +237,7 @@ class Trainer:
         # the mean over the valid (not ignored) targets of the whole global batch
         ratio = valid_token_ratio(targets)
         losses = self.executor.run(inputs, tgts, scale=ratio / m,
-                                   boundary_shape=(*tgts[0].shape, self.hidden))
+                                   boundary_shape=self.boundary_shape(tgts[0]))
         self.precision.fold()
         if self._shared is not None:
             grads = dict(zip(self.precision.names, self.precision.grads(), strict=True))

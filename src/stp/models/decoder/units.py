@@ -67,7 +67,7 @@ class EmbedUnit(Unit):
         if self.pad_token_id is not None:
             owned = owned & (x != self.pad_token_id)  # looked up, never trained
         st.saved.update(owned=owned, local=local)
-        return partial
+        return self._handoff(partial)
 
     def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
         self._enter(mb, "F-partial", "F")
@@ -76,6 +76,7 @@ class EmbedUnit(Unit):
     def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
         st = self._enter(mb, "F", "B-partial")
         owned, local = st.saved.pop("owned"), st.saved.pop("local")
+        grad = self._gathered(grad)  # SP: the dual of the forward's reduce-scatter
         st.sink.append(EmbedGrad(self.w, local[owned], grad[owned]))
         return None
 
@@ -125,10 +126,11 @@ class _ResidualUnit(Unit):
                 out = self._body(h, sink)
                 st.saved.update(x=x, x_in=x_in, out=out)
                 return out.detach()
-            h_in = h.detach().requires_grad_(True)
+            # SP: W of the column-parallel matrices keeps this gathered input (s rows)
+            h_in = self._gathered(h.detach()).requires_grad_(True)
             out = self._body(h_in, st.sink)
         st.saved.update(x=x, x_in=x_in, h=h, h_in=h_in, out=out)
-        return out.detach()
+        return self._handoff(out.detach())
 
     def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
         st = self._enter(mb, "F-partial", "F")
@@ -140,9 +142,9 @@ class _ResidualUnit(Unit):
             out, x_in = st.saved.pop("out"), st.saved.pop("x_in")
             st.saved["grad"] = grad + self._input_grad(st, out, x_in, grad)
             return None
-        grad_h = input_grad(st.saved.pop("out"), st.saved.pop("h_in"), grad)
-        st.saved["grad"] = grad
-        return grad_h
+        grad_h = input_grad(st.saved.pop("out"), st.saved.pop("h_in"), self._gathered(grad))
+        st.saved["grad"] = grad  # the residual's gradient: this rank's rows under SP
+        return self._handoff(grad_h)
 
     def backward_finish(self, mb: int, reduced: torch.Tensor | None) -> torch.Tensor | None:
         st = self._enter(mb, "B-partial", "B")
@@ -267,7 +269,7 @@ class LossUnit(Unit):
             x_in = x.detach().requires_grad_(True)
             sink = self._sink(st, mb, self.one_graph)
             h = rms_norm(x_in, self.norm_w, self.eps, sink)
-            h_in = h if self.one_graph else h.detach().requires_grad_(True)
+            h_in = h if self.one_graph else self._gathered(h.detach()).requires_grad_(True)
             logits = linear(h_in, self.head_w, sink)  # [b, s, V / tp]
         st.saved.update(x_in=x_in, logits=logits, targets=targets)
         if not self.one_graph:
@@ -292,7 +294,8 @@ class LossUnit(Unit):
         if self.one_graph:
             st.saved["grad"] = self._input_grad(st, logits, st.saved.pop("x_in"), grad_logits)
             return None
-        return self._input_grad(st, logits, st.saved.pop("h_in"), grad_logits)  # taps the head
+        grad_h = self._input_grad(st, logits, st.saved.pop("h_in"), grad_logits)  # taps the head
+        return self._handoff(grad_h)
 
     def backward_finish(self, mb: int, reduced: torch.Tensor | None) -> torch.Tensor | None:
         st = self._enter(mb, "B-partial", "B")

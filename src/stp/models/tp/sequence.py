@@ -1,0 +1,115 @@
+"""Sequence parallelism's two collectives (Korthikanti et al., "Reducing Activation
+Recomputation in Large Transformer Models", arXiv 2205.05198, section 4.2.2).
+
+Between the TP regions of a layer (RMSNorm, the residual add, and the stream
+sent between pipeline stages) each of the t TP ranks holds s/t rows of the
+sequence, rows [r s/t, (r+1) s/t) on rank r. The all-reduce that ends a
+row-parallel matrix becomes a reduce-scatter into those rows (g-bar in the
+paper's Fig. 5), and the input of the column-parallel matrices is all-gathered
+first (g). Their duals in the backward: the gradient of an all-gather is a
+reduce-scatter, of a reduce-scatter an all-gather. A ring all-reduce is
+exactly a reduce-scatter followed by an all-gather, so the bytes on the wire
+do not change; what changes is that every tensor between them is s/t rows.
+
+How the unit protocol (stp.models.decoder.units) carries them: a unit still
+ends in ONE collective that the runner launches and braids (stp.runtime.braid)
+-- now a reduce-scatter, marked by returning `ToScatter(partial)` instead of a
+bare partial -- and it begins with the all-gather of its normalised input,
+issued inside the unit right after the local RMSNorm (the next unit's start)
+and waited for before the first column-parallel matrix:
+
+    compute: [A: AG* | attn | RS>] [B: AG* | mlp-grad | RS>] [A: add, norm, AG* | mlp ...
+    TP:                        [RS(A) ............under B.......]
+                                                       [RS(B) ......under A's next unit...]
+        (* the AG of a unit waits on its own RS through the residual add and the
+         norm, so it can only start once the unit's turn comes: exposed)
+
+So the reduce-scatter is hidden exactly where the all-reduce was (same braid
+rule, same runner), and the all-gather, which depends on it through the local
+epilogue, is exposed in this version; hiding it too needs a second piece of
+partner compute between the two (a unit cut again inside its body).
+
+Nothing here is an autograd Function: like the TP all-reduce, the collectives
+sit between autograd graphs, outside them (stp.models.tp.layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
+
+__all__ = ["SequenceParallel", "ToScatter", "check_sequence"]
+
+
+@dataclass(frozen=True)
+class ToScatter:
+    """A unit's partial sum over the TP group, full sequence [b, s, h], to be
+    reduce-scattered along the sequence (dim 1) rather than all-reduced."""
+
+    partial: torch.Tensor
+
+
+def check_sequence(seq_len: int, tp: int) -> None:
+    """ValueError (one line) unless the sequence splits evenly over the TP ranks:
+    stp refuses rather than pads (a padded row would need a mask in the attention
+    and the loss for no gain)."""
+    if seq_len % tp:
+        raise ValueError(f"--sequence-parallel splits the sequence over the TP ranks: "
+                         f"--seq-len {seq_len} is not divisible by tp={tp} (stp refuses "
+                         "rather than pads)")
+
+
+class SequenceParallel:
+    """The sequence-parallel collectives of one TP group (size > 1)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, size: int, rank: int) -> None:
+        if size < 2:
+            raise ValueError(f"sequence parallelism needs tp >= 2, got {size}")
+        self.group, self.size, self.rank = group, size, rank
+
+    def _pg(self) -> Any:
+        pg = self.group if self.group is not None else dist.group.WORLD
+        assert pg is not None, "torch.distributed is not initialised"
+        return pg
+
+    def rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full-sequence tensor [b, s, ...] (a view)."""
+        part = full.shape[1] // self.size
+        return full.narrow(1, self.rank * part, part)
+
+    def launch_scatter(self, partial: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Start the sum reduce-scatter of `partial` [b, s, h] over the sequence: (this
+        rank's [b, s/t, h], filled when the work completes; the work). Calls the process
+        group as dist.reduce_scatter_tensor does, without its per-call checks (as
+        stp.models.tp.comm.launch_sum does for the all-reduce)."""
+        b, s, *rest = partial.shape
+        t = self.size
+        # reduce_scatter_tensor splits dim 0: put the t sequence blocks first
+        blocks = partial.reshape(b, t, s // t, *rest).transpose(0, 1).reshape(
+            t * b, s // t, *rest)
+        out = partial.new_empty((b, s // t, *rest))
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        opts.asyncOp = True
+        return out, self._pg()._reduce_scatter_base(out, blocks, opts)
+
+    def scatter(self, partial: torch.Tensor) -> torch.Tensor:
+        """The reduce-scatter, waited for."""
+        out, work = self.launch_scatter(partial)
+        work.wait()
+        return out
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """All-gather this rank's rows [b, s/t, ...] into the full sequence [b, s, ...]
+        (dist.all_gather_into_tensor, launched asynchronously and waited for)."""
+        b, part, *rest = local.shape
+        blocks = local.new_empty((self.size * b, part, *rest))  # dim 0: rank-major blocks
+        opts = AllgatherOptions()
+        opts.asyncOp = True
+        self._pg()._allgather_base(blocks, local.contiguous(), opts).wait()
+        return blocks.view(self.size, b, part, *rest).transpose(0, 1).reshape(
+            b, self.size * part, *rest)
