@@ -61,6 +61,9 @@ def _worker(rank: int, world: int, pp: int, tp: int, cases, config, planted: boo
         every = [None] * world
         dist.all_gather_object(every, losses)
         if rank == 0:
+            if config.tie_embeddings:  # one tensor in the reference: both copies must equal it
+                for d in (grads, params):
+                    assert torch.equal(d.pop("head.weight"), d["embed.weight"])
             diffs = compare_with_reference(config, torch.float64, batches, losses, grads, params)
             out[(name, braid, offload)] = {"same": all(e == losses for e in every), **diffs}
     return out
