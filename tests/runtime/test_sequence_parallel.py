@@ -34,10 +34,12 @@ TOL = 1e-9
 COVERING = ["stp", "1f1b"]
 
 
-def _run(pp: int, tp: int, cases: list[tuple[str, bool, str | None]],
-         config: ModelConfig = CONFIG, planted: bool = False) -> dict:
-    """Every (schedule, braid, offload) case on one mesh; relative diffs on rank 0."""
-    return run_dist(_worker, pp * tp, pp, tp, cases, config, planted, timeout=240)[0]
+Case = tuple[str, bool, "str | None", ModelConfig]  # schedule, braid, offload, model
+
+
+def _run(pp: int, tp: int, cases: list[Case], planted: bool = False) -> dict:
+    """Every case on one mesh (one spawn); relative diffs on rank 0."""
+    return run_dist(_worker, pp * tp, pp, tp, cases, planted, timeout=300)[0]
 
 
 def _no_reduce_scatter(self, partial):
@@ -45,13 +47,13 @@ def _no_reduce_scatter(self, partial):
     return self.rows(partial).clone(), None
 
 
-def _worker(rank: int, world: int, pp: int, tp: int, cases, config, planted: bool) -> dict:
+def _worker(rank: int, world: int, pp: int, tp: int, cases: list[Case], planted: bool) -> dict:
     if planted:
         SequenceParallel.launch_scatter = _no_reduce_scatter
         SequenceParallel.scatter = lambda self, p: _no_reduce_scatter(self, p)[0]
     mesh = Mesh.from_world(ParallelDims(pp, tp, 1), timeout=60)
     out = {}
-    for name, braid, offload in cases:
+    for name, braid, offload, config in cases:
         sch = registry.make(name, pp)
         trainer = Trainer(config, sgd, sch, mesh=mesh, dtype=torch.float64, timeout=60,
                           sequence_parallel=True, braid=braid, offload=offload)
@@ -65,13 +67,16 @@ def _worker(rank: int, world: int, pp: int, tp: int, cases, config, planted: boo
                 for d in (grads, params):
                     assert torch.equal(d.pop("head.weight"), d["embed.weight"])
             diffs = compare_with_reference(config, torch.float64, batches, losses, grads, params)
-            out[(name, braid, offload)] = {"same": all(e == losses for e in every), **diffs}
+            key = (name, "braid" if braid else "unbraided", f"offload={offload}",
+                   "tied" if config.tie_embeddings else "untied")
+            out[key] = {"same": all(e == losses for e in every), **diffs}
     return out
 
 
-def _assert_exact(res: dict) -> None:
+def _assert_exact(res: dict, expected: int) -> None:
+    assert len(res) == expected, sorted(res)
     bad = []
-    for case, r in sorted(res.items(), key=str):
+    for case, r in sorted(res.items()):
         print(case, {k: f"{v:.1e}" for k, v in r.items() if k != "same"})
         if not r["same"]:
             bad.append(f"{case}: ranks returned different losses")
@@ -80,28 +85,28 @@ def _assert_exact(res: dict) -> None:
     assert not bad, "\n".join(bad)
 
 
-def test_tp2_pp1_braided_and_not():
-    _assert_exact(_run(1, 2, [(n, b, None) for n in COVERING for b in (True, False)]))
-
-
-def test_tp2_pp2_covering_schedules_braided_unbraided_offload():
-    cases = [(n, b, None) for n in COVERING for b in (True, False)]
-    cases += [("stp", True, "stp"), ("1f1b", True, "none")]
-    _assert_exact(_run(2, 2, cases))
-
-
-def test_tied_embeddings_qkv_bias_and_replicated_kv_heads():
-    _assert_exact(_run(2, 2, [("stp", True, None)], config=TIED))
+def test_tp2_pp2_covering_set_braided_unbraided_offload_tied():
+    """One V schedule and one classic, braided and not, offload stp, a tied model."""
+    cases = [("stp", True, None, CONFIG), ("1f1b", False, None, CONFIG),
+             ("stp", True, "stp", CONFIG), ("1f1b", True, "none", TIED)]
+    _assert_exact(_run(2, 2, cases), len(cases))
 
 
 def test_missing_reduce_scatter_fails_parity():
-    res = _run(1, 2, [("1f1b", True, None)], planted=True)
+    res = _run(1, 2, [("1f1b", True, None, CONFIG)], planted=True)
     (r,) = res.values()
     assert r["loss"] > 1e-3 and r["grad"] > 1e-3, r
 
 
 @pytest.mark.slow
-def test_tp2_pp2_every_schedule_with_and_without_offload():
+def test_tp2_pp1_braided_and_not():
+    cases = [(n, b, None, CONFIG) for n in COVERING for b in (True, False)]
+    _assert_exact(_run(1, 2, cases), len(cases))
+
+
+@pytest.mark.slow
+def test_tp2_pp2_every_schedule_braided_unbraided_offload_tied():
     names = [n for n in registry.names() if registry.get(n).min_ranks <= 2]
-    _assert_exact(_run(2, 2, [(n, True, o) for n in names for o in (None, "stp")]
-                       + [(n, False, None) for n in names]))
+    cases = [(n, b, o, c) for n in names for b, o, c in (
+        (True, None, CONFIG), (False, None, CONFIG), (True, "stp", CONFIG), (True, None, TIED))]
+    _assert_exact(_run(2, 2, cases), len(cases))
