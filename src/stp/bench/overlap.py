@@ -3,7 +3,8 @@ same work, F of microbatch 1 and B of microbatch 0, run as two lone passes and
 as one braided block (STP paper arXiv 2510.27257, Fig. 3), in emulated and in
 real compute. Exposed all-reduce time is compute-stream time spent launching
 and waiting for all-reduces (stp.runtime.braid.RunnerStats), the held tails of
-the block included.
+the block included. With `sequence_parallel` (real compute only) the same for
+the reduce-scatters, plus the all-gathers the units run inside themselves.
 
 Runs under stp.runtime.launch.launch_local (`entry`); global rank 0 returns the
 figures, stp.cli.bench prints them.
@@ -42,6 +43,9 @@ class OverlapSettings:
     repeats: int = 10
     modes: tuple[str, ...] = ("emulated", "real")
     timeout: float = 120.0
+    sequence_parallel: bool = False
+    """Real compute with sequence parallelism (stp.models.tp.sequence): the exposed time
+    then counts the reduce-scatters' launches and waits and the all-gathers."""
 
 
 def _overlap_stage(mode: str, s: OverlapSettings, mesh: Mesh) -> Any:
@@ -50,7 +54,8 @@ def _overlap_stage(mode: str, s: OverlapSettings, mesh: Mesh) -> Any:
                              tp_group=mesh.tp_group, tp_size=2)
     cfg = ModelConfig(hidden=s.hidden, num_layers=s.layers, num_heads=s.heads,
                       num_kv_heads=s.heads, max_seq_len=s.seq_len)
-    return build_stage(cfg, 0, 1, tp_group=mesh.tp_group, tp_size=2, tp_rank=mesh.coord.tp)
+    return build_stage(cfg, 0, 1, tp_group=mesh.tp_group, tp_size=2, tp_rank=mesh.coord.tp,
+                       sequence_parallel=s.sequence_parallel)
 
 
 def overlap_worker(s: OverlapSettings) -> dict[str, Any] | None:

@@ -28,6 +28,11 @@ simulator's (stp.sim.engine), so a measured run and a simulated one line up:
   launched before it. A held send then never waits on something that came
   after it (no cycle through a peer), and a younger tail stays hidden.
 
+Under sequence parallelism (stp.models.tp.sequence) a unit's collective is a
+reduce-scatter, braided by the same rules; the all-gather that starts the
+next unit runs inside that unit, and the stage reports its times
+(`take_gathers`), which count as exposed (RunnerStats) and go to the trace.
+
 With `braid=False` the same units run pass after pass (a full backward as all
 B units then all W units) and every all-reduce is waited for at once: the
 unbraided baseline.
@@ -65,11 +70,14 @@ class RunnerStats:
     """Time in the launch calls."""
     wait_s: float = 0.0
     """Time blocked waiting for an all-reduce to complete."""
+    gather_s: float = 0.0
+    """Time in the all-gathers units run inside themselves (sequence parallelism)."""
 
     @property
     def exposed_s(self) -> float:
-        """All-reduce time on the compute stream: launches plus waits."""
-        return self.launch_s + self.wait_s
+        """TP collective time on the compute stream: launches plus waits (plus the
+        all-gathers of sequence parallelism)."""
+        return self.launch_s + self.wait_s + self.gather_s
 
 
 class _AR:
@@ -177,6 +185,7 @@ class UnitRunner:
             if self.recorder is not None:
                 self.recorder.unit(ch.p, it.kind.value, ch.stage, u, start, time.perf_counter(),
                                    *self._where)
+            self._gathers(ch, u)
             if not self.braid and ch.ar is not None:
                 self._wait(ch.ar)  # unbraided: every all-reduce at once
             if last[it.chain] == k:
@@ -236,8 +245,19 @@ class UnitRunner:
         ch.ar = _AR(tensor, work, t0, self._seq)
         self.stats.launch_s += time.perf_counter() - t0
         if self.recorder is not None and work is not None:
-            self.recorder.allreduce(ch.ar, ch.p, ch.stage, u, *self._where)
+            self.recorder.allreduce(ch.ar, ch.p, ch.stage, u, *self._where,
+                                    kind=getattr(partial, "collective", "AR"))
         self.stats.launched += work is not None
+
+    def _gathers(self, ch: _Chain, u: int) -> None:
+        """The all-gathers unit u just ran inside itself: timed and traced."""
+        take = getattr(ch.stage, "take_gathers", None)
+        if take is None:
+            return
+        for start, end in take():
+            self.stats.gather_s += end - start
+            if self.recorder is not None:
+                self.recorder.gather(ch.p, ch.stage, u, start, end, *self._where)
 
     def _reduced(self, ch: _Chain) -> torch.Tensor | None:
         ar = ch.ar

@@ -207,6 +207,11 @@ class ModelStage(nn.Module):
         tensor = partial.contiguous()
         return tensor, launch_sum(tensor, self.tp_group)
 
+    def take_gathers(self) -> list[tuple[float, float]]:
+        """(start, end) of the sequence-parallel all-gathers the units ran since the last
+        call (stp.runtime.braid times and traces them); none without SP."""
+        return [] if self.seq is None else self.seq.take_gathers()
+
     def _reduce(self, partial: torch.Tensor | ToScatter | None) -> torch.Tensor | None:
         """The synchronous hand-off between units: all-reduce, or reduce-scatter."""
         if partial is None:

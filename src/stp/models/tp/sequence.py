@@ -35,6 +35,7 @@ sit between autograd graphs, outside them (stp.models.tp.layers).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,8 @@ class ToScatter:
     reduce-scattered along the sequence (dim 1) rather than all-reduced."""
 
     partial: torch.Tensor
+    collective = "RS"
+    """Its name in a measured trace (stp.runtime.trace), next to the all-reduce's AR."""
 
 
 def check_sequence(seq_len: int, tp: int) -> None:
@@ -70,6 +73,13 @@ class SequenceParallel:
         if size < 2:
             raise ValueError(f"sequence parallelism needs tp >= 2, got {size}")
         self.group, self.size, self.rank = group, size, rank
+        self.gathers: list[tuple[float, float]] = []
+        """(start, end) perf_counter seconds of the all-gathers since `take_gathers`."""
+
+    def take_gathers(self) -> list[tuple[float, float]]:
+        """The all-gathers run since the last call (the runner times and traces them)."""
+        out, self.gathers = self.gathers, []
+        return out
 
     def _pg(self) -> Any:
         pg = self.group if self.group is not None else dist.group.WORLD
@@ -106,10 +116,13 @@ class SequenceParallel:
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """All-gather this rank's rows [b, s/t, ...] into the full sequence [b, s, ...]
         (dist.all_gather_into_tensor, launched asynchronously and waited for)."""
+        start = time.perf_counter()
         b, part, *rest = local.shape
         blocks = local.new_empty((self.size * b, part, *rest))  # dim 0: rank-major blocks
         opts = AllgatherOptions()
         opts.asyncOp = True
         self._pg()._allgather_base(blocks, local.contiguous(), opts).wait()
+        if len(self.gathers) < 4096:  # bounded when nobody takes them
+            self.gathers.append((start, time.perf_counter()))
         return blocks.view(self.size, b, part, *rest).transpose(0, 1).reshape(
             b, self.size * part, *rest)
