@@ -66,10 +66,8 @@ def check(job: TrainJob, world_size: int | None = None) -> Run:
 
 
 def _check_sequence_parallel(job: TrainJob) -> None:
-    """--sequence-parallel: the decoder's sequence must split over the TP ranks."""
-    if job.arch != "decoder":
-        raise ValueError(f"--sequence-parallel is implemented for --arch decoder, not yet for "
-                         f"--arch {job.arch}")
+    """--sequence-parallel: the sequence must split over the TP ranks (a family that
+    cannot shard it refuses in its check_flags)."""
     if job.emulate is not None:
         raise ValueError("--emulate-compute stages have no sequence to shard; drop "
                          "--sequence-parallel or --emulate-compute")
