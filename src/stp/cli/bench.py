@@ -153,8 +153,8 @@ def run_overlap(args: argparse.Namespace) -> int:
     print(f"tp=2, one stage of {s.layers} layers, microbatch [{s.microbatch_size}, "
           f"{s.seq_len}, {s.hidden}]; one all-reduce of it: {res['allreduce_s'] * ms:.2f} ms")
     if sp:
-        print("sequence parallel: each unit ends in a reduce-scatter (braided, as the "
-              "all-reduce) and starts with an all-gather (run inside the unit, exposed)")
+        print("sequence parallel: each unit ends in a reduce-scatter and starts with an "
+              "all-gather; F of mb 1 against a full backward (B, W) of mb 0")
         print("exposed: compute-stream time in reduce-scatter launches + waits + all-gathers "
               "(launches alone)")
     else:

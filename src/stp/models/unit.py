@@ -86,6 +86,18 @@ class Unit:
         all-reduced."""
         return partial if self.seq is None else ToScatter(partial)
 
+    def prepare_forward(self, mb: int, x: torch.Tensor) -> None:
+        """Optional early start of forward_partial: with sequence parallelism, the work
+        before the all-gather and the gather's launch, so that the runner can run the
+        partner's unit while it is in flight. Units without a gather do nothing here."""
+
+    def prepare_backward(self, mb: int, grad: torch.Tensor) -> None:
+        """The same for backward_partial: launch the all-gather of the output gradient
+        (this rank's rows) with sequence parallelism."""
+        st = self._states.get(mb)
+        if self.seq is not None and st is not None and st.phase == "F":
+            st.saved["grad_gather"] = self.seq.launch_gather(grad)
+
     def weights(self) -> list[torch.Tensor]:
         """The parameters this unit's forward uses (for a plain-autograd backward)."""
         return []

@@ -131,6 +131,8 @@ class ModelStage(nn.Module):
             self.sequence_parallel) else None
         for unit in self.units:
             unit.seq = self.seq
+        self.prepares_gathers = self.sequence_parallel
+        """Units start their all-gather in `prepare_*` (stp.runtime.braid advances)."""
 
     def _make_units(self, p: dict[str, nn.Parameter]) -> list[Unit]:
         config, tp_size, tp_rank = self.config, self.tp_size, self.tp_rank
@@ -207,9 +209,9 @@ class ModelStage(nn.Module):
         tensor = partial.contiguous()
         return tensor, launch_sum(tensor, self.tp_group)
 
-    def take_gathers(self) -> list[tuple[float, float]]:
-        """(start, end) of the sequence-parallel all-gathers the units ran since the last
-        call (stp.runtime.braid times and traces them); none without SP."""
+    def take_gathers(self) -> list[tuple[float, float, float]]:
+        """(launch, done, compute-stream seconds) of the sequence-parallel all-gathers the
+        units waited for since the last call (stp.runtime.braid times and traces them)."""
         return [] if self.seq is None else self.seq.take_gathers()
 
     def _reduce(self, partial: torch.Tensor | ToScatter | None) -> torch.Tensor | None:

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-__all__ = ["SequenceParallel", "ToScatter", "check_sequence"]
+__all__ = ["PendingGather", "SequenceParallel", "ToScatter", "check_sequence"]
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,11 @@ class SequenceParallel:
         if size < 2:
             raise ValueError(f"sequence parallelism needs tp >= 2, got {size}")
         self.group, self.size, self.rank = group, size, rank
-        self.gathers: list[tuple[float, float]] = []
-        """(start, end) perf_counter seconds of the all-gathers since `take_gathers`."""
+        self.gathers: list[tuple[float, float, float]] = []
+        """(launch, done, seconds on the compute stream: launch plus blocking wait) of the
+        all-gathers since `take_gathers` (perf_counter seconds)."""
 
-    def take_gathers(self) -> list[tuple[float, float]]:
+    def take_gathers(self) -> list[tuple[float, float, float]]:
         """The all-gathers run since the last call (the runner times and traces them)."""
         out, self.gathers = self.gathers, []
         return out
@@ -113,16 +114,39 @@ class SequenceParallel:
         work.wait()
         return out
 
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """All-gather this rank's rows [b, s/t, ...] into the full sequence [b, s, ...]
-        (dist.all_gather_into_tensor, launched asynchronously and waited for)."""
+    def launch_gather(self, local: torch.Tensor) -> PendingGather:
+        """Start the all-gather of this rank's rows [b, s/t, ...] into the full sequence
+        (dist.all_gather_into_tensor, without its per-call checks); `wait()` gives it."""
         start = time.perf_counter()
         b, part, *rest = local.shape
         blocks = local.new_empty((self.size * b, part, *rest))  # dim 0: rank-major blocks
         opts = AllgatherOptions()
         opts.asyncOp = True
-        self._pg()._allgather_base(blocks, local.contiguous(), opts).wait()
+        work = self._pg()._allgather_base(blocks, local.contiguous(), opts)
+        return PendingGather(self, blocks, (b, part, *rest), work, start,
+                             time.perf_counter() - start)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The all-gather, launched and waited for at once (nothing to hide it under)."""
+        return self.launch_gather(local).wait()
+
+    def _timed(self, start: float, exposed: float) -> None:
         if len(self.gathers) < 4096:  # bounded when nobody takes them
-            self.gathers.append((start, time.perf_counter()))
-        return blocks.view(self.size, b, part, *rest).transpose(0, 1).reshape(
-            b, self.size * part, *rest)
+            self.gathers.append((start, time.perf_counter(), exposed))
+
+
+class PendingGather:
+    """An all-gather in flight; `wait()` returns the full sequence [b, s, ...]."""
+
+    def __init__(self, seq: SequenceParallel, blocks: torch.Tensor, local_shape: tuple,
+                 work: Any, start: float, launch_s: float) -> None:
+        self.seq, self.blocks, self.local_shape = seq, blocks, local_shape
+        self.work, self.start, self.launch_s = work, start, launch_s
+
+    def wait(self) -> torch.Tensor:
+        t0 = time.perf_counter()
+        self.work.wait()
+        self.seq._timed(self.start, self.launch_s + time.perf_counter() - t0)
+        b, part, *rest = self.local_shape
+        return self.blocks.view(self.seq.size, b, part, *rest).transpose(0, 1).reshape(
+            b, self.seq.size * part, *rest)
