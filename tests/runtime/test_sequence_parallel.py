@@ -56,7 +56,7 @@ def _worker(rank: int, world: int, pp: int, tp: int, cases: list[Case], planted:
     for name, braid, offload, config in cases:
         sch = registry.make(name, pp)
         trainer = Trainer(config, sgd, sch, mesh=mesh, dtype=torch.float64, timeout=60,
-                          sequence_parallel=True, braid=braid, offload=offload)
+                          sequence_parallel=True, braid=braid, offload=offload, trace=True)
         batches = [random_batch(config.vocab_size, sch.num_microbatches, SEQ, s)
                    for s in range(2)]
         losses, grads, params = two_steps(trainer, batches)
@@ -70,7 +70,9 @@ def _worker(rank: int, world: int, pp: int, tp: int, cases: list[Case], planted:
             key = (name, "braid" if braid else "unbraided", f"offload={offload}",
                    "tied" if config.tie_embeddings else "untied")
             out[key] = {"same": all(e == losses for e in every), **diffs,
-                        "advanced": trainer.executor.runner.stats.advanced}
+                        "advanced": trainer.executor.runner.stats.advanced,
+                        "spans": sorted({sp.kind for sp in trainer.executor.recorder.spans()
+                                         if sp.lane == "tp"})}
     return out
 
 
@@ -97,6 +99,8 @@ def test_tp2_pp2_covering_set_braided_unbraided_offload_tied():
     # launch early (stp.runtime.braid's advance), so that path is what parity covered
     assert res[("stp", "braid", "offload=None", "untied")]["advanced"] > 0
     assert res[("1f1b", "unbraided", "offload=None", "untied")]["advanced"] == 0
+    # a measured trace names the collectives: RS and AG, and AR for the loss statistics
+    assert res[("stp", "braid", "offload=None", "untied")]["spans"] == ["AG", "AR", "RS"]
 
 
 def test_missing_reduce_scatter_fails_parity():

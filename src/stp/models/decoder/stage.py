@@ -6,10 +6,8 @@ A braiding executor (STP paper arXiv 2510.27257, Fig. 3: braided execution block
 drive `stage.units` itself, one unit of each of two passes at a time, with the
 all-reduces in flight (`launch_allreduce`; stp.runtime.braid).
 
-With `sequence_parallel` (Korthikanti et al., arXiv 2205.05198) the units hand
-over `ToScatter` partials: the stage reduce-scatters them into its s/t sequence
-rows instead of all-reducing, the units all-gather at their start
-(stp.models.tp.sequence), and the tensors sent between stages are those rows.
+With `sequence_parallel` (arXiv 2205.05198; stp.models.tp.sequence) `ToScatter`
+partials are reduce-scattered into this rank's s/t rows, which stages send.
 """
 
 from __future__ import annotations
@@ -126,13 +124,11 @@ class ModelStage(nn.Module):
         # A tuple, not a ModuleList: units reference the parameters registered above.
         self.units: tuple[Unit, ...] = tuple(self._make_units(dict(self.named_parameters())))
         # One TP rank: the sequence has one shard, so sequence parallelism is the identity.
-        self.sequence_parallel = sequence_parallel and tp_size > 1
-        self.seq = SequenceParallel(tp_group, tp_size, tp_rank) if (
-            self.sequence_parallel) else None
+        self.sequence_parallel = self.prepares_gathers = sequence_parallel and tp_size > 1
+        # (prepares_gathers: units launch their all-gather in prepare_*; stp.runtime.braid)
+        self.seq = SequenceParallel(tp_group, tp_size, tp_rank) if self.prepares_gathers else None
         for unit in self.units:
             unit.seq = self.seq
-        self.prepares_gathers = self.sequence_parallel
-        """Units start their all-gather in `prepare_*` (stp.runtime.braid advances)."""
 
     def _make_units(self, p: dict[str, nn.Parameter]) -> list[Unit]:
         config, tp_size, tp_rank = self.config, self.tp_size, self.tp_rank
@@ -198,30 +194,24 @@ class ModelStage(nn.Module):
         """Start the TP all-reduce of a unit's partial sum and return at once (braided
         execution, STP paper arXiv 2510.27257, Fig. 3): (the tensor, reduced in place when `work`
         completes; work). Work is None when the result is already there: one TP rank,
-        or the synchronous `allreduce` build_stage was given. A `ToScatter` partial
-        (sequence parallelism) is reduce-scattered instead: the tensor is this rank's
-        rows."""
+        or the synchronous `allreduce` build_stage was given. A `ToScatter` partial (SP)
+        is reduce-scattered instead: the tensor is this rank's rows."""
         if isinstance(partial, ToScatter):
-            assert self.seq is not None, "a ToScatter partial needs sequence parallelism"
-            return self.seq.launch_scatter(partial.partial)
+            return self.seq.launch_scatter(partial.partial)  # type: ignore[union-attr]
         if not self._async:
             return self.allreduce(partial), None
         tensor = partial.contiguous()
         return tensor, launch_sum(tensor, self.tp_group)
 
     def take_gathers(self) -> list[tuple[float, float, float]]:
-        """(launch, done, compute-stream seconds) of the sequence-parallel all-gathers the
-        units waited for since the last call (stp.runtime.braid times and traces them)."""
+        """The SP all-gathers since the last call (SequenceParallel.take_gathers)."""
         return [] if self.seq is None else self.seq.take_gathers()
 
     def _reduce(self, partial: torch.Tensor | ToScatter | None) -> torch.Tensor | None:
         """The synchronous hand-off between units: all-reduce, or reduce-scatter."""
-        if partial is None:
-            return None
         if isinstance(partial, ToScatter):
-            assert self.seq is not None, "a ToScatter partial needs sequence parallelism"
-            return self.seq.scatter(partial.partial)
-        return self.allreduce(partial)
+            return self.seq.scatter(partial.partial)  # type: ignore[union-attr]
+        return None if partial is None else self.allreduce(partial)
 
     def check_input(self, x: torch.Tensor, targets: torch.Tensor | None) -> None:
         """ValueError unless x (and targets, last stage only) fit this stage."""

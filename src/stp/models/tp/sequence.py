@@ -14,20 +14,26 @@ do not change; what changes is that every tensor between them is s/t rows.
 How the unit protocol (stp.models.decoder.units) carries them: a unit still
 ends in ONE collective that the runner launches and braids (stp.runtime.braid)
 -- now a reduce-scatter, marked by returning `ToScatter(partial)` instead of a
-bare partial -- and it begins with the all-gather of its normalised input,
-issued inside the unit right after the local RMSNorm (the next unit's start)
-and waited for before the first column-parallel matrix:
+bare partial -- and the next unit begins with the all-gather of its
+normalised input (backward: of its output gradient). The gather needs the
+scatter's result through the residual add and the norm, so the two cannot be
+one collective; `prepare_forward` / `prepare_backward` run the unit's start
+up to the gather's launch, and the runner calls them as early as the braid
+order allows (its "advance"): right after the first item that follows the
+reduce-scatter, when one more item remains to hide the gather under.
 
-    compute: [A: AG* | attn | RS>] [B: AG* | mlp-grad | RS>] [A: add, norm, AG* | mlp ...
-    TP:                        [RS(A) ............under B.......]
-                                                       [RS(B) ......under A's next unit...]
-        (* the AG of a unit waits on its own RS through the residual add and the
-         norm, so it can only start once the unit's turn comes: exposed)
+    F braided with a full backward (STP paper, Fig. 3 order):
+    compute: Attn F(i) | MLP B(j) |adv| MLP W(j) |adv| MLP F(i) | Attn B(j)
+    TP:           [RS F(i)...]   [AG F(i)...]          ^ waited   ^ waited
+                             [RS B(j) ...]       [AG B(j) .........]
+    F braided with B only (W deferred): one item between a chain's units:
+    compute: Attn F(i) | MLP B(j) | MLP F(i) | Attn B(j)
+    TP:           [RS F(i)...]    [AG]^exposed: launched at its own unit
 
-So the reduce-scatter is hidden exactly where the all-reduce was (same braid
-rule, same runner), and the all-gather, which depends on it through the local
-epilogue, is exposed in this version; hiding it too needs a second piece of
-partner compute between the two (a unit cut again inside its body).
+So the reduce-scatter hides exactly where the all-reduce did (same braid rule),
+and the all-gather hides too wherever the braid has two items between a
+chain's units (a full backward's W gives that room); elsewhere it is
+launched at its unit's start and waited for there.
 
 Nothing here is an autograd Function: like the TP all-reduce, the collectives
 sit between autograd graphs, outside them (stp.models.tp.layers).
