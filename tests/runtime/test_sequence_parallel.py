@@ -121,3 +121,23 @@ def test_tp2_pp2_every_schedule_braided_unbraided_offload_tied():
     cases = [(n, b, o, c) for n in names for b, o, c in (
         (True, None, CONFIG), (False, None, CONFIG), (True, "stp", CONFIG), (True, None, TIED))]
     _assert_exact(_run(2, 2, cases), len(cases))
+
+
+def test_sequence_not_divisible_by_tp_is_refused_in_one_line(capsys):
+    from stp.cli.main import main
+
+    code = main(["train", "--sequence-parallel", "--tp", "2", "--pp", "1", "--seq-len", "63",
+                 "--steps", "1", "--out", "/nonexistent/never-created"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "--seq-len 63" in err and "--tp 2" in err and "refuses rather than pads" in err
+
+
+def test_sequence_parallel_at_one_tp_rank_is_the_fused_stage():
+    """At tp=1 the sequence has one shard: the flag is ignored, the layers stay fused."""
+    from stp.models import build_stage
+    from stp.models.decoder.chunk import LayerChunk
+
+    stage = build_stage(CONFIG, 0, 1, sequence_parallel=True)
+    assert not stage.sequence_parallel and stage.seq is None
+    assert any(isinstance(u, LayerChunk) for u in stage.units)
