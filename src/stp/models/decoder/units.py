@@ -40,7 +40,7 @@ from stp.models.tp.layers import (
     vocab_ce_stats,
     vocab_embedding_partial,
 )
-from stp.models.tp.sequence import ToScatter
+from stp.models.tp.sequence import RegatheredInput, ToScatter
 from stp.models.tp.wgrad import EmbedGrad, GradTaps, WGradEntry
 from stp.models.unit import Unit, _MbState, input_grad
 
@@ -148,11 +148,16 @@ class _ResidualUnit(Unit):
                 del st.saved["h"]  # one graph: x_in -> out
                 st.saved["out"] = out
                 return out.detach()
-            # SP: W of the column-parallel matrices keeps this gathered input (s rows)
+            # SP: the column-parallel matrices read it; W gathers the rows again
             h_in = self._gathered(h.detach())
         h_in.requires_grad_(True)
+        sink: list[WGradEntry] | RegatheredInput = st.sink
+        if self.seq is not None:  # the matrices keep this rank's rows; W gathers again
+            sink = RegatheredInput(self.seq, st.saved["h"].detach(), h_in, st.sink)
         with torch.enable_grad():
-            out = self._body(h_in, st.sink)
+            out = self._body(h_in, sink)
+        if self.seq is not None:  # nothing reads the gathered values again: free them
+            h_in.untyped_storage().resize_(0)
         st.saved.update(h_in=h_in, out=out)
         return self._handoff(out.detach())
 

@@ -35,21 +35,34 @@ and the all-gather hides too wherever the braid has two items between a
 chain's units (a full backward's W gives that room); elsewhere it is
 launched at its unit's start and waited for there.
 
-Nothing here is an autograd Function: like the TP all-reduce, the collectives
-sit between autograd graphs, outside them (stp.models.tp.layers).
+The gathered input of a unit's column-parallel matrices (s rows) is not kept
+for the backward: those matrices save only this rank's s/t rows
+(`RegatheredInput`), their input gradient needs none of it (dx = dy W), and W
+of the split backward (Zero Bubble, arXiv 2401.10241) gathers the rows again,
+once per unit and microbatch, as Megatron-LM re-gathers in its backward
+(arXiv 2205.05198, section 4.2.2). The loss head, whose matrix runs in plain
+autograd, keeps its gathered input.
+
+The collectives sit between autograd graphs, outside them, like the TP
+all-reduce (stp.models.tp.layers); the one in W runs at the same point of
+every TP rank's program, so the ranks issue it in the same order.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-__all__ = ["PendingGather", "SequenceParallel", "ToScatter", "check_sequence"]
+from stp.models.tp.layers import _LinearFn
+from stp.models.tp.wgrad import LinearGrad, WGradEntry
+
+__all__ = ["PendingGather", "RegatheredInput", "RegatheredLinearGrad", "SequenceParallel",
+           "ToScatter", "check_sequence"]
 
 
 @dataclass(frozen=True)
@@ -156,3 +169,61 @@ class PendingGather:
         b, part, *rest = self.local_shape
         return self.blocks.view(self.seq.size, b, part, *rest).transpose(0, 1).reshape(
             b, self.seq.size * part, *rest)
+
+
+class RegatheredInput:
+    """The sink a unit's body gets under SP (stp.models.tp.layers.linear routes to it):
+    a linear reading `full` (the gathered input) saves only `rows`, this rank's part,
+    and its W gathers them again; any other linear defers to `sink` as usual."""
+
+    def __init__(self, seq: SequenceParallel, rows: torch.Tensor, full: torch.Tensor,
+                 sink: list[WGradEntry]) -> None:
+        self.seq, self.rows, self.full, self.sink = seq, rows, full, sink
+        self._again: torch.Tensor | None = None
+
+    def route_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+        if x is self.full:
+            return _RegatheredLinearFn.apply(x, weight, self, bias)
+        return _LinearFn.apply(x, weight, self.sink, bias)
+
+    def gathered(self) -> torch.Tensor:
+        """The full input again, gathered once for all of this unit's matrices."""
+        if self._again is None:
+            self._again = self.seq.gather(self.rows)
+        return self._again
+
+
+class _RegatheredLinearFn(torch.autograd.Function):
+    """y = x W^T (+ b) on the gathered x, keeping nothing of x: B gives dx = dy W, and
+    W's record holds the rows (RegatheredLinearGrad)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, source: RegatheredInput,
+                bias: torch.Tensor | None):
+        ctx.save_for_backward(weight)
+        ctx.source, ctx.bias = source, bias
+        y = x @ weight.t()
+        return y if bias is None else y + bias
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        src = ctx.source
+        src.sink.append(RegatheredLinearGrad(weight, src.rows, grad_out, ctx.bias, src))
+        return grad_out @ weight, None, None, None
+
+
+@dataclass
+class RegatheredLinearGrad:
+    """LinearGrad whose input is kept as this rank's rows and gathered again in W."""
+
+    weight: torch.Tensor
+    x: torch.Tensor
+    """This rank's rows of the input [b, s/t, in] (what the memory accounting sees)."""
+    grad_out: torch.Tensor
+    bias: torch.Tensor | None
+    source: RegatheredInput = field(repr=False)
+
+    def accumulate(self) -> None:
+        LinearGrad(self.weight, self.source.gathered(), self.grad_out, self.bias).accumulate()
