@@ -13,10 +13,11 @@ and without `sequence_parallel` and prints, per TP rank:
            excluded. Expected: divided by tp.
   unit     everything the stage's units keep for that microbatch's backward
            (stp.runtime.offload's accounting: kept tensors and the storages
-           autograd saved behind them). It falls by less than t: the gathered
-           inputs of the column-parallel matrices are kept whole for W (the
-           split backward's weight gradients), and the TP-sharded interior of
-           attention and MLP (heads, MLP width) was already divided by t.
+           autograd saved behind them). It falls by less than t: the TP-sharded
+           interior of attention and MLP (heads, MLP width) was already divided
+           by t, each unit's partial sum (the graph's root) is full length, and
+           the loss head keeps its gathered input (the column-parallel matrices
+           of the layers keep only their rows; W gathers them again).
   peak     StepMemory.peak_bytes of a 1f1b step (`Trainer.memory`, offload none).
   p2p      bytes of one hidden-state tensor sent between stages (b x s/t x h).
 
