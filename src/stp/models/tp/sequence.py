@@ -43,6 +43,10 @@ once per unit and microbatch, as Megatron-LM re-gathers in its backward
 (arXiv 2205.05198, section 4.2.2). The loss head, whose matrix runs in plain
 autograd, keeps its gathered input.
 
+That W gather is waited for at once (W has no collective of its own for the
+braid to hide; it costs compute-stream time, counted with the other gathers):
+memory bought with communication, as in Megatron-LM.
+
 The collectives sit between autograd graphs, outside them, like the TP
 all-reduce (stp.models.tp.layers); the one in W runs at the same point of
 every TP rank's program, so the ranks issue it in the same order.
