@@ -3,8 +3,9 @@ reference: SP changes only how the work is split, so float64 losses, first-step
 gradients and parameters after two SGD steps match within 1e-9 of each tensor's
 magnitude (the criterion of test_parity.py), at tp2 with pp1 and pp2, on the
 covering set of schedules (one V: stp; one classic: 1f1b), braided and not,
-with offload. A planted bug (the reduce-scatter skipped: each rank keeps its
-own rows of the partial sum) must fail the same comparison. The full schedule
+with offload. Planted bugs (the reduce-scatter skipped: each rank keeps its
+own rows of the partial sum; the norm gains' TP sum skipped) must fail the
+same comparison. The full schedule
 matrix is behind `-m slow`."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from _dist import run_dist
 from _parity import compare_with_reference, random_batch, sgd, two_steps
 
 from stp.models import ModelConfig
+from stp.models.decoder.shared_grads import SharedGrads
 from stp.models.tp.sequence import SequenceParallel
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
@@ -37,7 +39,7 @@ COVERING = ["stp", "1f1b"]
 Case = tuple[str, bool, "str | None", ModelConfig]  # schedule, braid, offload, model
 
 
-def _run(pp: int, tp: int, cases: list[Case], planted: bool = False) -> dict:
+def _run(pp: int, tp: int, cases: list[Case], planted: str | None = None) -> dict:
     """Every case on one mesh (one spawn); relative diffs on rank 0."""
     return run_dist(_worker, pp * tp, pp, tp, cases, planted, timeout=300)[0]
 
@@ -47,10 +49,13 @@ def _no_reduce_scatter(self, partial):
     return self.rows(partial).clone(), None
 
 
-def _worker(rank: int, world: int, pp: int, tp: int, cases: list[Case], planted: bool) -> dict:
-    if planted:
+def _worker(rank: int, world: int, pp: int, tp: int, cases: list[Case],
+            planted: str | None) -> dict:
+    if planted == "reduce-scatter":
         SequenceParallel.launch_scatter = _no_reduce_scatter
         SequenceParallel.scatter = lambda self, p: _no_reduce_scatter(self, p)[0]
+    elif planted == "norm-gain sum":  # each rank's gain gradient over its rows only
+        SharedGrads._sum_rows = lambda self, grads: None
     mesh = Mesh.from_world(ParallelDims(pp, tp, 1), timeout=60)
     out = {}
     for name, braid, offload, config in cases:
@@ -104,9 +109,15 @@ def test_tp2_pp2_covering_set_braided_unbraided_offload_tied():
 
 
 def test_missing_reduce_scatter_fails_parity():
-    res = _run(1, 2, [("1f1b", True, None, CONFIG)], planted=True)
+    res = _run(1, 2, [("1f1b", True, None, CONFIG)], planted="reduce-scatter")
     (r,) = res.values()
     assert r["loss"] > 1e-3 and r["grad"] > 1e-3, r
+
+
+def test_missing_norm_gain_sum_fails_parity():
+    res = _run(1, 2, [("1f1b", True, None, CONFIG)], planted="norm-gain sum")
+    (r,) = res.values()
+    assert r["grad"] > 1e-3 and r["param"] > 1e-4, r
 
 
 @pytest.mark.slow
