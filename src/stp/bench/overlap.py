@@ -3,7 +3,9 @@ same work, F of microbatch 1 and B of microbatch 0, run as two lone passes and
 as one braided block (STP paper arXiv 2510.27257, Fig. 3), in emulated and in
 real compute. Exposed all-reduce time is compute-stream time spent launching
 and waiting for all-reduces (stp.runtime.braid.RunnerStats), the held tails of
-the block included.
+the block included. With `sequence_parallel` (real compute only) the same for
+the reduce-scatters and all-gathers, with F braided with a full backward (B
+and W of microbatch 0), the block where the all-gathers can hide too.
 
 Runs under stp.runtime.launch.launch_local (`entry`); global rank 0 returns the
 figures, stp.cli.bench prints them.
@@ -42,6 +44,9 @@ class OverlapSettings:
     repeats: int = 10
     modes: tuple[str, ...] = ("emulated", "real")
     timeout: float = 120.0
+    sequence_parallel: bool = False
+    """Real compute with sequence parallelism (stp.models.tp.sequence): the exposed time
+    then counts the reduce-scatters' launches and waits and the all-gathers."""
 
 
 def _overlap_stage(mode: str, s: OverlapSettings, mesh: Mesh) -> Any:
@@ -49,7 +54,8 @@ def _overlap_stage(mode: str, s: OverlapSettings, mesh: Mesh) -> Any:
         return EmulatedStage(0, 1, layers=s.model.num_layers, hidden=s.model.hidden,
                              times=s.unit,
                              tp_group=mesh.tp_group, tp_size=2)
-    return build_stage(s.model, 0, 1, tp_group=mesh.tp_group, tp_size=2, tp_rank=mesh.coord.tp)
+    return build_stage(s.model, 0, 1, tp_group=mesh.tp_group, tp_size=2, tp_rank=mesh.coord.tp,
+                       sequence_parallel=s.sequence_parallel)
 
 
 def overlap_worker(s: OverlapSettings) -> dict[str, Any] | None:
@@ -66,7 +72,12 @@ def overlap_worker(s: OverlapSettings) -> dict[str, Any] | None:
                             targets=lambda mb: targets)
         f0, f1, b0, b1 = Pass(0, Kind.F, 0), Pass(0, Kind.F, 1), Pass(0, Kind.B, 0), \
             Pass(0, Kind.B, 1)
-        work = {"sequential": [f1, b0], "braided": [Block((f1, b0))]}
+        # SP: B of microbatch 0 as a full backward (B then W), the STP schedule's
+        # steady-state block, where the braid has room to hide the all-gathers too
+        second = Pass(0, Kind.BW, 0) if s.sequence_parallel else b0
+        after = (b1, Pass(0, Kind.W, 1)) if s.sequence_parallel else (
+            b1, Pass(0, Kind.W, 0), Pass(0, Kind.W, 1))
+        work = {"sequential": [f1, second], "braided": [Block((f1, second))]}
         res: dict[str, dict[str, list[float]]] = {
             k: {"wall": [], "exposed": [], "launch": []} for k in work}
         for rep in range(s.repeats + 1):
@@ -82,7 +93,7 @@ def overlap_worker(s: OverlapSettings) -> dict[str, Any] | None:
                 exposed = runner.stats.exposed_s - before
                 count = runner.stats.launched - launched
                 launch = runner.stats.launch_s - launch_before
-                for a in (b1, Pass(0, Kind.W, 0), Pass(0, Kind.W, 1)):
+                for a in after:
                     runner.run(a)
                 if rep > 0:  # the first round warms up
                     res[name]["wall"].append(wall)

@@ -68,6 +68,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--repeats", type=positive_int, default=10, help="runs of each (default 10)")
     o.add_argument("--mode", choices=("both", "emulated", "real"), default="both",
                    help="compute: emulated, real or both (default)")
+    o.add_argument("--sequence-parallel", action="store_true",
+                   help="real compute with sequence parallelism (reduce-scatter + all-gather "
+                   "in place of each all-reduce; --seq-len must be even)")
     o.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     o.set_defaults(func=run_overlap)
 
@@ -130,6 +133,14 @@ def run_overlap(args: argparse.Namespace) -> int:
     from stp.shapes import ModelConfig
 
     modes = ("emulated", "real") if args.mode == "both" else (args.mode,)
+    sp = args.sequence_parallel
+    if sp:  # the emulated stage has no sequence to shard
+        if args.mode == "emulated":
+            raise ValueError("--sequence-parallel measures real compute; drop --mode emulated")
+        if args.seq_len % 2:
+            raise ValueError(f"--sequence-parallel splits the sequence over tp=2: --seq-len "
+                             f"{args.seq_len} is not even (stp refuses rather than pads)")
+        modes = ("real",)
     if args.hidden % args.heads or (args.hidden // args.heads) % 2 or args.heads % 2:
         raise ValueError(f"--hidden {args.hidden} / --heads {args.heads}: heads must be even "
                          "(tp=2) and divide hidden into even head widths")
@@ -138,14 +149,20 @@ def run_overlap(args: argparse.Namespace) -> int:
     s = OverlapSettings(model=model, seq_len=args.seq_len,
                         microbatch_size=args.microbatch_size,
                         unit=UnitTimes(*_unit_ms(args.unit_ms)), repeats=args.repeats,
-                        modes=modes)
+                        modes=modes, sequence_parallel=sp)
     res = _launch("overlap", s, 2)
     ms = 1e3
     print(f"tp=2, one stage of {model.num_layers} layers, microbatch [{s.microbatch_size}, "
           f"{s.seq_len}, {model.hidden}]; one all-reduce of it: {res['allreduce_s'] * ms:.2f} ms")
-    print("exposed: compute-stream time in all-reduce launches + waits (launches alone)")
-    print(f"{'mode':9s} {'ARs':>4s} {'sequential':>20s} {'braided':>20s} {'wall seq':>9s} "
-          f"{'wall braid':>10s} {'hidden':>7s} {'waits hidden':>12s}")
+    if sp:
+        print("sequence parallel: each unit ends in a reduce-scatter and starts with an "
+              "all-gather; F of mb 1 against a full backward (B, W) of mb 0")
+        print("exposed: compute-stream time in reduce-scatter launches + waits + all-gathers "
+              "(launches alone)")
+    else:
+        print("exposed: compute-stream time in all-reduce launches + waits (launches alone)")
+    print(f"{'mode':9s} {'RSs' if sp else 'ARs':>4s} {'sequential':>20s} {'braided':>20s} "
+          f"{'wall seq':>9s} {'wall braid':>10s} {'hidden':>7s} {'waits hidden':>12s}")
     for mode in modes:
         r = res[mode]
         seq = f"{r['exposed_sequential_s'] * ms:.1f} ({r['launch_sequential_s'] * ms:.1f}) ms"

@@ -2,7 +2,7 @@
 
 Each field made with `stp.train.config.option` becomes `--field-name` with the
 field's default, help text and bounds; a nested dataclass field contributes
-its own fields at the same level; a `bool` field is `--name on|off`. Values
+its own fields at the same level; a `bool` field is `--name on|off` (bare: on). Values
 are checked as argparse arguments, so a bad one exits 2 with a line naming
 the flag: numbers must be finite and within their bounds.
 """
@@ -71,7 +71,8 @@ def _add(parser: argparse.ArgumentParser, f: dataclasses.Field[Any], hint: Any,
         help_text = re.sub(r" \(default[^)]*\)", "", help_text)
     kw: dict[str, Any] = {"dest": f.name, "default": default, "metavar": meta.get("metavar")}
     if kind is bool:
-        kw.update(type=_on_off, metavar="on|off")
+        # a bare --name means on (`stp train --sequence-parallel`)
+        kw.update(type=_on_off, metavar="on|off", nargs="?", const=True)
         help_text += f" (default {'on' if default else 'off'})"
     elif kind in (int, float):
         kw["type"] = _number(kind, meta)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from stp.models.tp.sequence import SequenceParallel, ToScatter
 from stp.models.tp.wgrad import GradTaps, ReadyGrad, WGradEntry, WGradStore
 
 __all__ = ["Unit", "input_grad"]
@@ -48,6 +49,9 @@ class Unit:
     """Microbatches whose backward is a full BW (W right after B). A one-graph unit runs
     them in plain autograd: B gets the weight gradients in the same engine call (kept
     as ReadyGrad until W adds them) instead of recording (x, dy) for a later matmul."""
+    seq: SequenceParallel | None = None
+    """Sequence parallelism (stp.models.tp.sequence), set by the stage: the stream
+    between units holds this rank's s/t rows; None: every rank holds all s rows."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -68,6 +72,31 @@ class Unit:
             self._states[mb] = state
         state.phase = phase
         return state
+
+    def _gathered(self, rows: torch.Tensor) -> torch.Tensor:
+        """With sequence parallelism, the all-gather of this rank's rows that starts a
+        TP region (forward: the normalised input of the column-parallel matrices;
+        backward: the output gradient, the dual of the reduce-scatter that ended the
+        forward); the tensor itself otherwise."""
+        return rows if self.seq is None else self.seq.gather(rows)
+
+    def _handoff(self, partial: torch.Tensor) -> torch.Tensor | ToScatter:
+        """A partial sum over the TP group as the unit hands it to the runner: to be
+        reduce-scattered into the sequence rows with sequence parallelism, else
+        all-reduced."""
+        return partial if self.seq is None else ToScatter(partial)
+
+    def prepare_forward(self, mb: int, x: torch.Tensor) -> None:
+        """Optional early start of forward_partial: with sequence parallelism, the work
+        before the all-gather and the gather's launch, so that the runner can run the
+        partner's unit while it is in flight. Units without a gather do nothing here."""
+
+    def prepare_backward(self, mb: int, grad: torch.Tensor) -> None:
+        """The same for backward_partial: launch the all-gather of the output gradient
+        (this rank's rows) with sequence parallelism."""
+        st = self._states.get(mb)
+        if self.seq is not None and st is not None and st.phase == "F":
+            st.saved["grad_gather"] = self.seq.launch_gather(grad)
 
     def weights(self) -> list[torch.Tensor]:
         """The parameters this unit's forward uses (for a plain-autograd backward)."""

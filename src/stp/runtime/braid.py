@@ -28,6 +28,26 @@ simulator's (stp.sim.engine), so a measured run and a simulated one line up:
   launched before it. A held send then never waits on something that came
   after it (no cycle through a peer), and a younger tail stays hidden.
 
+Under sequence parallelism (stp.models.tp.sequence) a unit's collective is a
+reduce-scatter, braided by the same rules, and the next unit of the chain
+starts with an all-gather that needs it (through the residual add and the
+norm). Where the braid puts two or more items between a chain's units, the
+runner *advances* the chain after the first of them: it waits for the
+reduce-scatter, runs the finish and the next unit's `prepare_*` (norm, gather
+launched), so the gather flies under the next item. A full backward braided
+with a forward gives that room (the paper's order):
+
+    compute:  Attn F(i) | MLP B(j) |adv F| MLP W(j) |adv B| MLP F(i) | Attn B(j) ...
+    TP:            [RS Attn F(i)]      [AG F(i)]            ^ waits AG
+                               [RS MLP B(j) ......][AG B(j) ........]
+
+Between alternating F and B units (W deferred) there is one item: the
+reduce-scatter hides there and the gather runs at the unit's start, exposed.
+The advance points depend on the order only, never on timing, so every TP
+rank issues its collectives in the same order. Gathers are timed by the
+stage (`take_gathers`): their launches and waits count as exposed
+(RunnerStats) and go to the trace as AG.
+
 With `braid=False` the same units run pass after pass (a full backward as all
 B units then all W units) and every all-reduce is waited for at once: the
 unbraided baseline.
@@ -65,11 +85,16 @@ class RunnerStats:
     """Time in the launch calls."""
     wait_s: float = 0.0
     """Time blocked waiting for an all-reduce to complete."""
+    gather_s: float = 0.0
+    """Compute-stream time in the all-gathers of sequence parallelism (launch + wait)."""
+    advanced: int = 0
+    """Units whose all-gather was launched early (an advance, see the module doc)."""
 
     @property
     def exposed_s(self) -> float:
-        """All-reduce time on the compute stream: launches plus waits."""
-        return self.launch_s + self.wait_s
+        """TP collective time on the compute stream: launches plus waits (plus the
+        all-gathers of sequence parallelism)."""
+        return self.launch_s + self.wait_s + self.gather_s
 
 
 class _AR:
@@ -99,6 +124,8 @@ class _Chain:
     value: Any = None
     ar: _AR | None = None
     finished: bool = False
+    advanced: int = -1
+    """Order index of the item whose finish and prepare already ran (an advance)."""
 
     @property
     def key(self) -> Message:
@@ -106,6 +133,25 @@ class _Chain:
 
 
 Hook = Callable[[Pass], None]
+
+
+def _advance_points(order: Sequence[Item], chains: Sequence[_Chain]
+                    ) -> dict[int, list[tuple[int, int]]]:
+    """{item index m: [(chain, index k of its next F/B item)]}: advance that chain
+    right after item m, the first item after its previous unit, when at least one
+    more item runs before k (room for the all-gather). Only for stages whose units
+    gather (`prepares_gathers`, sequence parallelism)."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    last: dict[int, int] = {}  # chain -> index of its latest F/B item
+    for k, it in enumerate(order):
+        if it.kind is UnitKind.W:
+            continue
+        j = last.get(it.chain)
+        last[it.chain] = k
+        if j is not None and k - j >= 3 and getattr(chains[it.chain].stage,
+                                                    "prepares_gathers", False):
+            out.setdefault(j + 1, []).append((it.chain, k))
+    return out
 
 
 class UnitRunner:
@@ -152,24 +198,27 @@ class UnitRunner:
         order = (stream_order if self.braid else sequential_order)(action, counts)
         last = {it.chain: k for k, it in enumerate(order)}
         hold = self.braid and len(ps) > 1
+        advances = _advance_points(order, chains) if hold else {}
         self._where = (index, len(ps) > 1)
         for k, it in enumerate(order):
             ch = chains[it.chain]
             if it.first:
                 self._begin(ch)
             # the previous unit of this chain: its all-reduce, then its finish
-            reduced = self._reduced(ch) if it.kind is not UnitKind.W and not it.first else None
+            ready = ch.advanced == k
+            reduced = self._reduced(ch) if (
+                it.kind is not UnitKind.W and not it.first and not ready) else None
             start = time.perf_counter()
             units, mb, u = ch.stage.units, ch.p.mb, it.unit
             if it.kind is UnitKind.F:
-                if not it.first:
+                if not it.first and not ready:
                     ch.value = units[u - 1].forward_finish(mb, reduced)
                 last_unit = u == counts[it.chain] - 1 and ch.stage.is_last
                 partial = units[u].forward_partial(
                     mb, ch.value, self.targets(mb) if last_unit else None)
                 self._launch(ch, partial, u)
             elif it.kind is UnitKind.B:
-                if not it.first:
+                if not it.first and not ready:
                     ch.value = units[u + 1].backward_finish(mb, reduced)
                 self._launch(ch, units[u].backward_partial(mb, ch.value), u)
             else:
@@ -177,6 +226,9 @@ class UnitRunner:
             if self.recorder is not None:
                 self.recorder.unit(ch.p, it.kind.value, ch.stage, u, start, time.perf_counter(),
                                    *self._where)
+            self._gathers(ch, u)
+            for c, later in advances.get(k, ()):
+                self._advance(chains[c], order[later], later)
             if not self.braid and ch.ar is not None:
                 self._wait(ch.ar)  # unbraided: every all-reduce at once
             if last[it.chain] == k:
@@ -236,8 +288,33 @@ class UnitRunner:
         ch.ar = _AR(tensor, work, t0, self._seq)
         self.stats.launch_s += time.perf_counter() - t0
         if self.recorder is not None and work is not None:
-            self.recorder.allreduce(ch.ar, ch.p, ch.stage, u, *self._where)
+            self.recorder.allreduce(ch.ar, ch.p, ch.stage, u, *self._where,
+                                    kind=getattr(partial, "collective", "AR"))
         self.stats.launched += work is not None
+
+    def _advance(self, ch: _Chain, it: Item, k: int) -> None:
+        """Run chain ch up to item `it`'s all-gather (see the module doc): wait for
+        the previous unit's reduce-scatter, finish that unit, prepare unit it.unit."""
+        reduced = self._reduced(ch)
+        units, mb, u = ch.stage.units, ch.p.mb, it.unit
+        if it.kind is UnitKind.F:
+            ch.value = units[u - 1].forward_finish(mb, reduced)
+            units[u].prepare_forward(mb, ch.value)
+        else:
+            ch.value = units[u + 1].backward_finish(mb, reduced)
+            units[u].prepare_backward(mb, ch.value)
+        ch.advanced = k
+        self.stats.advanced += 1
+
+    def _gathers(self, ch: _Chain, u: int) -> None:
+        """The all-gathers unit u waited for: timed and traced."""
+        take = getattr(ch.stage, "take_gathers", None)
+        if take is None:
+            return
+        for start, end, exposed in take():
+            self.stats.gather_s += exposed
+            if self.recorder is not None:
+                self.recorder.gather(ch.p, ch.stage, u, start, end, *self._where)
 
     def _reduced(self, ch: _Chain) -> torch.Tensor | None:
         ar = ch.ar

@@ -78,7 +78,7 @@ class Recorder:
         self.chunk_of = chunk_of
         self.origin = 0.0
         self._spans: list[Span] = []
-        self._ars: list[tuple[Any, Pass, int | None, int, bool]] = []
+        self._ars: list[tuple[Any, Pass, int | None, int, bool, str]] = []
         self._xfers: list[TransferRecord] = []
         self._layer_index: dict[int, list[int | None]] = {}
 
@@ -105,9 +105,11 @@ class Recorder:
                                 self.chunk_of[p.stage], self._unit_index(stage, u), index,
                                 braided))
 
-    def allreduce(self, ar: Any, p: Pass, stage: Any, u: int, index: int, braided: bool) -> None:
-        """Watch all-reduce `ar` (stp.runtime.braid) of unit u of pass p."""
-        self._ars.append((ar, p, self._unit_index(stage, u), index, braided))
+    def allreduce(self, ar: Any, p: Pass, stage: Any, u: int, index: int, braided: bool,
+                  kind: str = "AR") -> None:
+        """Watch all-reduce `ar` (stp.runtime.braid) of unit u of pass p; `kind` "RS":
+        the reduce-scatter that replaces it under sequence parallelism."""
+        self._ars.append((ar, p, self._unit_index(stage, u), index, braided, kind))
         try:
             fut = ar.work.get_future()
         except (AttributeError, RuntimeError):
@@ -119,6 +121,14 @@ class Recorder:
 
         fut.then(stamp)
 
+    def gather(self, p: Pass, stage: Any, u: int, start: float, end: float, index: int,
+               braided: bool) -> None:
+        """An all-gather unit u of pass p ran and waited for on the compute stream
+        (sequence parallelism: the start of a TP region, stp.models.tp.sequence)."""
+        self._spans.append(Span(self.rank, "tp", start, end, str(p), "AG", p.stage, p.mb,
+                                self.chunk_of[p.stage], self._unit_index(stage, u), index,
+                                braided))
+
     def transfer(self, name: str, kind: str, stage: int, mb: int, start: float, end: float,
                  peer: int, message: Message) -> None:
         """A send or receive (kind SEND / RECV) of `message` with global rank `peer`."""
@@ -128,9 +138,9 @@ class Recorder:
     def spans(self) -> list[Span]:
         """This run's spans (absolute perf_counter seconds), lanes made to nest."""
         ars = []
-        for ar, p, unit, index, braided in self._ars:
+        for ar, p, unit, index, braided, kind in self._ars:
             done = ar.done_at if ar.done_at is not None else ar.launched
-            ars.append(Span(self.rank, "tp", ar.launched, done, str(p), "AR", p.stage, p.mb,
+            ars.append(Span(self.rank, "tp", ar.launched, done, str(p), kind, p.stage, p.mb,
                             self.chunk_of[p.stage], unit, index, braided))
         return self._spans + lane_layout(ars)
 

@@ -32,7 +32,8 @@ class Span:
     name: str
     """Action string of the pass it belongs to, e.g. '7F3'."""
     kind: str
-    """F, B, W (compute lane); AR (tp lane); SEND (send lane); D2H/H2D (copies)."""
+    """F, B, W (compute lane); AR, or RS and AG under sequence parallelism (tp lane);
+    SEND (send lane); D2H/H2D (copies)."""
     stage: int
     mb: int
     chunk: int

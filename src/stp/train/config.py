@@ -173,6 +173,10 @@ class TrainJob:
     braid: bool = option(
         True, "run braided blocks unit by unit with the TP all-reduces in flight; off: pass "
         "by pass, every all-reduce waited for")
+    sequence_parallel: bool = option(
+        False, "Megatron-style sequence parallelism (arXiv 2205.05198): between TP regions "
+        "each TP rank holds --seq-len / --tp rows; reduce-scatter and all-gather replace "
+        "the all-reduce (--seq-len must divide by --tp; no effect at --tp 1)")
     trace: str | None = option(
         None, "write the last step's measured trace (every unit, all-reduce, send and "
         "receive of every rank; open in ui.perfetto.dev)", metavar="FILE.json")

@@ -59,7 +59,7 @@ class Evaluator:
             with torch.no_grad():  # boundary: decoder positions (a multimodal input row
                 # is pixel bytes + tokens; its targets span image tokens + tokens)
                 losses = self.executor.run(inputs, tgts,
-                                           boundary_shape=(*tgts[0].shape, parts.hidden))
+                                           boundary_shape=parts.boundary_shape(tgts[0]))
         finally:
             for st in parts.stages.values():
                 reset = getattr(st, "reset", None)

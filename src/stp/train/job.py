@@ -62,10 +62,24 @@ def check(job: TrainJob, world_size: int | None = None) -> Run:
                 f"data {job.data!r} holds {size} bytes, fewer than "
                 f"--seq-len + 2 = {job.model.seq_len + 2}"
             )
+    if job.sequence_parallel and job.tp > 1:
+        _check_sequence_parallel(job)
     _check_training(job, run.config)
     check_memory(run, None if world_size is None else int(os.environ.get(
         "LOCAL_WORLD_SIZE", world_size)))  # before any worker allocates
     return run
+
+
+def _check_sequence_parallel(job: TrainJob) -> None:
+    """--sequence-parallel: the sequence must split over the TP ranks (a family that
+    cannot shard it refuses in its check_flags)."""
+    if job.emulate is not None:
+        raise ValueError("--emulate-compute stages have no sequence to shard; drop "
+                         "--sequence-parallel or --emulate-compute")
+    if job.model.seq_len % job.tp:
+        raise ValueError(f"--sequence-parallel splits the sequence over the TP ranks: --seq-len "
+                         f"{job.model.seq_len} is not divisible by --tp {job.tp} (stp refuses "
+                         "rather than pads)")
 
 
 def check_output_file(path: str, flag: str) -> None:

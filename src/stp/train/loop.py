@@ -146,7 +146,7 @@ def _options(run: Run) -> TrainerOptions:
         offload=job.offload if job.emulate is None else None, braid=job.braid,
         trace=job.trace is not None, clip_grad=job.clip_grad,
         lr_schedule=LRSchedule(job.lr_schedule, job.steps, job.warmup, job.min_lr),
-        partition=run.built_partition,
+        partition=run.built_partition, sequence_parallel=job.sequence_parallel,
     )
 
 

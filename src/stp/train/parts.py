@@ -61,6 +61,9 @@ class TrainerOptions:
     partition: tuple[int, ...] | None = None
     """Transformer layers of each global stage (uneven stages, e.g. fewer on the
     stages holding the embedding and the output layer); None: the even split."""
+    sequence_parallel: bool = False
+    """Megatron-style sequence parallelism (stp.models.tp.sequence): between TP regions
+    each TP rank holds s/t rows of the sequence; ignored at tp=1 (the identity)."""
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:
@@ -98,6 +101,17 @@ class Parts:
     offloader: ActivationOffloader | None
     executor: Executor
     sync: GradSync
+
+    @property
+    def seq_shards(self) -> int:
+        """Sequence shards of a tensor sent between stages (sequence parallelism)."""
+        return self.dims.tp if self.options.sequence_parallel and self.dims.tp > 1 else 1
+
+    def boundary_shape(self, targets: torch.Tensor) -> tuple[int, ...]:
+        """Shape of the hidden states sent between stages for microbatch targets [b, s]:
+        [b, s / tp, h] with sequence parallelism (each TP rank sends its rows)."""
+        b, s = targets.shape
+        return (b, s // self.seq_shards, self.hidden)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(global name, local tensor) of every parameter this rank holds."""

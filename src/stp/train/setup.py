@@ -70,9 +70,13 @@ def stage_builder(model: Any, opts: TrainerOptions, num_stages: int, tp: int,
     if family is not None:
         family.model.check(model, tp, num_stages)
         weights = None if source is None else source.read
+        sp = {"sequence_parallel": True} if opts.sequence_parallel and tp > 1 else {}
         builder = family.model.stage_builder(model, num_stages, partition=opts.partition,
-                                             weights=weights)
+                                             weights=weights, **sp)
         return builder, family.model.hidden(model)
+    if opts.sequence_parallel:
+        raise ValueError("sequence_parallel= needs a model config; a stage builder decides "
+                         "its own collectives")
     if opts.partition is not None:
         raise ValueError("partition= splits a ModelConfig's layers; a stage builder "
                          "decides its own stages' layers")

@@ -199,6 +199,10 @@ class Trainer:
         """This rank's parameters, stage by stage."""
         return [p for st in self.stages.values() for p in st.parameters()]
 
+    def boundary_shape(self, targets: torch.Tensor) -> tuple[int, ...]:
+        """Shape of the hidden states sent between stages (stp.train.parts.Parts)."""
+        return self.parts.boundary_shape(targets)
+
     @property
     def num_microbatches(self) -> int:
         return self.schedule.num_microbatches
@@ -243,7 +247,7 @@ class Trainer:
         # the mean over the valid (not ignored) targets of the whole global batch
         ratio = valid_token_ratio(targets)
         losses = self.executor.run(inputs, tgts, scale=ratio / m,
-                                   boundary_shape=(*tgts[0].shape, self.hidden))
+                                   boundary_shape=self.boundary_shape(tgts[0]))
         self.precision.fold()
         loss, norm = self.parts.sync.after_backward(losses, m, ratio)
         self.last_update = apply_update(self.precision, self.optimizer, self.scheduler, norm,

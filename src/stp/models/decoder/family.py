@@ -37,11 +37,13 @@ class DecoderFamily:
 
     def stage_builder(self, config: ModelConfig, num_stages: int, *,
                       partition: tuple[int, ...] | None,
-                      weights: Callable[..., torch.Tensor] | None = None) -> StageBuilder:
+                      weights: Callable[..., torch.Tensor] | None = None,
+                      sequence_parallel: bool = False) -> StageBuilder:
         if partition is not None:
             partition_layers(config.num_layers, num_stages, partition)  # ValueError
         read = {} if weights is None else {"weights": weights}
-        return functools.partial(build_stage, config, partition=partition, **read)
+        return functools.partial(build_stage, config, partition=partition,
+                                 sequence_parallel=sequence_parallel, **read)
 
     def check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         check_text_batch(tokens, targets)

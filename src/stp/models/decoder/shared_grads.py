@@ -13,7 +13,13 @@
   over the TP group adds the copies (every rank writes its gradient into its
   head's place of a zero buffer the size of the full tensors).
 
-Both sums come before the data-parallel average; they commute with it.
+- Norm gains under sequence parallelism: each TP rank normalises only its s/t
+  rows of the sequence, so its gain gradient sums over those rows; one sum
+  all-reduce over the TP group makes the whole sequence's (Megatron-LM does the
+  same for its sequence-parallel layernorm weights; Korthikanti et al., arXiv
+  2205.05198, section 4.2.2). Every parameter replicated over TP is such a gain.
+
+The sums come before the data-parallel average; they commute with it.
 """
 
 from __future__ import annotations
@@ -63,6 +69,9 @@ class SharedGrads:
                 for name, spec in st.specs.items():
                     if spec.tp_split == "kv_heads":
                         self.replicated[name] = (spec.shape, st.shard_slice(name))
+        self.row_sums = [name for st in stages.values() if getattr(st, "sequence_parallel", False)
+                         for name, spec in st.specs.items() if spec.shard_dim is None]
+        """Parameters whose gradient each TP rank took over its sequence rows only."""
 
     @classmethod
     def on_mesh(cls, config: ModelConfig, stages: Mapping[int, Any], schedule: Any,
@@ -79,6 +88,8 @@ class SharedGrads:
     def __call__(self, grads: Mapping[str, torch.Tensor]) -> None:
         if self.replicated:
             self._sum_replicas(grads)
+        if self.row_sums:
+            self._sum_rows(grads)
         if self.holds_embed and self.holds_head:
             grads["embed.weight"].add_(grads["head.weight"])
             grads["head.weight"].copy_(grads["embed.weight"])
@@ -98,6 +109,15 @@ class SharedGrads:
             buf.copy_(flat[offset : offset + buf.numel()].view_as(buf))
             offset += buf.numel()
             grads[name].copy_(_rows(buf, self.replicated[name][1]))
+
+    def _sum_rows(self, grads: Mapping[str, torch.Tensor]) -> None:
+        flat = torch.cat([grads[n].reshape(-1) for n in self.row_sums])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.tp_group)
+        offset = 0
+        for name in self.row_sums:
+            g = grads[name]
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def _exchange(self, grads: Mapping[str, torch.Tensor]) -> None:
         """Send this copy's gradient to the other rank and add the one received,

@@ -5,6 +5,9 @@ reference model's global names, and the PipelineStage protocol
 A braiding executor (STP paper arXiv 2510.27257, Fig. 3: braided execution blocks) can instead
 drive `stage.units` itself, one unit of each of two passes at a time, with the
 all-reduces in flight (`launch_allreduce`; stp.runtime.braid).
+
+With `sequence_parallel` (arXiv 2205.05198; stp.models.tp.sequence) `ToScatter`
+partials are reduce-scattered into this rank's s/t rows, which stages send.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from stp.models.decoder.init import ParamSpec, ShardSlice, init_shard, parameter
 from stp.models.decoder.stage_shards import ShardSource, unshard
 from stp.models.decoder.units import AttentionUnit, EmbedUnit, LossUnit, MLPUnit, RopeCache, Unit
 from stp.models.tp.comm import AllReduce, launch_sum, make_allreduce
+from stp.models.tp.sequence import SequenceParallel, ToScatter, check_sequence
 from stp.schedule.placement import partition_layers
 from stp.shapes.decoder import IGNORE_INDEX, ModelConfig
 
@@ -97,6 +101,7 @@ class ModelStage(nn.Module):
         async_allreduce: bool = False,
         partition: tuple[int, ...] | None = None,
         fuse_layers: bool | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
@@ -118,6 +123,12 @@ class ModelStage(nn.Module):
             _register(self, spec.name, nn.Parameter(tensors[spec.name]))
         # A tuple, not a ModuleList: units reference the parameters registered above.
         self.units: tuple[Unit, ...] = tuple(self._make_units(dict(self.named_parameters())))
+        # One TP rank: the sequence has one shard, so sequence parallelism is the identity.
+        self.sequence_parallel = self.prepares_gathers = sequence_parallel and tp_size > 1
+        # (prepares_gathers: units launch their all-gather in prepare_*; stp.runtime.braid)
+        self.seq = SequenceParallel(tp_group, tp_size, tp_rank) if self.prepares_gathers else None
+        for unit in self.units:
+            unit.seq = self.seq
 
     def _make_units(self, p: dict[str, nn.Parameter]) -> list[Unit]:
         config, tp_size, tp_rank = self.config, self.tp_size, self.tp_rank
@@ -177,15 +188,30 @@ class ModelStage(nn.Module):
 
     # -- PipelineStage ---------------------------------------------------------
 
-    def launch_allreduce(self, partial: torch.Tensor) -> tuple[torch.Tensor, dist.Work | None]:
+    def launch_allreduce(
+        self, partial: torch.Tensor | ToScatter
+    ) -> tuple[torch.Tensor, dist.Work | None]:
         """Start the TP all-reduce of a unit's partial sum and return at once (braided
         execution, STP paper arXiv 2510.27257, Fig. 3): (the tensor, reduced in place when `work`
         completes; work). Work is None when the result is already there: one TP rank,
-        or the synchronous `allreduce` build_stage was given."""
+        or the synchronous `allreduce` build_stage was given. A `ToScatter` partial (SP)
+        is reduce-scattered instead: the tensor is this rank's rows."""
+        if isinstance(partial, ToScatter):
+            return self.seq.launch_scatter(partial.partial)  # type: ignore[union-attr]
         if not self._async:
             return self.allreduce(partial), None
         tensor = partial.contiguous()
         return tensor, launch_sum(tensor, self.tp_group)
+
+    def take_gathers(self) -> list[tuple[float, float, float]]:
+        """The SP all-gathers since the last call (SequenceParallel.take_gathers)."""
+        return [] if self.seq is None else self.seq.take_gathers()
+
+    def _reduce(self, partial: torch.Tensor | ToScatter | None) -> torch.Tensor | None:
+        """The synchronous hand-off between units: all-reduce, or reduce-scatter."""
+        if isinstance(partial, ToScatter):
+            return self.seq.scatter(partial.partial)  # type: ignore[union-attr]
+        return None if partial is None else self.allreduce(partial)
 
     def check_input(self, x: torch.Tensor, targets: torch.Tensor | None) -> None:
         """ValueError unless x (and targets, last stage only) fit this stage."""
@@ -204,13 +230,17 @@ class ModelStage(nn.Module):
                 f"stage {self.stage} takes hidden states [batch, seq, {c.hidden}], "
                 f"got {tuple(x.shape)}"
             )
-        if x.shape[1] > c.max_seq_len:
-            raise ValueError(f"sequence length {x.shape[1]} exceeds max_seq_len={c.max_seq_len}")
+        # with sequence parallelism a later stage receives its s/t rows
+        seq = x.shape[1] * (self.tp_size if self.sequence_parallel and not self.is_first else 1)
+        if seq > c.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds max_seq_len={c.max_seq_len}")
+        if self.sequence_parallel and self.is_first:
+            check_sequence(seq, self.tp_size)
         if self.is_last:
-            if targets is None or tuple(targets.shape) != tuple(x.shape[:2]):
+            if targets is None or tuple(targets.shape) != (x.shape[0], seq):
                 got = None if targets is None else tuple(targets.shape)
                 raise ValueError(
-                    f"the last stage needs targets of shape {tuple(x.shape[:2])}, got {got}"
+                    f"the last stage needs targets of shape {(x.shape[0], seq)}, got {got}"
                 )
             outside = None if targets.device.type != "cpu" else (
                 (targets < 0) & (targets != IGNORE_INDEX) | (targets >= c.vocab_size))
@@ -227,7 +257,7 @@ class ModelStage(nn.Module):
         self.check_input(x, targets)
         for unit in self.units:
             partial = unit.forward_partial(mb, x, targets if unit is self.units[-1] else None)
-            x = unit.forward_finish(mb, self.allreduce(partial))
+            x = unit.forward_finish(mb, self._reduce(partial))
         return x.detach()
 
     def backward_input(
@@ -247,7 +277,7 @@ class ModelStage(nn.Module):
         for unit in reversed(self.units):
             assert g is not None
             partial = unit.backward_partial(mb, g)
-            g = unit.backward_finish(mb, None if partial is None else self.allreduce(partial))
+            g = unit.backward_finish(mb, self._reduce(partial))
         return g
 
     def weights_in_backward(self, mbs: Iterable[int]) -> None:
@@ -312,6 +342,7 @@ def build_stage(
     weights: ShardSource = init_shard,
     partition: tuple[int, ...] | None = None,
     fuse_layers: bool | None = None,
+    sequence_parallel: bool = False,
 ) -> ModelStage:
     """Materialise only stage `stage` of `num_stages` on TP rank tp_rank of tp_size.
 
@@ -326,7 +357,10 @@ def build_stage(
     `weights(config, spec, tp_size, tp_rank, device=, dtype=)` gives each parameter's
     shard: the seeded init by default, or a checkpoint's slice (stp.models.hf).
     `fuse_layers` (default: when tp_size == 1) runs the stage's layers as one unit
-    (stp.models.decoder.chunk): with one TP rank there is no all-reduce for units to hide."""
+    (stp.models.decoder.chunk): with one TP rank there is no all-reduce for units to hide.
+    `sequence_parallel`: shard the stream between TP regions along the sequence
+    (stp.models.tp.sequence; ignored at tp_size 1, where it is the identity); it needs
+    the TP process group, not a custom `allreduce`."""
     if not isinstance(config, ModelConfig):
         raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
@@ -340,6 +374,9 @@ def build_stage(
         raise ValueError(f"stage must be an int in [0, num_stages={num_stages}), got {stage!r}")
     check_tp(config, tp_size, tp_rank)
     custom = allreduce is not None
+    if sequence_parallel and custom and tp_size > 1:
+        raise ValueError("sequence_parallel reduce-scatters on the TP group; it takes no "
+                         "custom allreduce")
     if allreduce is None:
         if tp_size > 1:
             if not dist.is_initialized():
@@ -361,5 +398,5 @@ def build_stage(
         config, stage, num_stages, specs, tensors,
         tp_size=tp_size, tp_rank=tp_rank, allreduce=allreduce,
         tp_group=tp_group, async_allreduce=not custom, partition=partition,
-        fuse_layers=fuse_layers,
+        fuse_layers=fuse_layers, sequence_parallel=sequence_parallel,
     )

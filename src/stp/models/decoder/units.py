@@ -40,8 +40,9 @@ from stp.models.tp.layers import (
     vocab_ce_stats,
     vocab_embedding_partial,
 )
+from stp.models.tp.sequence import RegatheredInput, ToScatter
 from stp.models.tp.wgrad import EmbedGrad, GradTaps, WGradEntry
-from stp.models.unit import Unit, input_grad
+from stp.models.unit import Unit, _MbState, input_grad
 
 __all__ = ["Unit", "EmbedUnit", "AttentionUnit", "MLPUnit", "LossUnit", "RopeCache", "apply_rope"]
 
@@ -67,7 +68,7 @@ class EmbedUnit(Unit):
         if self.pad_token_id is not None:
             owned = owned & (x != self.pad_token_id)  # looked up, never trained
         st.saved.update(owned=owned, local=local)
-        return partial
+        return self._handoff(partial)
 
     def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
         self._enter(mb, "F-partial", "F")
@@ -76,6 +77,9 @@ class EmbedUnit(Unit):
     def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
         st = self._enter(mb, "F", "B-partial")
         owned, local = st.saved.pop("owned"), st.saved.pop("local")
+        gather = st.saved.pop("grad_gather", None)  # prepare_backward ran
+        # SP: the dual of the forward's reduce-scatter
+        grad = gather.wait() if gather is not None else self._gathered(grad)
         st.sink.append(EmbedGrad(self.w, local[owned], grad[owned]))
         return None
 
@@ -113,22 +117,49 @@ class _ResidualUnit(Unit):
         """f(RMSNorm(x)) in one graph, for one TP rank (stp.models.decoder.chunk)."""
         return self._body(rms_norm(x, self.norm_w, self.eps, sink), sink)
 
-    def forward_partial(
-        self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def _norm(self, mb: int, x: torch.Tensor) -> tuple[_MbState, torch.Tensor, GradTaps | None]:
+        """The unit's start: RMSNorm of its input (this rank's rows under SP)."""
         st = self._enter(mb, None, "F-partial")
         with torch.enable_grad():
             x_in = x.detach().requires_grad_(True)
             sink = self._sink(st, mb, self.one_graph)
             h = rms_norm(x_in, self.norm_w, self.eps, sink)
+        st.saved.update(x=x, x_in=x_in, h=h)
+        return st, h, sink
+
+    def prepare_forward(self, mb: int, x: torch.Tensor) -> None:
+        """SP: the norm and the launch of its all-gather ahead of forward_partial, so the
+        runner can hide the gather under the partner's unit (stp.runtime.braid)."""
+        if self.seq is not None:
+            st, h, _ = self._norm(mb, x)
+            st.saved["gather"] = self.seq.launch_gather(h.detach())
+
+    def forward_partial(
+        self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor | ToScatter:
+        st = self._states.get(mb)
+        if st is not None and "gather" in st.saved:  # prepare_forward ran
+            h_in = st.saved.pop("gather").wait()
+        else:
+            st, h, sink = self._norm(mb, x)
             if self.one_graph:
-                out = self._body(h, sink)
-                st.saved.update(x=x, x_in=x_in, out=out)
+                with torch.enable_grad():
+                    out = self._body(h, sink)
+                del st.saved["h"]  # one graph: x_in -> out
+                st.saved["out"] = out
                 return out.detach()
-            h_in = h.detach().requires_grad_(True)
-            out = self._body(h_in, st.sink)
-        st.saved.update(x=x, x_in=x_in, h=h, h_in=h_in, out=out)
-        return out.detach()
+            # SP: the column-parallel matrices read it; W gathers the rows again
+            h_in = self._gathered(h.detach())
+        h_in.requires_grad_(True)
+        sink: list[WGradEntry] | RegatheredInput = st.sink
+        if self.seq is not None:  # the matrices keep this rank's rows; W gathers again
+            sink = RegatheredInput(self.seq, st.saved["h"].detach(), h_in, st.sink)
+        with torch.enable_grad():
+            out = self._body(h_in, sink)
+        if self.seq is not None:  # nothing reads the gathered values again: free them
+            h_in.untyped_storage().resize_(0)
+        st.saved.update(h_in=h_in, out=out)
+        return self._handoff(out.detach())
 
     def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
         st = self._enter(mb, "F-partial", "F")
@@ -140,9 +171,11 @@ class _ResidualUnit(Unit):
             out, x_in = st.saved.pop("out"), st.saved.pop("x_in")
             st.saved["grad"] = grad + self._input_grad(st, out, x_in, grad)
             return None
-        grad_h = input_grad(st.saved.pop("out"), st.saved.pop("h_in"), grad)
-        st.saved["grad"] = grad
-        return grad_h
+        gather = st.saved.pop("grad_gather", None)  # prepare_backward ran
+        full = gather.wait() if gather is not None else self._gathered(grad)
+        grad_h = input_grad(st.saved.pop("out"), st.saved.pop("h_in"), full)
+        st.saved["grad"] = grad  # the residual's gradient: this rank's rows under SP
+        return self._handoff(grad_h)
 
     def backward_finish(self, mb: int, reduced: torch.Tensor | None) -> torch.Tensor | None:
         st = self._enter(mb, "B-partial", "B")
@@ -262,20 +295,40 @@ class LossUnit(Unit):
     ) -> torch.Tensor:
         if targets is None:
             raise ValueError("the loss unit needs targets")
+        st = self._states.get(mb)
+        if st is not None and "gather" in st.saved:  # prepare_forward ran
+            h_in, sink = st.saved.pop("gather").wait(), st.taps
+        else:
+            st, h, sink = self._norm(mb, x)
+            h_in = h if self.one_graph else self._gathered(h.detach())
+        if self.one_graph:
+            del st.saved["h"]
+        else:
+            h_in.requires_grad_(True)
+        with torch.enable_grad():
+            logits = linear(h_in, self.head_w, sink)  # [b, s, V / tp]
+        st.saved.update(logits=logits, targets=targets)
+        if not self.one_graph:
+            st.saved["h_in"] = h_in
+        return vocab_ce_stats(
+            logits.detach(), targets, self.vocab_start, self.tp_size, self.tp_rank,
+            self.vocab_valid,
+        )
+
+    def _norm(self, mb: int, x: torch.Tensor) -> tuple[_MbState, torch.Tensor, GradTaps | None]:
         st = self._enter(mb, None, "F-partial")
         with torch.enable_grad():
             x_in = x.detach().requires_grad_(True)
             sink = self._sink(st, mb, self.one_graph)
             h = rms_norm(x_in, self.norm_w, self.eps, sink)
-            h_in = h if self.one_graph else h.detach().requires_grad_(True)
-            logits = linear(h_in, self.head_w, sink)  # [b, s, V / tp]
-        st.saved.update(x_in=x_in, logits=logits, targets=targets)
-        if not self.one_graph:
-            st.saved.update(h=h, h_in=h_in)
-        return vocab_ce_stats(
-            logits.detach(), targets, self.vocab_start, self.tp_size, self.tp_rank,
-            self.vocab_valid,
-        )
+        st.saved.update(x_in=x_in, h=h)
+        return st, h, sink
+
+    def prepare_forward(self, mb: int, x: torch.Tensor) -> None:
+        """SP: as the residual units' (the norm, then the all-gather launched)."""
+        if self.seq is not None:
+            st, h, _ = self._norm(mb, x)
+            st.saved["gather"] = self.seq.launch_gather(h.detach())
 
     def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
         st = self._enter(mb, "F-partial", "F")
@@ -292,7 +345,8 @@ class LossUnit(Unit):
         if self.one_graph:
             st.saved["grad"] = self._input_grad(st, logits, st.saved.pop("x_in"), grad_logits)
             return None
-        return self._input_grad(st, logits, st.saved.pop("h_in"), grad_logits)  # taps the head
+        grad_h = self._input_grad(st, logits, st.saved.pop("h_in"), grad_logits)  # taps the head
+        return self._handoff(grad_h)
 
     def backward_finish(self, mb: int, reduced: torch.Tensor | None) -> torch.Tensor | None:
         st = self._enter(mb, "B-partial", "B")

@@ -35,7 +35,11 @@ class MLLMFamily:
 
     def stage_builder(self, config: MLLMConfig, num_stages: int, *,
                       partition: tuple[int, ...] | None,
-                      weights: Callable[..., torch.Tensor] | None = None) -> StageBuilder:
+                      weights: Callable[..., torch.Tensor] | None = None,
+                      sequence_parallel: bool = False) -> StageBuilder:
+        if sequence_parallel:
+            raise ValueError("--sequence-parallel is not implemented for --arch mllm yet "
+                             "(the decoder only)")
         if weights is not None:
             raise ValueError("the multimodal model has no Hugging Face layout to read weights "
                              "from; it starts from its seeded initialisation")

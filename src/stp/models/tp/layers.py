@@ -79,6 +79,9 @@ def linear(
         y = F.linear(x, weight, bias)
         sink.linear(weight, x, y, bias)
         return y
+    route = getattr(sink, "route_linear", None)  # stp.models.tp.sequence.RegatheredInput
+    if route is not None:
+        return route(x, weight, bias)
     return _LinearFn.apply(x, weight, sink, bias)
 
 

@@ -58,6 +58,9 @@ class MLLMJob:
 
     def check_flags(self, job: TrainJob) -> None:
         """Settings `--arch mllm` does not take."""
+        if job.sequence_parallel and job.tp > 1:
+            raise ValueError("--sequence-parallel is implemented for --arch decoder, not yet "
+                             "for --arch mllm")
         if job.save_hf is not None:
             raise ValueError("--arch mllm cannot --save-hf: stp's vision encoder and merger have "
                              "no Hugging Face layout to write; the checkpoints in --out keep the "
