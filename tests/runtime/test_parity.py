@@ -36,6 +36,7 @@ from stp.models import ModelConfig
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
 from stp.schedule.registry import make as make_schedule
+from stp.train.grad_sync import GradSync
 from stp.train.trainer import Trainer
 
 MESHES = [(2, 1, 1), (2, 2, 1), (4, 1, 1), (1, 2, 1), (2, 1, 2)]
@@ -125,7 +126,7 @@ def _skip_dp_average(self) -> None:
 
 
 BROKEN = {
-    "no DP averaging": ((2, 1, 2), "float64", [(Trainer, "_reduce_dp_grads", _skip_dp_average)]),
+    "no DP averaging": ((2, 1, 2), "float64", [(GradSync, "average_dp", _skip_dp_average)]),
     "TP all-reduce of float16 partial sums": ((2, 2, 1), "float32", _rounding(torch.float16)),
     "none (float32)": ((2, 2, 1), "float32", []),
     "none (pp2-tp1-dp2)": ((2, 1, 2), "float64", []),
