@@ -156,3 +156,22 @@ def test_the_estimate_is_close_to_what_the_default_run_holds(capfd, tmp_path):
     assert len(est.ranks) == len(measured) == 2
     for rank, got in zip(est.ranks, measured, strict=True):
         assert 0.9 * got <= rank.activations_peak <= 1.5 * got, (rank, got)
+
+
+def test_a_full_disk_while_writing_the_hugging_face_copy_is_one_line(tmp_path, capfd,
+                                                                    monkeypatch):
+    import errno
+
+    from stp.train import trainer as trainer_mod
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(trainer_mod.Trainer, "save_hf", full)
+    hf = tmp_path / "hf"
+    code, _, err = _train(capfd, *SHAPE, "--steps", "1", "--out", str(tmp_path / "out"),
+                          "--save-hf", str(hf))
+    assert code != 0
+    lines = [ln for ln in err.strip().splitlines() if "save-hf" in ln]
+    assert len(lines) == 1 and "no space left on device" in lines[0].lower(), err
+    assert "Traceback" not in err

@@ -34,6 +34,7 @@ from stp.train.outlock import lock_error
 from stp.train.pretrained import copy_tokenizer
 from stp.train.resolve import Run
 from stp.train.resume import write_settings
+from stp.train.storage import StorageFault, cause_of
 from stp.train.trainer import Trainer, TrainerOptions
 
 __all__ = ["StepReport", "RunSummary", "run"]
@@ -191,14 +192,22 @@ def run(resolved: Run,
                                         "tp": job.tp, "dp": job.dp,
                                         "partition": resolved.layer_counts()})
     if job.save_hf is not None:  # every rank writes its own stages' files
-        trainer.save_hf(job.save_hf)
-        if mesh.rank == 0:
-            copy_tokenizer(job.tokenizer, job.save_hf)
+        try:
+            trainer.save_hf(job.save_hf)
+            if mesh.rank == 0:
+                copy_tokenizer(job.tokenizer, job.save_hf)
+        except OSError as e:  # a full disk: one line naming the directory and the cause
+            raise StorageFault(f"cannot write --save-hf {job.save_hf}: {cause_of(e)}; the "
+                               f"sharded checkpoints in {job.out} are intact") from None
     memory = _measured_memory(trainer, peaks, mesh.rank)  # collective
     state = trainer.full_state_dict()
     if mesh.rank != 0:
         return None
-    path = _save(job, resolved.config, state or {}, losses)
+    try:
+        path = _save(job, resolved.config, state or {}, losses)
+    except OSError as e:
+        raise StorageFault(f"cannot write {job.out_dir() / 'checkpoint.pt'}: {cause_of(e)}; "
+                           f"the sharded checkpoints in {job.out} are intact") from None
     return RunSummary(
         job=job, microbatches=schedule.num_microbatches, backend=str(dist.get_backend()),
         device=str(mesh.device), parameters=sum(t.numel() for t in (state or {}).values()),
