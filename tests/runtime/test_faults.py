@@ -174,13 +174,26 @@ def test_frozen_worker_is_named_and_the_group_exits(tmp_path) -> None:
     assert run.leftovers() == []
 
 
+def test_nodes_without_a_shared_secret_are_refused(tmp_path) -> None:
+    """Two "nodes" under torchrun's store and no STP_JOB_TOKEN: one line, exit 2, before
+    any rank reads the store."""
+    env = {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "TORCHELASTIC_USE_AGENT_STORE": "True",
+           "STP_JOB_TOKEN": ""}
+    code, lines, _ = _Train("--pp", "2", tmp=tmp_path, env=env).finish(within=START_S)
+    assert code == 2
+    assert lines == ["stp: error: a run over several nodes needs STP_JOB_TOKEN: export the "
+                     "same random secret on every node (e.g. STP_JOB_TOKEN=$(openssl rand "
+                     "-hex 16)) so that stp trusts only its own ranks' heartbeats and settings"]
+
+
 def test_nodes_started_with_different_settings_are_told_which(tmp_path) -> None:
     """Two "nodes" of one rank each under a torchrun-like store: --lr differs."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
     env = {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
-           "TORCHELASTIC_USE_AGENT_STORE": "True"}
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "STP_JOB_TOKEN": "test-secret"}
     lr = {0: "0.003", 1: "0.01"}
     runs = [_Train("--pp", "2", "--lr", lr[r], tmp=tmp_path, env={**env, "RANK": str(r)})
             for r in range(2)]

@@ -181,6 +181,18 @@ def _worker(resolved: Any, as_json: bool) -> None:
         os._exit(code)
 
 
+def _check_job_secret() -> None:
+    """A multi-node run trusts heartbeats and settings from torch's agent store, which
+    listens on the network: only with a secret every node shares (stp.runtime.store)."""
+    from stp.runtime.store import TOKEN_ENV
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > int(os.environ.get("LOCAL_WORLD_SIZE", world)) and not os.environ.get(TOKEN_ENV):
+        raise ValueError(f"a run over several nodes needs {TOKEN_ENV}: export the same random "
+                         f"secret on every node (e.g. {TOKEN_ENV}=$(openssl rand -hex 16)) so "
+                         "that stp trusts only its own ranks' heartbeats and settings")
+
+
 def _under_torchrun(job: Any, as_json: bool) -> int:
     """One rank started by torchrun: the nodes' settings compared, every rank
     checks, rank 0 alone reports, all exit 2 at once. (The default run directory is
@@ -191,6 +203,7 @@ def _under_torchrun(job: Any, as_json: bool) -> int:
     from stp.train.schedules import with_schedule_file
 
     try:
+        _check_job_secret()
         # The nodes may start seconds apart: wait as long as a start may take.
         agree(shared_settings(job), timeout=max(job.timeout, STARTUP_S))
         job = with_schedule_file(job)
