@@ -117,6 +117,9 @@ class MLLMStage(ModelStage):
         for spec in specs:
             _register(self, spec.name, nn.Parameter(tensors[spec.name]))
         self.units: tuple[Unit, ...] = tuple(self._mllm_units(dict(self.named_parameters())))
+        # no sequence parallelism for the multimodal model yet (refused by its family)
+        self.sequence_parallel = self.prepares_gathers = False
+        self.seq = None
 
     def _mllm_units(self, p: dict[str, nn.Parameter]) -> list[Unit]:
         cfg, dec, lv = self.mllm, self.mllm.decoder, self.mllm.vision.num_layers
