@@ -175,3 +175,18 @@ def test_a_full_disk_while_writing_the_hugging_face_copy_is_one_line(tmp_path, c
     lines = [ln for ln in err.strip().splitlines() if "save-hf" in ln]
     assert len(lines) == 1 and "no space left on device" in lines[0].lower(), err
     assert "Traceback" not in err
+
+
+def test_a_damaged_run_settings_file_is_refused_in_one_line(first_run, tmp_path, capfd):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(first_run, copy)
+    (copy / ".stp-lock").unlink(missing_ok=True)
+    doc = json.loads((copy / "run.json").read_text())
+    doc["settings"]["model"]["seq_len"] = "long"
+    (copy / "run.json").write_text(json.dumps(doc))
+    code, _, err = _train(capfd, "--resume", str(copy), "--steps", "9", "--pp", "1")
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1
+    assert "--seq-len is 'long', not a int" in err and "run.json" in err

@@ -48,6 +48,12 @@ def _flag(name: str) -> str:
 
 
 def _merge(field: str, given: Any, default: Any, saved: Any, where: Path) -> Any:
+    kinds = {type(v) for v in (given, default) if v is not None}
+    if saved is not None and (isinstance(saved, bool) or type(saved) not in kinds) and kinds:
+        # a damaged or edited run.json is refused, never loaded as some other model
+        raise ValueError(f"{where}: {_flag(field)} is {saved!r}, not a "
+                         f"{' or '.join(sorted(k.__name__ for k in kinds))}; fix or remove the "
+                         "file to resume without it")
     if given in (default, saved):
         return saved
     shown = "(none)" if saved is None else saved
