@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from _dist import free_port
+from safetensors.torch import load_file
 
 from stp.cli.main import main
 
@@ -51,7 +51,8 @@ def test_same_losses_on_one_process_and_on_meshes(tmp_path: Path) -> None:
     losses = {}
     for name, mesh in runs.items():
         out, _ = _stp("train", *TINY, "--dtype", "float64", "--json", *mesh,
-                      "--out", str(tmp_path / name), timeout=180)
+                      "--out", str(tmp_path / name), "--save-full",
+                      str(tmp_path / f"{name}.safetensors"), timeout=180)
         assert out.returncode == 0, out.stderr
         losses[name] = _json_losses(out.stdout)
         assert len(losses[name]) == 3
@@ -60,13 +61,12 @@ def test_same_losses_on_one_process_and_on_meshes(tmp_path: Path) -> None:
     assert ref[-1] < ref[0]
     for name, ls in losses.items():
         assert max(abs(a - b) / abs(b) for a, b in zip(ls, ref, strict=True)) <= 1e-9, (name, ls)
-    ckpt = torch.load(tmp_path / "pp2-tp2-stp" / "checkpoint.pt", weights_only=False)
-    assert ckpt["losses"] == losses["pp2-tp2-stp"]
-    single = torch.load(tmp_path / "single" / "checkpoint.pt", weights_only=False)
-    assert set(ckpt["model"]) == set(single["model"])
-    worst = max(float((ckpt["model"][n] - t).abs().max()) for n, t in single["model"].items())
+    model = load_file(tmp_path / "pp2-tp2-stp.safetensors")  # --save-full, stage by stage
+    single = load_file(tmp_path / "single.safetensors")
+    assert set(model) == set(single)
+    worst = max(float((model[n] - t).abs().max()) for n, t in single.items())
     assert worst < 1e-9
-    assert ckpt["model"]["embed.weight"].shape == (256, 32)  # TP shards concatenated
+    assert model["embed.weight"].shape == (256, 32)  # TP shards concatenated
 
 
 def test_single_process_run_prints_progress_and_summary(tmp_path: Path) -> None:
@@ -74,7 +74,8 @@ def test_single_process_run_prints_progress_and_summary(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "step 3/3" in out.stderr and "tok/s" in out.stderr and "loss" in out.stderr
     assert "trained 3 steps of stp" in out.stdout
-    assert (tmp_path / "checkpoint.pt").exists()
+    assert f"checkpoint: {tmp_path / 'step-00000003'} (sharded" in out.stdout
+    assert not (tmp_path / "checkpoint.pt").exists()  # nothing gathered on rank 0
 
 
 @pytest.mark.parametrize(

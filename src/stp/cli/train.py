@@ -20,8 +20,10 @@ rank at once: `stp: interrupted at step N; last checkpoint: ...`, exit 130
 (SIGTERM: 143). See stp.cli.train_supervise.
 
 Output: a progress bar on stderr (loss, tokens/s, step time), a summary and
-a checkpoint at the end; with --json, one JSON object per step on stdout and
-nothing else there. torch is imported only when the command runs.
+a sharded checkpoint at the end (--save-full / --save-hf: the whole model as
+one safetensors file / a Hugging Face directory, written stage by stage);
+with --json, one JSON object per step on stdout and nothing else there.
+torch is imported only when the command runs.
 """
 
 from __future__ import annotations
@@ -127,9 +129,10 @@ def _summary(s: Any, as_json: bool) -> None:
         text += f"\npeak resident activations per rank (offload {job.offload}): {peaks} MiB"
     if job.trace:
         text += f"\ntrace of the last step: {job.trace}"
-    text += f"\ncheckpoint: {s.checkpoint}"
-    if s.sharded_checkpoint:
-        text += f"\nsharded checkpoint: {s.sharded_checkpoint} (continue with --resume)"
+    if s.checkpoint:
+        text += f"\ncheckpoint: {s.checkpoint} (sharded; continue with --resume {job.out})"
+    if job.save_full:
+        text += f"\nwhole model (safetensors): {job.save_full}"
     if job.save_hf:
         text += f"\nHugging Face checkpoint: {job.save_hf}"
     print(text, file=sys.stderr if as_json else sys.stdout, flush=True)

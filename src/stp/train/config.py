@@ -137,6 +137,10 @@ class TrainJob:
     save_hf: str | None = option(
         None, "after the last step, write the model as a Hugging Face checkpoint directory "
         "(transformers' from_pretrained loads it)", metavar="DIR")
+    save_full: str | None = option(
+        None, "after the last step, write the whole model as one safetensors file under the "
+        "single-process model's names, stage by stage (no rank gathers the model); its "
+        "directory is checked writable before training", metavar="PATH")
     tokenizer: str | None = option(
         None, "tokenizer.json that tokenises --data (default: the --init-from directory's, "
         "when it has one; else bytes)", metavar="PATH")

@@ -65,9 +65,19 @@ def check(job: TrainJob, world_size: int | None = None) -> Run:
     if job.sequence_parallel and job.tp > 1:
         _check_sequence_parallel(job)
     _check_training(job, run.config)
+    if job.save_full is not None:  # after --out, which may be its directory, is made
+        _check_save_full(job)
     check_memory(run, None if world_size is None else int(os.environ.get(
         "LOCAL_WORLD_SIZE", world_size)))  # before any worker allocates
     return run
+
+
+def _check_save_full(job: TrainJob) -> None:
+    """--save-full: a file stp may write, of a model that has weights."""
+    if job.emulate is not None:
+        raise ValueError("--emulate-compute stages hold no model to save; drop --save-full "
+                         "or --emulate-compute")
+    check_output_file(job.save_full, "--save-full")  # type: ignore[arg-type]
 
 
 def _check_sequence_parallel(job: TrainJob) -> None:

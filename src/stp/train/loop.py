@@ -7,14 +7,16 @@ run continues at the checkpoint's step: batches are a function of the step,
 so its data continue too), evaluates every `job.eval_every` steps, writes a
 sharded checkpoint every `job.save_every` steps and after the last one,
 calls `on_step` on global rank 0 after each step, writes the trace, the
-Hugging Face checkpoint (`job.save_hf`) and the gathered model, and returns
-a `RunSummary` on rank 0 (None on the others).
+Hugging Face checkpoint (`job.save_hf`) and the single safetensors file
+(`job.save_full`) when asked, and returns a `RunSummary` on rank 0 (None on
+the others). Nothing gathers the whole model on one rank: the sharded
+checkpoint is the run's output, and the two exports are written stage by
+stage (stp.models.hf.save, stp.train.save_full).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stp.files import replacing
 from stp.runtime.launch import in_torchrun
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.train.config import TrainJob
@@ -73,9 +74,8 @@ class RunSummary:
     step_times_s: tuple[float, ...]
     tokens_per_step: int
     resident_activation_bytes: list[int] | None
-    checkpoint: str
-    sharded_checkpoint: str | None = None
-    """The last sharded checkpoint written (what --resume loads)."""
+    checkpoint: str | None
+    """The last sharded checkpoint written (what --resume loads; None: none written)."""
     memory: list[dict[str, int]] | None = None
     """Each global rank's measured bytes by category and its pipeline rank `pp`
     (stp.train.memory_measure)."""
@@ -199,21 +199,21 @@ def run(resolved: Run,
         except OSError as e:  # a full disk: one line naming the directory and the cause
             raise StorageFault(f"cannot write --save-hf {job.save_hf}: {cause_of(e)}; the "
                                f"sharded checkpoints in {job.out} are intact") from None
+    if job.save_full is not None:  # every pipeline rank writes its own stages' tensors
+        try:
+            trainer.save_full(job.save_full)
+        except StorageFault as e:  # on every rank: one line naming the file and the cause
+            raise StorageFault(f"--save-full: {e}; the sharded checkpoints in {job.out} "
+                               "are intact") from None
     memory = _measured_memory(trainer, peaks, mesh.rank)  # collective
-    state = trainer.full_state_dict()
+    parameters = trainer.parameter_count()  # collective; from shapes, nothing gathered
     if mesh.rank != 0:
         return None
-    try:
-        path = _save(job, resolved.config, state or {}, losses)
-    except OSError as e:
-        raise StorageFault(f"cannot write {job.out_dir() / 'checkpoint.pt'}: {cause_of(e)}; "
-                           f"the sharded checkpoints in {job.out} are intact") from None
     return RunSummary(
         job=job, microbatches=schedule.num_microbatches, backend=str(dist.get_backend()),
-        device=str(mesh.device), parameters=sum(t.numel() for t in (state or {}).values()),
+        device=str(mesh.device), parameters=parameters,
         losses=tuple(losses), step_times_s=tuple(times), tokens_per_step=tokens_per_step,
-        resident_activation_bytes=peaks, checkpoint=os.fspath(path), sharded_checkpoint=sharded,
-        memory=memory,
+        resident_activation_bytes=peaks, checkpoint=sharded, memory=memory,
     )
 
 
@@ -226,24 +226,6 @@ def _measured_memory(trainer: Trainer, peaks: list[int] | None,
     everyone: list[Any] = [None] * trainer.dims.world_size
     dist.all_gather_object(everyone, mine)
     return everyone if rank == 0 else None
-
-
-def _save(job: TrainJob, config: Any, state: dict[str, torch.Tensor],
-          losses: list[float]) -> str:
-    out = job.out_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "checkpoint.pt"
-    with replacing(path) as tmp:  # a kill or a full disk keeps an earlier good file
-        torch.save(
-            {
-                "model": state,
-                "model_config": dataclasses.asdict(config),
-                "job": dataclasses.asdict(job),
-                "losses": losses,
-            },
-            tmp,
-        )
-    return os.fspath(path)
 
 
 def memory_summary(memory: list[dict[str, int]]) -> dict[str, Any]:

@@ -35,9 +35,11 @@ DP average.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import replace
+from dataclasses import asdict, is_dataclass, replace
+from math import prod
 from typing import Any
 
 import torch
@@ -60,6 +62,7 @@ from stp.train.grad_sync import WORLD
 from stp.train.lr import make_scheduler
 from stp.train.parts import Parts, TrainerOptions
 from stp.train.precision import Precision, UpdateStats, apply_update
+from stp.train.save_full import full_layout, write_full
 from stp.train.setup import StageBuilder, build
 
 __all__ = ["Trainer", "TrainerOptions", "StageBuilder", "OptimizerFactory"]
@@ -311,6 +314,21 @@ class Trainer:
         Collective: every rank must call it."""
         return gather_full_state(self.stages, self.mesh, self.parts.sync.collective,
                                  grads=grads)
+
+    def save_full(self, path: str | os.PathLike[str]) -> None:
+        """Write the whole model as one safetensors file `path`, under the reference's
+        names (what full_state_dict returns), stage by stage: no rank holds more than
+        its shards and one full tensor (stp.train.save_full). Collective."""
+        config = self.model_config
+        meta = {} if not is_dataclass(config) else {
+            "stp_model_config": json.dumps(asdict(config), sort_keys=True, default=str)}
+        write_full(path, self.stages, self.mesh, self.parts.sync.collective, meta)
+
+    def parameter_count(self) -> int:
+        """Elements of the whole model (each full tensor once, as full_state_dict would
+        hold them), counted without gathering a tensor. Collective."""
+        return sum(prod(e.shape) for e in full_layout(self.stages, self.mesh,
+                                                      self.parts.sync.collective))
 
     def save_hf(self, directory: str | os.PathLike[str], *,
                 max_shard_bytes: int | None = None) -> None:
