@@ -5,7 +5,8 @@ writes the whole model as one safetensors file, stage by stage.
   replicated on both TP ranks) and pp2 x dp2 (1f1b), one 4-process launch:
   `Trainer.save_full` equals `Trainer.full_state_dict()` exactly, names, dtypes
   (float64, bfloat16) and bytes; untrained, it equals the single-process
-  reference model; `parameter_count()` counts what full_state_dict holds.
+  reference model; `parameter_count()` counts what full_state_dict holds;
+  `Trainer.save_hf`'s files (streamed one tensor at a time) hold the same.
 - The file is safetensors (a length and a JSON header, no pickle) and
   `safetensors.torch.load_file` reads it.
 - The command line: no `checkpoint.pt` by default, the summary names the
@@ -29,7 +30,7 @@ from safetensors.torch import load_file
 
 from stp.cli.main import main
 from stp.models import ModelConfig, build_reference
-from stp.train import save_full
+from stp.models.hf import hf_name, stream
 
 CONFIG = ModelConfig(vocab_size=31, hidden=32, num_layers=4, num_heads=4, num_kv_heads=1,
                      ffn_hidden=64, max_seq_len=8, seed=5)
@@ -56,6 +57,16 @@ def _differences(path: Path, want: dict[str, torch.Tensor]) -> list[str]:
             if got[n].dtype != t.dtype or got[n].shape != t.shape or not torch.equal(got[n], t)]
 
 
+def _hf_differences(directory: Path, full: dict[str, torch.Tensor]) -> list[str]:
+    """What differs between a --save-hf directory's files and `full` (several files)."""
+    files = sorted(directory.glob("model-*.safetensors"))
+    got = {k: v for f in files for k, v in load_file(f).items()}
+    want = {hf_name(n): t for n, t in full.items()}
+    if len(files) < 2 or sorted(got) != sorted(want):
+        return [f"{len(files)} files, names {sorted(set(got) ^ set(want))}"]
+    return [n for n, t in want.items() if got[n].dtype != t.dtype or not torch.equal(got[n], t)]
+
+
 def _worker(rank: int, world: int, out_dir: str) -> dict:
     from stp.runtime.mesh import Mesh, ParallelDims
     from stp.train.trainer import Trainer
@@ -76,8 +87,12 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
             trainer.save_full(path)  # over the earlier file
             full = trainer.full_state_dict()
             count = trainer.parameter_count()
+            if dims == (2, 2, 1):  # --save-hf streams its files one tensor at a time too
+                trainer.save_hf(Path(out_dir) / f"hf-{dtype}", max_shard_bytes=20_000)
             if rank == 0:
                 out[key] = _differences(path, full)
+                out[f"{key} hf"] = _hf_differences(Path(out_dir) / f"hf-{dtype}", full) if (
+                    dims == (2, 2, 1)) else []
                 out[f"{key} count"] = (count, sum(t.numel() for t in full.values()))
                 out[f"{key} dtypes"] = sorted({str(t.dtype) for t in load_file(path).values()})
     return out
@@ -91,11 +106,14 @@ def test_save_full_equals_full_state_dict_on_meshes(tmp_path: Path) -> None:
         count, held = results[f"{dims} torch.float64 count"]
         assert count == held > 0
         assert results[f"{dims} torch.float64 dtypes"] == ["torch.float64"]
+    assert results["(2, 2, 1) torch.float64 hf"] == []
+    assert results["(2, 2, 1) torch.bfloat16 hf"] == []
     assert results["(2, 2, 1) torch.bfloat16"] == []
     assert results["(2, 2, 1) torch.bfloat16 dtypes"] == ["torch.bfloat16"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [  # no partial file left
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [  # no partial left
         "212-torch.float64.safetensors", "221-torch.bfloat16.safetensors",
         "221-torch.float64.safetensors"]
+    assert not list(tmp_path.glob(".*"))
 
 
 def _train(capfd, *argv: str) -> tuple[int, str, str]:
@@ -154,7 +172,7 @@ def test_save_full_with_emulated_compute_is_refused(capfd) -> None:
     assert code == 2 and err.count("\n") == 1 and "--emulate-compute" in err, err
 
 
-_real_pwrite_all = save_full._pwrite_all
+_real_pwrite_all = stream._pwrite_all
 
 
 def _no_space(*args, **kwargs):
@@ -170,7 +188,7 @@ def _no_space_for_tensors(fd, data, offset):
 @pytest.mark.parametrize("patched", ["_reserve", "_pwrite_all"])
 def test_a_full_disk_while_writing_save_full_is_one_line(tmp_path, capfd, monkeypatch,
                                                          patched) -> None:
-    monkeypatch.setattr(save_full, patched,
+    monkeypatch.setattr(stream, patched,
                         _no_space if patched == "_reserve" else _no_space_for_tensors)
     path = tmp_path / "m.safetensors"
     path.write_bytes(b"an earlier file")

@@ -20,53 +20,29 @@ more than its own shards plus one full tensor:
     4. the ranks agree that every write succeeded; global rank 0 renames the
        file to PATH (a reader never sees half a file) or removes it.
 
-The format (safetensors' own specification): an 8-byte little-endian header
-length N, N bytes of JSON {name: {"dtype", "shape", "data_offsets"}, ...,
-"__metadata__": {str: str}} padded with spaces, then the tensors' bytes
-back to back. No pickle anywhere: `safetensors.torch.load_file(PATH)` reads it.
+The file format and the writing at offsets: stp.models.hf.stream. No pickle
+anywhere: `safetensors.torch.load_file(PATH)` reads it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import json
 import os
-import struct
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from math import prod
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from stp.models.hf.stream import Entry, create, header, write_at
 from stp.runtime.mesh import Mesh
 from stp.train.storage import StorageFault, cause_of
 
-__all__ = ["Entry", "full_layout", "header", "write_full"]
-
-CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-         torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-         torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
-"""torch dtypes and their safetensors codes."""
+__all__ = ["full_layout", "write_full"]
 
 Collective = Callable[..., Any]
 """`collective(action, peers, fn, *args, **kw)` (stp.train.grad_sync.collective)."""
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One full tensor of the file."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return prod(self.shape) * self.dtype.itemsize
 
 
 def _full_shape(stage: Any, name: str, param: torch.Tensor, tp: int) -> tuple[int, ...]:
@@ -91,59 +67,6 @@ def full_layout(stages: Mapping[int, Any], mesh: Mesh,
                everyone, mine)
     merged = {e.name: e for part in everyone for e in part}
     return [merged[n] for n in sorted(merged)]
-
-
-def header(entries: list[Entry], metadata: Mapping[str, str] | None = None
-           ) -> tuple[bytes, dict[str, int], int]:
-    """(the file's first bytes: length and JSON header; each tensor's offset in the
-    file; the file's size)."""
-    table: dict[str, Any] = {}
-    offsets: dict[str, int] = {}
-    pos = 0
-    for e in entries:
-        if e.dtype not in CODES:
-            raise ValueError(f"{e.name}: dtype {e.dtype} has no safetensors code; "
-                             f"accepted: {', '.join(str(d) for d in CODES)}")
-        table[e.name] = {"dtype": CODES[e.dtype], "shape": list(e.shape),
-                         "data_offsets": [pos, pos + e.nbytes]}
-        offsets[e.name] = pos
-        pos += e.nbytes
-    if metadata:
-        table["__metadata__"] = dict(metadata)
-    text = json.dumps(table, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors pads
-    start = 8 + len(text)
-    return (struct.pack("<Q", len(text)) + text, {n: start + o for n, o in offsets.items()},
-            start + pos)
-
-
-def _pwrite_all(fd: int, data: Any, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-def _reserve(fd: int, size: int) -> None:
-    """Claim `size` bytes now, so that a full disk fails before any tensor moves
-    (where the filesystem cannot, the writes will tell)."""
-    if size > 0 and hasattr(os, "posix_fallocate"):
-        try:
-            os.posix_fallocate(fd, 0, size)
-            return
-        except OSError as e:
-            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                raise
-    os.ftruncate(fd, size)
-
-
-def _create(tmp: Path, head: bytes, size: int) -> None:
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-    try:
-        _reserve(fd, size)
-        _pwrite_all(fd, head, 0)
-    finally:
-        os.close(fd)
 
 
 def _full_tensor(stage: Any, name: str, param: torch.Tensor, mesh: Mesh,
@@ -181,8 +104,7 @@ def _write_stages(tmp: Path, stages: Mapping[int, Any], mesh: Mesh, collective: 
                         raise RuntimeError(f"{name}: joined {full.dtype} {tuple(full.shape)}, "
                                            f"expected {layout[name].dtype} {layout[name].shape}")
                     fd = os.open(tmp, os.O_WRONLY) if fd is None else fd
-                    raw = full.contiguous().reshape(-1).view(torch.uint8).numpy()
-                    _pwrite_all(fd, raw, offsets[name])  # little-endian hosts: x86, ARM
+                    write_at(fd, full, offsets[name])
                 except (OSError, RuntimeError) as e:
                     error = cause_of(e)
         if fd is not None and error is None:
@@ -221,7 +143,7 @@ def write_full(path: str | os.PathLike[str], stages: Mapping[int, Any], mesh: Me
     if mesh.rank == 0:
         tmp = target.with_name(f".{target.name}.{os.getpid()}.partial")
         try:
-            _create(tmp, head, size)
+            create(tmp, head, size)
             box = [(str(tmp), None)]
         except OSError as e:
             box = [(str(tmp), cause_of(e))]

@@ -6,14 +6,16 @@ the tokenizer and generation files of the source checkpoint when it had any.
 
 `save_stages` is the distributed writer: every pipeline rank writes the files
 of its own stages (its TP group gathers each tensor to TP rank 0, one tensor
-at a time, and DP replica 0 writes), so no rank ever holds more than its
-stages' share of the model plus one file; global rank 0 writes the index and
+at a time, and DP replica 0 writes it at its offset in the file,
+stp.models.hf.stream), so no rank ever holds more than its stages' share of
+the model plus one full tensor; global rank 0 writes the index and
 config.json. `save_state` writes a whole state dict from one process.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +28,8 @@ from safetensors.torch import save_file
 from stp.models.hf.checkpoint import INDEX, HFCheckpoint
 from stp.models.hf.config import config_to_hf
 from stp.models.hf.names import hf_name
+from stp.models.hf.stream import Entry as Tensor
+from stp.models.hf.stream import create, header, write_at
 from stp.shapes.decoder import ModelConfig
 
 __all__ = ["DEFAULT_SHARD_BYTES", "save_state", "save_stages"]
@@ -130,6 +134,36 @@ def _gather_full(stage: Any, name: str, param: torch.Tensor, mesh: Any) -> torch
     return None if parts is None else stage.unshard(name, parts).cpu()
 
 
+def _stream_file(path: Path, group: list[Entry], stage_of: Mapping[str, Any],
+                 params: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]],
+                 mesh: Any, error: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+    """One file of this rank's stages, written by TP rank 0 one tensor at a time as its
+    TP group joins them (stp.models.hf.stream): the writer holds one full tensor, not
+    the file's. Every TP rank takes part in every gather, whatever failed; returns the
+    first failure as OSError arguments (None: none)."""
+    fd = None
+    if mesh.coord.tp == 0 and error is None:
+        entries = [Tensor(key, params[n].dtype, tuple(shapes[n])) for n, key, _ in group]
+        head, offsets, size = header(entries, {"format": "pt"})
+        try:
+            create(path, head, size)
+            fd = os.open(path, os.O_WRONLY)
+        except OSError as e:
+            error = (e.errno, e.strerror, str(path))
+    try:
+        for n, key, _ in group:
+            full = _gather_full(stage_of[n], n, params[n], mesh)
+            if full is not None and fd is not None and error is None:
+                try:
+                    write_at(fd, full, offsets[key])
+                except OSError as e:
+                    error = (e.errno, e.strerror, str(path))
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return error
+
+
 def save_stages(
     out_dir: str | Path,
     stages: Mapping[int, Any],
@@ -151,18 +185,23 @@ def save_stages(
     plans: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(plans, mine if c.tp == 0 else [])
     files = [group for plan in plans for group in plan]
-    offset = sum(len(plan) for plan in plans[: mesh.rank])
+    # the files' numbers of this TP group's writer (its TP rank 0), for all its TP ranks
+    offset = sum(len(plan) for plan in plans[: mesh.ranks["tp"][0]])
     names = _file_names(len(files))
     if mesh.rank == 0:
         _prepare_dir(out)
     dist.barrier()
     params = dict(named)
     stage_of = {n: stages[s] for s in stages for n in stages[s].specs}
+    error = None
     for k, group in enumerate(mine):
-        tensors = {key: _gather_full(stage_of[n], n, params[n], mesh) for n, key, _ in group}
-        if c.tp == 0:
-            save_file(tensors, out / names[offset + k], metadata={"format": "pt"})
-    dist.barrier()
+        error = _stream_file(out / names[offset + k], group, stage_of, params, shapes, mesh,
+                             error)
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)  # a full disk on one rank stops every rank
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise OSError(*first)
     if mesh.rank == 0:
         _write_metadata(out, files, config, named[0][1].dtype, source)
     dist.barrier()
