@@ -13,6 +13,8 @@
 - `clip`: the global gradient norm over pp x tp x dp, and clipping by it.
 - `lr`: learning-rate schedules and AdamW parameter groups.
 - `checkpoint`, `shards`: sharded checkpoints any mesh can resume from.
+- `save_full`: the whole model as one safetensors file, written stage by stage
+  (`--save-full`); `gather`: the whole model on rank 0 (tests, small models).
 - `evaluate`: held-out loss with forward passes only.
 - `data`: the byte-level corpus and deterministic batches.
 
