@@ -23,6 +23,7 @@ equals the unsharded run; the pp2 x dp2 checkpoint resumes on dp4.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import pytest
@@ -42,10 +43,15 @@ from _train_common import (
     worst_param,
 )
 
+from stp.cli.flags import add_flags, from_args
 from stp.models import ModelConfig
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
+from stp.train.config import TrainJob
+from stp.train.loop import _options
+from stp.train.memory_check import run_estimate
 from stp.train.memory_measure import measure
+from stp.train.resolve import resolve
 from stp.train.shards import Box
 from stp.train.trainer import Trainer
 from stp.train.zero import ShardedPrecision, ShardLayout, row_box
@@ -101,6 +107,20 @@ def test_row_box_leaves_padding_rows_out() -> None:
     # sharded along dim 1 (a row-parallel weight): rows move the offset along dim 0
     cols = Box(torch.Size([6, 8]), torch.Size([0, 4]), dim=1, length=4)
     assert row_box(cols, 3, 6).offsets == torch.Size([3, 4])
+
+
+def test_the_flag_reaches_the_trainer_and_the_memory_check() -> None:
+    """`stp train --shard-optimizer` is TrainJob.shard_optimizer, the Trainer's option,
+    and the pre-launch estimate divides masters and moments by dp."""
+    parser = argparse.ArgumentParser()
+    add_flags(parser, TrainJob)
+    args = ["--dp", "2", "--dtype", "bfloat16", "--steps", "1"]
+    plain = resolve(from_args(TrainJob, parser.parse_args(args)))
+    sharded = resolve(from_args(TrainJob, parser.parse_args([*args, "--shard-optimizer"])))
+    assert sharded.job.shard_optimizer and not plain.job.shard_optimizer
+    assert _options(sharded).shard_optimizer and not _options(plain).shard_optimizer
+    before, after = run_estimate(plain).peak, run_estimate(sharded).peak
+    assert after.masters == before.masters / 2 and after.optimizer == before.optimizer / 2
 
 
 # -- pp2 x dp2: parity, gradients, state, checkpoints -------------------------------------
