@@ -12,7 +12,8 @@ gradient shards equal its rows of the unsharded run's DP-averaged gradients,
 and each rank holds the AdamW moments of its rows only (half the unsharded
 run's, summed over the replicas: all of them). A checkpoint saved sharded
 after step 2 resumes sharded on the same mesh bit for bit, and unsharded on
-one process within 1e-9; one saved unsharded resumes sharded. In bfloat16 the
+one process within 1e-9; one saved unsharded resumes sharded. An inf gradient on one rank skips the
+step on every rank. In bfloat16 the
 fp32 masters and the moments are split the same way, and training equals the
 unsharded bf16 run exactly (see `test_bf16_equals_unsharded_bf16`).
 
@@ -168,11 +169,34 @@ def _four_ranks(rank: int, world: int, root: str) -> dict:
     if params is not None:
         ref_stats, ref_params = reference(STEPS)
         out.update(reference=ref_stats, param_error=worst_param(params, ref_params))
-    out["again"] = train(_resume(f"{root}/sharded", mesh, True), range(SAVE_AT, STEPS))
+    again = _resume(f"{root}/sharded", mesh, True)
+    out["again"] = train(again, range(SAVE_AT, STEPS))
+    out["skip"] = _skip_step(again, rank)
     out["from_plain"] = train(_resume(f"{root}/plain", mesh, True), range(SAVE_AT, STEPS))
     out.update(tail=tail, plain_tail=plain_tail, stats=stats + tail)
     out.update(_bf16(mesh))
     return out
+
+
+def _skip_step(trainer: Trainer, rank: int) -> dict:
+    """A step with an inf planted in one whole gradient of global rank 3 only (before
+    the reduce-scatter), then a clean step."""
+    before = {n: p.detach().clone() for n, p in trainer.named_parameters()}
+    fold = trainer.precision.fold
+
+    def poisoned() -> None:
+        fold()
+        trainer.precision.full_grads()[0].view(-1)[0] = float("inf")
+
+    if rank == 3:
+        trainer.precision.fold = poisoned
+    trainer.step(batch(STEPS))
+    skipped = trainer.last_update
+    unchanged = all(torch.equal(before[n], p) for n, p in trainer.named_parameters())
+    trainer.precision.fold = fold
+    trainer.step(batch(STEPS + 1))
+    return {"skipped": skipped.skipped, "unchanged": unchanged,
+            "next_skipped": trainer.last_update.skipped}
 
 
 def _bf16(mesh: Mesh) -> dict:
@@ -228,6 +252,12 @@ def test_each_replica_holds_the_moments_of_its_rows_only(runs: dict) -> None:
 def test_resume_sharded_on_the_same_mesh_is_bit_for_bit(runs: dict) -> None:
     for r in runs["four"]:
         assert r["again"] == r["tail"]
+
+
+def test_an_inf_gradient_on_one_rank_skips_the_step_on_every_rank(runs: dict) -> None:
+    for rank, r in enumerate(runs["four"]):
+        s = r["skip"]
+        assert s["skipped"] and s["unchanged"] and not s["next_skipped"], (rank, s)
 
 
 def test_resume_without_sharding_on_one_process(runs: dict) -> None:
