@@ -19,7 +19,8 @@ unsharded bf16 run exactly (see `test_bf16_equals_unsharded_bf16`).
 
 Slow: pp2 x tp2 x dp2 against the reference; tp2 x dp4 on a vocabulary of 9
 (padded to 10 over tp2: a DP shard of padding rows only, and an empty one)
-equals the unsharded run; the pp2 x dp2 checkpoint resumes on dp4.
+equals the unsharded run, and its sharded checkpoint resumes unsharded; the
+pp2 x dp2 checkpoint resumes on dp4.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from stp.train.memory_measure import measure
 from stp.train.resolve import resolve
 from stp.train.shards import Box
 from stp.train.trainer import Trainer
-from stp.train.zero import ShardedPrecision, ShardLayout, row_box
+from stp.train.zero import DPGroup, ShardedPrecision, ShardLayout, row_box
 
 STEPS, SAVE_AT = 3, 2
 
@@ -108,6 +109,18 @@ def test_row_box_leaves_padding_rows_out() -> None:
     # sharded along dim 1 (a row-parallel weight): rows move the offset along dim 0
     cols = Box(torch.Size([6, 8]), torch.Size([0, 4]), dim=1, length=4)
     assert row_box(cols, 3, 6).offsets == torch.Size([3, 4])
+
+
+def test_parameters_it_cannot_split_are_refused_in_one_line() -> None:
+    dp = DPGroup(2, 0, None, run=None)
+    gain = torch.nn.Parameter(torch.ones(4))
+    with pytest.raises(ValueError, match="'scale' is a scalar"):
+        ShardedPrecision([("w", gain), ("scale", torch.nn.Parameter(torch.tensor(1.0)))], (), dp)
+    mixed = [("w", gain), ("b", torch.nn.Parameter(torch.ones(2, dtype=torch.float64)))]
+    with pytest.raises(ValueError, match="one parameter dtype"):
+        ShardedPrecision(mixed, (), dp)
+    ok = ShardedPrecision([("w", gain)], (), dp)  # pure: the shard is a view of rows 0..1
+    assert ok.params[0].data_ptr() == gain.data_ptr() and ok.params[0].shape == (2,)
 
 
 def test_the_flag_reaches_the_trainer_and_the_memory_check() -> None:
@@ -314,8 +327,12 @@ def _eight_ranks(rank: int, world: int, root: str) -> dict:
         params[shard] = t.full_state_dict()
         if shard:
             t.save(f"{root}/odd")  # DCP checks the saved row boxes cover every tensor
+            odd["next"] = [(t.step(_odd_batch(STEPS)), t.last_update.grad_norm)]
     if params[True] is not None:
         odd["param_error"] = worst_param(params[True], params[False])
+    plain = Trainer.resume(f"{root}/odd", ODD, optimizer(), "1f1b", mesh=odd_mesh,
+                           microbatches=2, **options())  # rows of padding and empty shards
+    odd["resumed"] = [(plain.step(_odd_batch(STEPS)), plain.last_update.grad_norm)]
     out["odd"] = odd
     return out
 
@@ -334,6 +351,7 @@ def test_pp2_tp2_dp2_and_padding_rows(runs: dict) -> None:
     odd = eight[0]["odd"]
     assert worst(odd[True], odd[False]) <= 1e-12
     assert odd["param_error"] <= 1e-12
+    assert worst(odd["resumed"], odd["next"]) <= 1e-12  # loaded unsharded, padding rows too
 
 
 @pytest.mark.slow

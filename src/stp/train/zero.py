@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stp.train.precision import LOW_PRECISION, Precision
+from stp.train.precision import Precision
 from stp.train.shards import Box
 
 __all__ = ["DPGroup", "RowSplit", "ShardLayout", "ShardedPrecision", "row_box"]
@@ -186,7 +186,7 @@ class ShardedPrecision(Precision):
             raise ValueError(f"the sharded optimizer needs one parameter dtype, got "
                              f"{sorted(str(d) for d in dtypes)}")
         self.model_dtype = next(iter(dtypes), torch.float32)
-        mixed = self.model_dtype in LOW_PRECISION
+        mixed = self.mixed  # one dtype: a 16-bit model or a pure one
         self.layout = ShardLayout([p.shape for p in self.model], self.dp.size)
         self.grad_dtype = torch.float32 if mixed else self.model_dtype
         device = self.model[0].device if self.model else torch.device("cpu")
