@@ -15,6 +15,10 @@ Keys, every parameter under its full-model name with its global shape:
     master/<name>          the fp32 master weight (mixed precision only)
     optim/<name>/<state>   optimizer state: tensors shaped like the parameter are
                            sharded as it is, scalars (AdamW's step) replicated
+
+With the sharded optimizer (stp.train.zero) `master/` and `optim/` tensors are
+each rank's rows of its TP box: one more box of the full-model tensor, so a
+checkpoint saved sharded loads unsharded, on another dp, and the other way.
     optim/<name>/hparams   hyperparameters of the parameter's group (lr, betas, ...)
     scheduler, trainer     LR scheduler state; step and data position
     rng/rank<r>            RNG state of global rank r (restored where that rank exists)
@@ -113,17 +117,30 @@ def read_info(path: str | Path) -> dict[str, Any]:
 Scheduler = torch.optim.lr_scheduler.LRScheduler
 
 
-def _params(parts: Parts) -> list[tuple[str, torch.nn.Parameter, torch.nn.Parameter, Box]]:
-    """(name, model parameter, optimizer parameter, its box) once per name."""
+Param = tuple[str, torch.nn.Parameter, torch.nn.Parameter, Box, Box]
+
+
+def _params(parts: Parts) -> list[Param]:
+    """(name, model parameter, optimizer parameter, the model parameter's box, the
+    optimizer parameter's box) once per name; the two boxes differ when the
+    optimizer is sharded (stp.train.zero: a row box inside the model's)."""
     stage_of = {name: st for st in parts.stages.values() for name, _ in st.named_parameters()}
     tp, tp_rank = parts.dims.tp, parts.mesh.coord.tp
     out, seen = [], set()
     prec = parts.precision
-    for name, model, opt in zip(prec.names, prec.model, prec.params, strict=True):
+    for i, (name, model, opt) in enumerate(zip(prec.names, prec.model, prec.params,
+                                               strict=True)):
         if name not in seen:
             seen.add(name)
-            out.append((name, model, opt, box_of(stage_of[name], name, model, tp, tp_rank)))
+            box = box_of(stage_of[name], name, model, tp, tp_rank)
+            out.append((name, model, opt, box, prec.optimizer_box(i, box)))
     return out
+
+
+def _holds_rows(opt: torch.Tensor, box: Box) -> bool:
+    """Does the optimizer parameter hold any element of the model? (A DP shard may
+    hold no rows, or only padding rows: it writes and reads nothing.)"""
+    return box.real(opt).numel() > 0
 
 
 def _hparams(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
@@ -137,15 +154,18 @@ def _save_state(parts: Parts, optimizer: torch.optim.Optimizer, scheduler: Sched
     state: dict[str, Any] = {}
     boxes: dict[str, Box] = {}
     hparams = _hparams(optimizer)
-    for name, model, opt, box in _params(parts):
+    for name, model, opt, box, obox in _params(parts):
         state[f"model/{name}"], boxes[f"model/{name}"] = box.real(model.detach()), box
-        if parts.precision.mixed:
-            state[f"master/{name}"], boxes[f"master/{name}"] = box.real(opt.detach()), box
+        holds = _holds_rows(opt, obox)
+        if parts.precision.mixed and holds:
+            state[f"master/{name}"], boxes[f"master/{name}"] = obox.real(opt.detach()), obox
         for key, value in optimizer.state.get(opt, {}).items():
             fqn = f"optim/{name}/{key}"
-            state[fqn] = value
             if isinstance(value, torch.Tensor) and value.size() == opt.size():
-                state[fqn], boxes[fqn] = box.real(value), box
+                if holds:
+                    state[fqn], boxes[fqn] = obox.real(value), obox
+            else:
+                state[fqn] = value
         state[f"optim/{name}/hparams"] = hparams[id(opt)]
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
@@ -279,18 +299,23 @@ def _load_state(
     state: dict[str, Any] = {}
     boxes: dict[str, Box] = {}
     wholes: dict[str, torch.Tensor] = {}
-    for name, _, opt, box in _params(parts):
+    for name, _, opt, _, box in _params(parts):
         key = f"master/{name}" if f"master/{name}" in keys else f"model/{name}"
         if key not in keys:
             raise ValueError(f"checkpoint {where} has no parameter {name!r}: it was saved from "
                              "another model")
-        state[key], boxes[key] = box.real(opt.detach()), box
+        holds = _holds_rows(opt, box)
+        if holds:
+            state[key], boxes[key] = box.real(opt.detach()), box
         for fqn in optim.get(name, []):
-            whole, state[fqn] = _state_target(keys[fqn], opt, box)
+            whole, target = _state_target(keys[fqn], opt, box)
             if whole is not None:
                 wholes[fqn] = whole
                 if keys[fqn].size == box.size:
+                    if not holds:
+                        continue  # an empty shard: its zero-row state is `whole`
                     boxes[fqn] = box
+            state[fqn] = target
     for key in ("scheduler", "trainer", f"rng/rank{parts.mesh.rank}"):
         if key in keys:
             state[key] = None
@@ -301,7 +326,7 @@ def _apply_optimizer_state(parts: Parts, optimizer: torch.optim.Optimizer,
                            state: dict[str, Any]) -> None:
     opt_state = optimizer.state
     hparams: dict[int, dict[str, Any]] = {}
-    for name, _, opt, _ in _params(parts):
+    for name, _, opt, _, _ in _params(parts):
         prefix = f"optim/{name}/"
         mine = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         if "hparams" in mine:

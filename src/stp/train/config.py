@@ -181,6 +181,11 @@ class TrainJob:
         False, "Megatron-style sequence parallelism (arXiv 2205.05198): between TP regions "
         "each TP rank holds --seq-len / --tp rows; reduce-scatter and all-gather replace "
         "the all-reduce (--seq-len must divide by --tp; no effect at --tp 1)")
+    shard_optimizer: bool = option(
+        False, "ZeRO stage 1 (arXiv 1910.02054): fp32 master weights and AdamW moments split "
+        "over the --dp ranks, gradients reduce-scattered and parameters all-gathered instead "
+        "of one all-reduce; checkpoints resume with or without it, on any --dp (no effect "
+        "at --dp 1)")
     trace: str | None = option(
         None, "write the last step's measured trace (every unit, all-reduce, send and "
         "receive of every rank; open in ui.perfetto.dev)", metavar="FILE.json")

@@ -9,8 +9,10 @@ then runs, on every rank:
     2. the loss sum over the world: the mean over microbatches and replicas,
        so every rank returns the same number;
     3. the DP average of the gradients (fp32 main grads in mixed precision),
-       one flat all-reduce;
-    4. the global gradient norm's all-reduce (stp.train.clip).
+       one flat all-reduce; with the sharded optimizer (stp.train.zero) one
+       reduce-scatter instead, each rank keeping the mean of its shard;
+    4. the global gradient norm's all-reduce (stp.train.clip), over the
+       gradients the optimizer reads (with sharding: each rank's shards).
 
 Every collective goes through `collective`, so a backend error becomes one
 rank error the one way (stp.runtime.errors.wrap): a lost DP peer is reported
@@ -32,6 +34,7 @@ from stp.runtime.mesh import Mesh
 from stp.train.clip import counted_mask, grad_norm
 from stp.train.precision import Precision
 from stp.train.shards import box_of, norm_key
+from stp.train.zero import ShardedPrecision
 
 __all__ = ["GradSync", "SharedSum", "collective", "WORLD"]
 
@@ -80,7 +83,7 @@ class GradSync:
                 for st in stages.values() for n, p in st.named_parameters()]
         gather = None if self.mesh.dims.world_size == 1 else functools.partial(
             self.collective, "gradient keys gather", WORLD, dist.all_gather_object)
-        return counted_mask(keys, rank=self.mesh.rank, gather=gather)
+        return counted_mask(self.precision.norm_keys(keys), rank=self.mesh.rank, gather=gather)
 
     def after_backward(self, losses: Mapping[int, torch.Tensor], microbatches: int,
                        valid_ratio: float) -> tuple[float, float]:
@@ -91,7 +94,9 @@ class GradSync:
         microbatch's mean is over its own valid targets). Collective."""
         self.sum_shared()
         loss = self.world_loss(losses, microbatches, valid_ratio)
-        if self.mesh.dims.dp > 1:
+        if isinstance(self.precision, ShardedPrecision):
+            self.precision.reduce_scatter()
+        elif self.mesh.dims.dp > 1:
             self.average_dp()
         return loss, self.grad_norm()
 
@@ -99,7 +104,7 @@ class GradSync:
         """Sum the gradients of parameters held in more than one place."""
         if self.shared is not None:
             p = self.precision
-            grads = dict(zip(p.names, p.grads(), strict=True))
+            grads = dict(zip(p.names, p.full_grads(), strict=True))
             self.collective("tied / replicated gradient sum", "a rank sharing parameters",
                             self.shared, grads)
 

@@ -3,11 +3,14 @@
 Bytes of the live tensors of this rank, each counted once (by storage):
 
     weights           the model's parameters (the compute dtype)
-    grads             the gradients the optimizer reads: fp32 main grads in a
-                      16-bit run (stp.train.precision), else the parameters' .grad
-    masters           the fp32 master weights of a 16-bit run (0 otherwise)
+    grads             the whole gradients: fp32 main grads in a 16-bit run
+                      (stp.train.precision), else the parameters' .grad
+    masters           the fp32 master weights of a 16-bit run (0 otherwise);
+                      with the sharded optimizer (stp.train.zero) this rank's
+                      shard of them
     optimizer         the optimizer's state tensors (AdamW: two moments per
-                      parameter, and its step counters)
+                      parameter, and its step counters): with the sharded
+                      optimizer, of this rank's shards
     activations_peak  the largest resident activation bytes of a step
                       (stp.runtime.offload's StepMemory: what the stage graphs
                       hold between a forward and its backward)
@@ -49,7 +52,7 @@ def measure(trainer: Any, activations_peak: int | None) -> dict[str, int]:
     precision = trainer.precision
     weights = _bytes(model, seen)
     masters = _bytes(precision.params, seen) if precision.mixed else 0
-    grads = _bytes((p.grad for p in precision.params), seen)
+    grads = _bytes(precision.full_grads(), seen)
     state = (v for s in trainer.optimizer.state.values() for v in s.values())
     optimizer = _bytes(state, seen)
     out = {"weights": weights, "grads": grads, "masters": masters, "optimizer": optimizer,

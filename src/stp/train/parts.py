@@ -64,6 +64,9 @@ class TrainerOptions:
     sequence_parallel: bool = False
     """Megatron-style sequence parallelism (stp.models.tp.sequence): between TP regions
     each TP rank holds s/t rows of the sequence; ignored at tp=1 (the identity)."""
+    shard_optimizer: bool = False
+    """ZeRO stage 1 (stp.train.zero): fp32 masters and optimizer state split over the
+    DP ranks, gradients reduce-scattered, parameters all-gathered; nothing at dp=1."""
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:

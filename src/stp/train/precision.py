@@ -62,13 +62,11 @@ class Precision:
         self.names = [n for n, _ in named]
         self.model = [p for _, p in named]
         self.mixed = any(p.dtype in LOW_PRECISION for p in self.model)
-        self.params: list[nn.Parameter] = self.model
-        """What the optimizer steps: fp32 masters (mixed) or the model's parameters."""
+        self.params: list[nn.Parameter] = self._optimizer_params()
+        """What the optimizer steps: fp32 masters (mixed) or the model's parameters
+        (stp.train.zero: this rank's shards of them)."""
         if not self.mixed:
             return
-        self.params = [nn.Parameter(p.detach().float().clone()) for p in self.model]
-        for master in self.params:
-            master.grad = torch.zeros_like(master)  # the main grad
         index = {id(p): i for i, p in enumerate(self.model)}
         for unit in units:
             mine = [index[i] for i in _held_ids(unit) if i in index]
@@ -76,6 +74,19 @@ class Precision:
                 for method in ("weight", "backward_finish"):
                     if callable(getattr(unit, method, None)):
                         setattr(unit, method, self._folding(getattr(unit, method), mine))
+
+    def _optimizer_params(self) -> list[nn.Parameter]:
+        """fp32 masters whose `.grad` is the main grad (mixed), else the model's own."""
+        if not self.mixed:
+            return self.model
+        masters = [nn.Parameter(p.detach().float().clone()) for p in self.model]
+        for master in masters:
+            master.grad = torch.zeros_like(master)  # the main grad
+        return masters
+
+    def _main_grad(self, i: int) -> torch.Tensor:
+        """The fp32 buffer parameter i's weight gradients are summed into (mixed)."""
+        return self.params[i].grad  # type: ignore[return-value]
 
     def _folding(self, inner: Callable[..., Any], indices: list[int]) -> Callable[..., Any]:
         def run(*args: Any, **kw: Any) -> Any:
@@ -90,7 +101,7 @@ class Precision:
         for i in indices:
             p = self.model[i]
             if p.grad is not None:
-                self.params[i].grad.add_(p.grad)  # type: ignore[union-attr]
+                self._main_grad(i).add_(p.grad)
                 p.grad = None
 
     def fold(self) -> None:
@@ -101,8 +112,8 @@ class Precision:
     def zero_grad(self) -> None:
         """Zero the main grads (mixed; the model's own `.grad` the stages zero)."""
         if self.mixed:
-            for master in self.params:
-                master.grad.zero_()  # type: ignore[union-attr]
+            for i in range(len(self.model)):
+                self._main_grad(i).zero_()
 
     def grads(self) -> list[torch.Tensor]:
         """The gradient of each parameter in `params` (created as zeros if missing)."""
@@ -110,6 +121,22 @@ class Precision:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         return [p.grad for p in self.params]  # type: ignore[misc]
+
+    def full_grads(self) -> list[torch.Tensor]:
+        """The whole gradient of each model parameter (its main grad when mixed), in
+        the order of `names`: what the shared-gradient sum adds up. The same
+        tensors as `grads()` here; stp.train.zero's are the model's, not the shards'."""
+        return self.grads()
+
+    def norm_keys(self, keys: list[Any]) -> list[Any]:
+        """What identifies each of `grads()` in the global norm (stp.train.clip), from the
+        keys of the model's parameters (stp.train.shards.norm_key): the same here."""
+        return keys
+
+    def optimizer_box(self, i: int, box: Any) -> Any:
+        """The box of the full-model tensor `params[i]` covers, from `box`, model
+        parameter i's (stp.train.shards.Box): the same here."""
+        return box
 
     @torch.no_grad()
     def copy_to_model(self) -> None:

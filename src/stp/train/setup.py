@@ -16,6 +16,7 @@ loads the Parts with those three (stp.train.checkpoint).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -35,10 +36,11 @@ from stp.runtime.trace import Recorder
 from stp.schedule import Schedule, registry, validate
 from stp.schedule.lower import lower
 from stp.train.families import family_of
-from stp.train.grad_sync import GradSync
+from stp.train.grad_sync import GradSync, collective
 from stp.train.parts import Parts, TrainerOptions
 from stp.train.precision import Precision
 from stp.train.schedules import is_schedule_file, load_schedule_file
+from stp.train.zero import DPGroup, ShardedPrecision
 
 __all__ = ["TrainerOptions", "StageBuilder", "Parts", "build", "resolve_schedule",
            "stage_builder", "world_mesh"]
@@ -128,7 +130,7 @@ def build(
     shared = None if family is None else family.model.shared_grads(model, stages, schedule, mesh)
     named = [(n, p) for st in stages.values() for n, p in st.named_parameters()]
     units = [u for st in stages.values() for u in getattr(st, "units", ())]
-    precision = Precision(named, units)
+    precision = _precision(named, units, mesh, opts.shard_optimizer)
     holds_loss = schedule.stage_to_rank[-1] == mesh.coord.pp
     sync = GradSync(mesh, precision, stages, shared=shared, holds_loss=holds_loss,
                     device=device)
@@ -140,6 +142,18 @@ def build(
                  stages=stages,
                  holds_loss=holds_loss, precision=precision, offloader=offloader,
                  executor=executor, sync=sync)
+
+
+def _precision(named: list[tuple[str, nn.Parameter]], units: list[Any], mesh: Mesh,
+               shard_optimizer: bool) -> Precision:
+    """The optimizer's parameters: sharded over the DP ranks with `shard_optimizer`
+    (stp.train.zero; at dp=1 there is nothing to shard), else whole."""
+    if not shard_optimizer or mesh.dims.dp == 1:
+        return Precision(named, units)
+    run = functools.partial(collective, mesh)
+    dp = DPGroup(mesh.dims.dp, mesh.coord.dp, mesh.dp_group, run,
+                 f"a rank in {mesh.describe_group('dp')}")
+    return ShardedPrecision(named, units, dp)
 
 
 def _stages(builder: StageBuilder, schedule: Schedule, mesh: Mesh, device: torch.device,

@@ -16,8 +16,9 @@ One `step` = one iteration over m microbatches of the global batch:
     3. the step's collectives (stp.train.grad_sync): shared gradients summed,
        the loss (mean over microbatches and replicas) summed over the world
        from the ranks holding it, so every rank returns the same number,
-       gradients averaged over DP replicas (one flat all-reduce), and the
-       global gradient norm taken over the whole model;
+       gradients averaged over DP replicas (one flat all-reduce; with
+       `shard_optimizer` a reduce-scatter, each replica keeping its rows:
+       stp.train.zero), and the global gradient norm taken over the whole model;
     4. the gradients are clipped by that norm (stp.train.clip; inf/NaN: the
        step is skipped on every rank); the optimizer steps, in bf16 on fp32
        master weights and main grads (stp.train.precision), and the LR
@@ -311,6 +312,8 @@ class Trainer:
         """The whole model's parameters (or with grads=True their gradients) on
         global rank 0, on the CPU, under the reference's names: TP shards
         concatenated along shard_dim, stages gathered over PP. None elsewhere.
+        With `shard_optimizer` at dp > 1 the DP mean of a gradient exists only
+        as shards (`precision.grads()`): grads=True gives DP rank 0's own.
         Collective: every rank must call it."""
         return gather_full_state(self.stages, self.mesh, self.parts.sync.collective,
                                  grads=grads)

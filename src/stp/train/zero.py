@@ -1,0 +1,262 @@
+"""The sharded optimizer: ZeRO stage 1, as Megatron-LM's distributed optimizer runs it.
+
+Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models" (arXiv 1910.02054), section 5.1: the optimizer states
+(here the fp32 master weights too) are partitioned across the N_d
+data-parallel ranks, each rank updating only its partition. Per rank, in
+a 16-bit run, model states fall from 16 Psi to 4 Psi + 12 Psi / N_d bytes
+(stp's main grads are fp32, so 6 Psi + 12 Psi / N_d; `stp memory`).
+
+The layout, as torch FSDP2 lays out its Shard(0) parameters: each local
+parameter (this rank's TP box of it) is cut along dim 0 into dp chunks of
+c = ceil(rows / dp) rows, the last ones short or empty, and the flat buffers
+are rank-major, every parameter's chunk at the same offset in every rank's
+segment of S elements:
+
+    flat  | r0: p1[0:c1] p2[0:c2] .. | r1: p1[c1:2c1] p2[c2:2c2] .. | ..
+           <------------- S ------------>
+
+so that one reduce-scatter of the packed gradients hands each rank exactly
+its chunks (summed; divided by dp here), and one all-gather of the updated
+chunks (in the model's dtype) rebuilds every parameter. A chunk is a box of
+the full-model tensor (rows at an offset inside the parameter's TP box), so
+checkpoints save and load it through the same mechanism as TP shards
+(stp.train.shards, stp.train.checkpoint).
+
+What the optimizer steps, per parameter, is this rank's chunk: an fp32 master
+shard in a 16-bit run; in a float32 / float64 run a view of the model
+parameter's own rows (the weights are the masters: no copy, as `stp
+memory` counts it). Its `.grad` is a view of the reduce-scatter's output.
+The main grads (whole, fp32, per parameter) stay: that is stage 1; their
+sum over microbatches is unchanged (stp.train.precision).
+
+Clipping stays exact: a shard is counted in the global norm by the same
+rule as the whole tensor (stp.train.clip), its key extended by its rows, so
+every element is counted once across DP shards and TP replicas.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stp.train.precision import Precision
+from stp.train.shards import Box
+
+__all__ = ["DPGroup", "RowSplit", "ShardLayout", "ShardedPrecision", "row_box"]
+
+Collective = Callable[..., Any]
+"""`run(action, peers, fn, *args, **kw)`: stp.train.grad_sync.collective on this rank."""
+
+
+@dataclass(frozen=True)
+class DPGroup:
+    """The data-parallel ranks the optimizer is sharded over, and how to reach them."""
+
+    size: int
+    rank: int
+    """This rank's index in the group (its DP coordinate)."""
+    group: Any
+    """The torch.distributed process group (None: the world)."""
+    run: Collective
+    """Runs a collective, a backend error raised as the rank error it is."""
+    peers: str = "a DP peer"
+    """Who a collective waits on, as error messages name it."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"DP rank {self.rank} is not in [0, {self.size})")
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """How one parameter's rows are cut over the DP ranks."""
+
+    rows: int
+    """Rows of the local tensor (dim 0)."""
+    width: int
+    """Elements per row."""
+    chunk: int
+    """Rows per rank, ceil(rows / dp); the last ranks' chunks are short or empty."""
+    offset: int
+    """Where the chunk lies in each rank's segment of the flat buffers."""
+
+    def rows_of(self, rank: int) -> tuple[int, int]:
+        """[start, stop) of the rows `rank` holds (start == stop: none)."""
+        start = min(rank * self.chunk, self.rows)
+        return start, min(start + self.chunk, self.rows)
+
+    @property
+    def size(self) -> int:
+        """Elements of one chunk in the flat buffers (padding included)."""
+        return self.chunk * self.width
+
+
+class ShardLayout:
+    """The rank-major flat layout of a list of parameter shapes (module doc)."""
+
+    def __init__(self, shapes: Sequence[torch.Size], size: int) -> None:
+        self.size = size
+        self.splits: list[RowSplit] = []
+        offset = 0
+        for shape in shapes:
+            rows = shape[0]
+            width = math.prod(shape[1:])
+            split = RowSplit(rows, width, -(-rows // size), offset)
+            self.splits.append(split)
+            offset += split.size
+        self.segment = offset
+        """S: elements of one rank's segment."""
+
+    def _chunks(self, flat: torch.Tensor, split: RowSplit) -> torch.Tensor:
+        """Every rank's chunk of one parameter in `flat`, as [dp, chunk, width]."""
+        ranks = flat.view(self.size, self.segment)
+        return ranks[:, split.offset : split.offset + split.size].view(
+            self.size, split.chunk, split.width)
+
+    def pack(self, tensors: Iterable[torch.Tensor], flat: torch.Tensor) -> None:
+        """Copy whole parameters into `flat` (dp x S), rank-major; padding rows zero."""
+        for t, split in zip(tensors, self.splits, strict=True):
+            if split.chunk == 0:
+                continue
+            dst, src = self._chunks(flat, split), t.reshape(split.rows, split.width)
+            full, tail = divmod(split.rows, split.chunk)
+            dst[:full].copy_(src[: full * split.chunk].view(full, split.chunk, split.width))
+            if full < self.size:
+                dst[full, :tail].copy_(src[full * split.chunk :])
+                dst[full, tail:].zero_()
+                dst[full + 1 :].zero_()
+
+    def unpack(self, flat: torch.Tensor, tensors: Iterable[torch.Tensor]) -> None:
+        """Copy every rank's chunks in `flat` (dp x S) back into whole parameters."""
+        for t, split in zip(tensors, self.splits, strict=True):
+            if split.chunk == 0:
+                continue
+            src, dst = self._chunks(flat, split), t.view(split.rows, split.width)
+            full, tail = divmod(split.rows, split.chunk)
+            dst[: full * split.chunk].view(full, split.chunk, split.width).copy_(src[:full])
+            if tail:
+                dst[full * split.chunk :].copy_(src[full, :tail])
+
+    def local(self, flat: torch.Tensor, i: int, rank: int, shape: torch.Size) -> torch.Tensor:
+        """Parameter i's real rows held by `rank` in that rank's segment `flat` (S), as
+        a view shaped like the parameter's rows."""
+        split = self.splits[i]
+        start, stop = split.rows_of(rank)
+        part = flat[split.offset : split.offset + (stop - start) * split.width]
+        return part.view(stop - start, *shape[1:])
+
+
+def row_box(box: Box, start: int, stop: int) -> Box:
+    """The box of rows [start, stop) of a local tensor whose box is `box`: the rows
+    lie at `start` past its offset along dim 0; when its TP shard dim is 0, rows
+    past its real length are padding (a vocabulary padded to a multiple of tp)."""
+    offsets = list(box.offsets)
+    offsets[0] += start
+    if box.dim == 0:
+        real = max(0, min(stop, box.length) - start)
+        return Box(box.size, torch.Size(offsets), 0, real)
+    return Box(box.size, torch.Size(offsets), box.dim, box.length)
+
+
+class ShardedPrecision(Precision):
+    """stp.train.precision.Precision with the optimizer's parameters sharded over DP
+    (module doc). `params` and `grads()` are this rank's shards; the model's
+    whole gradients are `full_grads()`; `reduce_scatter` replaces the DP
+    all-reduce and `copy_to_model` all-gathers. Both are collectives."""
+
+    def __init__(self, named: Sequence[tuple[str, nn.Parameter]], units: Iterable[Any],
+                 dp: DPGroup) -> None:
+        self.dp = dp
+        super().__init__(named, units)
+
+    def _optimizer_params(self) -> list[nn.Parameter]:
+        dtypes = {p.dtype for p in self.model}
+        for name, p in zip(self.names, self.model, strict=True):
+            if p.dim() == 0 or not p.is_contiguous():
+                raise ValueError(f"the sharded optimizer splits parameters along dim 0: "
+                                 f"{name!r} is {'a scalar' if p.dim() == 0 else 'not contiguous'}")
+        if len(dtypes) > 1:
+            raise ValueError(f"the sharded optimizer needs one parameter dtype, got "
+                             f"{sorted(str(d) for d in dtypes)}")
+        self.model_dtype = next(iter(dtypes), torch.float32)
+        mixed = self.mixed  # one dtype: a 16-bit model or a pure one
+        self.layout = ShardLayout([p.shape for p in self.model], self.dp.size)
+        self.grad_dtype = torch.float32 if mixed else self.model_dtype
+        device = self.model[0].device if self.model else torch.device("cpu")
+        self.main_grads = ([torch.zeros_like(p, dtype=torch.float32) for p in self.model]
+                           if mixed else [])
+        self.shard_grads = torch.zeros(self.layout.segment, dtype=self.grad_dtype, device=device)
+        """This rank's segment of the reduce-scattered gradients; `grads()` views it."""
+        shards = []
+        for i, p in enumerate(self.model):
+            start, stop = self.layout.splits[i].rows_of(self.dp.rank)
+            rows = p.detach()[start:stop]  # pure: the model's own rows (no copy)
+            shards.append(nn.Parameter(rows.float().clone() if mixed else rows))
+        return self._with_grads(shards)
+
+    def _with_grads(self, shards: list[nn.Parameter]) -> list[nn.Parameter]:
+        for i, shard in enumerate(shards):
+            shard.grad = self.layout.local(self.shard_grads, i, self.dp.rank, shard.shape)
+        return shards
+
+    def _main_grad(self, i: int) -> torch.Tensor:
+        return self.main_grads[i]
+
+    def zero_grad(self) -> None:
+        """Zero the main grads (mixed; the model's own `.grad` the stages zero). The
+        shards' are overwritten by each reduce-scatter."""
+        for g in self.main_grads:
+            g.zero_()
+
+    def full_grads(self) -> list[torch.Tensor]:
+        if self.mixed:
+            return self.main_grads
+        for p in self.model:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in self.model]  # type: ignore[misc]
+
+    def grads(self) -> list[torch.Tensor]:
+        """This rank's shard of each gradient (after `reduce_scatter`: the DP mean)."""
+        self._with_grads(self.params)  # an optimizer's zero_grad may have dropped them
+        return [p.grad for p in self.params]  # type: ignore[misc]
+
+    def norm_keys(self, keys: list[Any]) -> list[Any]:
+        """Each key with the rows of this rank's shard: two ranks hold the same shard
+        (TP replicas, a tied copy) only at the same rows."""
+        return [(key, self.layout.splits[i].rows_of(self.dp.rank))
+                for i, key in enumerate(keys)]
+
+    def optimizer_box(self, i: int, box: Any) -> Any:
+        return row_box(box, *self.layout.splits[i].rows_of(self.dp.rank))
+
+    def reduce_scatter(self) -> None:
+        """The DP mean of this rank's shard of every gradient: the whole gradients
+        packed rank-major, one reduce-scatter (sum), divided by dp. Collective."""
+        packed = torch.empty(self.dp.size * self.layout.segment, dtype=self.grad_dtype,
+                             device=self.shard_grads.device)
+        self.layout.pack(self.full_grads(), packed)
+        self.dp.run("DP gradient reduce-scatter", self.dp.peers, dist.reduce_scatter_single,
+                    self.shard_grads, packed, group=self.dp.group)
+        self.shard_grads /= self.dp.size
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        """Every rank's updated shards, in the model's dtype, gathered into the whole
+        parameters (rounding the fp32 masters as Precision does). Collective."""
+        mine = torch.zeros(self.layout.segment, dtype=self.model_dtype,
+                           device=self.shard_grads.device)
+        for i, shard in enumerate(self.params):
+            self.layout.local(mine, i, self.dp.rank, shard.shape).copy_(shard)
+        every = torch.empty(self.dp.size * self.layout.segment, dtype=self.model_dtype,
+                            device=mine.device)
+        self.dp.run("parameter all-gather", self.dp.peers, dist.all_gather_single, every, mine,
+                    group=self.dp.group)
+        self.layout.unpack(every, self.model)
