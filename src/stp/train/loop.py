@@ -148,6 +148,7 @@ def _options(run: Run) -> TrainerOptions:
         trace=job.trace is not None, clip_grad=job.clip_grad,
         lr_schedule=LRSchedule(job.lr_schedule, job.steps, job.warmup, job.min_lr),
         partition=run.built_partition, sequence_parallel=job.sequence_parallel,
+        recompute=job.recompute,
     )
 
 

@@ -56,7 +56,8 @@ def run_estimate(run: Any) -> MemoryEstimate | None:
                     microbatch_size=job.microbatch_size, seq_len=job.model.seq_len,
                     schedule=run.schedule.name, partition=run.partition)
     features = Features(dtype=job.dtype, offload=job.offload,
-                        sequence_parallel=job.sequence_parallel and job.tp > 1)
+                        sequence_parallel=job.sequence_parallel and job.tp > 1,
+                        recompute=job.recompute)
     if not _registry_schedule(run):
         return None  # a schedule file: the estimate generates schedules by name
     return estimate(spec, HARDWARE["a100-80g"], layout, features)
