@@ -6,9 +6,9 @@ Activation Recomputation in Large Transformer Models", arXiv 2205.05198, section
                its inputs; B runs the core's forward again, then its backward
                (`attention_core`). With a fused (flash) kernel, which
                F.scaled_dot_product_attention is on the CPU too, the core keeps
-               no s x s scores anyway: selective saves its output and
-               log-sum-exp, one [b, heads, s, head_dim] and one [b, heads, s]
-               per attention unit.
+               no s x s scores anyway: selective saves the kernel's
+               log-sum-exp, [b, heads, s] in float32 per attention unit (its
+               output is the input the output projection keeps anyway).
     full       a residual unit's forward keeps only its input (this rank's rows under
                sequence parallelism) and runs without an autograd graph; B first
                runs the forward again with the graph (norm, all-gather, body, with
