@@ -111,8 +111,11 @@ class _ResidualUnit(Unit):
 
     With full recomputation (stp.models.recompute) the forward runs the same
     functions without a graph and keeps x alone; backward_partial first runs the
-    forward again with its graph (`_rebuild`: under sequence parallelism its
-    all-gather is a blocking one, in B), then walks it as it would have."""
+    forward again with its graph (`_rebuild`), then walks it as it would have.
+    Under sequence parallelism the rebuild's all-gather is launched by
+    `prepare_backward` where the runner advances the chain (after the output
+    gradient's gather, so every TP rank issues them in one order), else at the
+    start of backward_partial and waited for at once."""
 
     def __init__(
         self, name: str, norm_weight: torch.Tensor, eps: float, one_graph: bool = False
@@ -169,13 +172,29 @@ class _ResidualUnit(Unit):
         """Full recomputation, at the start of B: the forward again from the kept
         input, with the graph (and the taps) the forward without recomputation
         keeps."""
+        gather = st.saved.pop("rebuild_gather", None)  # prepare_backward ran
+        if gather is not None:
+            self._body_graph(st, st.saved["h"], gather.wait())
+            return
         h, sink = _norm_graph(self, st, mb, st.saved.pop("x"))
         if self.one_graph:
             with torch.enable_grad():
                 st.saved["out"] = self._body(h, sink)
             del st.saved["h"]  # one graph: x_in -> out
             return
-        self._body_graph(st, h, self._gathered(h.detach()))  # SP: a blocking all-gather
+        self._body_graph(st, h, self._gathered(h.detach()))  # SP: an all-gather waited at once
+
+    def prepare_backward(self, mb: int, grad: torch.Tensor) -> None:
+        """SP: launch the output gradient's all-gather; with full recomputation also
+        rebuild the norm and launch the all-gather of its rows, so both fly under the
+        partner's next item (stp.runtime.braid's advance)."""
+        st = self._states.get(mb)
+        ready = self.seq is not None and st is not None and st.phase == "F"
+        super().prepare_backward(mb, grad)
+        if ready and self.recompute == "full":
+            assert st is not None and self.seq is not None
+            h, _ = _norm_graph(self, st, mb, st.saved.pop("x"))
+            st.saved["rebuild_gather"] = self.seq.launch_gather(h.detach())
 
     def prepare_forward(self, mb: int, x: torch.Tensor) -> None:
         """SP: the norm and the launch of its all-gather ahead of forward_partial, so the
