@@ -41,3 +41,22 @@ def test_bad_recompute_is_one_line(argv: list[str], needle: str, capsys) -> None
     assert main(["train", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err, err
+
+
+def test_the_pre_launch_memory_estimate_prices_the_recompute_mode() -> None:
+    """`stp train` refuses a run that cannot fit from the cost model's estimate
+    (stp.train.memory_check): it prices the job's --recompute, so full recomputation
+    lets a run through that would not fit without it."""
+    import dataclasses
+
+    from stp.train.config import ModelShape, TrainJob
+    from stp.train.memory_check import run_estimate
+    from stp.train.resolve import resolve
+
+    job = TrainJob(model=ModelShape(layers=4, hidden=32, heads=4, seq_len=16), tp=2,
+                   microbatch_size=1)
+    peaks = {mode: [r.activations_peak for r in run_estimate(resolve(
+        dataclasses.replace(job, recompute=mode))).ranks]
+        for mode in ("none", "selective", "full")}
+    for none, sel, full in zip(peaks["none"], peaks["selective"], peaks["full"], strict=True):
+        assert full < sel < none, peaks  # the estimate keeps the s x s scores (no flash)
