@@ -51,12 +51,15 @@ class ModelFamily(Protocol):
     def stage_builder(self, config: Any, num_stages: int, *,
                       partition: tuple[int, ...] | None,
                       weights: Callable[..., torch.Tensor] | None = None,
-                      sequence_parallel: bool = False) -> StageBuilder:
+                      sequence_parallel: bool = False,
+                      recompute: str = "none") -> StageBuilder:
         """The builder of one stage of `num_stages` on one TP rank (ValueError for a
         `partition` that does not cut the model's layers into them); `weights` (a checkpoint's shard
         reader) replaces the seeded initialisation where the family can read one;
         `sequence_parallel` shards the stream between TP regions along the sequence
-        (ValueError where the family cannot)."""
+        (ValueError where the family cannot); `recompute` is the activation
+        recomputation, none / selective / full (stp.models.recompute; ValueError where
+        the family cannot)."""
 
     def check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         """ValueError unless (tokens, targets) is a global batch this family trains on."""

@@ -52,6 +52,10 @@ class Unit:
     seq: SequenceParallel | None = None
     """Sequence parallelism (stp.models.tp.sequence), set by the stage: the stream
     between units holds this rank's s/t rows; None: every rank holds all s rows."""
+    recompute: str = "none"
+    """Activation recomputation (stp.models.recompute), set by the stage: "none",
+    "selective" (the attention core again in B) or "full" (the unit's forward again
+    in B, from its kept input)."""
 
     def __init__(self, name: str) -> None:
         self.name = name

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stp.costmodel.model import RECOMPUTE_MODES
 from stp.train.families import MODULES as FAMILY_MODULES
 
 __all__ = ["ARCHS", "DTYPES", "LR_SCHEDULES", "TOY_SHAPE", "ModelShape", "TrainJob",
@@ -186,6 +187,11 @@ class TrainJob:
         "over the --dp ranks, gradients reduce-scattered and parameters all-gathered instead "
         "of one all-reduce; checkpoints resume with or without it, on any --dp (no effect "
         "at --dp 1)")
+    recompute: str = option(
+        "none", "activation recomputation: none, selective (the attention core again in the "
+        "backward), full (each unit keeps its input only and runs its forward again in the "
+        "backward); the same losses and gradients, less activation memory",
+        choices=RECOMPUTE_MODES)
     trace: str | None = option(
         None, "write the last step's measured trace (every unit, all-reduce, send and "
         "receive of every rank; open in ui.perfetto.dev)", metavar="FILE.json")

@@ -53,6 +53,9 @@ def check(job: TrainJob, world_size: int | None = None) -> Run:
         if job.offload != "none":
             raise ValueError("--emulate-compute has no activations to offload; "
                              "drop --offload or --emulate-compute")
+        if job.recompute != "none":
+            raise ValueError("--emulate-compute has no activations to recompute; "
+                             "drop --recompute or --emulate-compute")
     if job.trace is not None:
         check_output_file(job.trace, "--trace")
     if job.data is not None:

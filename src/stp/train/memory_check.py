@@ -58,6 +58,7 @@ def run_estimate(run: Any) -> MemoryEstimate | None:
     features = Features(dtype=job.dtype, offload=job.offload,
                         sequence_parallel=job.sequence_parallel and job.tp > 1,
                         shard_optimizer=job.shard_optimizer)
+                        recompute=job.recompute)
     if not _registry_schedule(run):
         return None  # a schedule file: the estimate generates schedules by name
     return estimate(spec, HARDWARE["a100-80g"], layout, features)

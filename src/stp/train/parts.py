@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from stp.models.hf import HFCheckpoint
+from stp.models.recompute import check_recompute
 from stp.runtime.executor import Executor
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.runtime.offload import ActivationOffloader
@@ -68,7 +69,12 @@ class TrainerOptions:
     """ZeRO stage 1 (stp.train.zero): fp32 masters and optimizer state split over the
     DP ranks, gradients reduce-scattered, parameters all-gathered; nothing at dp=1."""
 
+    recompute: str = "none"
+    """Activation recomputation (stp.models.recompute): none, selective (the attention
+    core again in B) or full (each unit's forward again in B, from its kept input)."""
+
     def __post_init__(self) -> None:
+        check_recompute(self.recompute)
         if not self.timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
         if self.clip_grad is not None and not self.clip_grad > 0:

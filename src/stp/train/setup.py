@@ -73,6 +73,8 @@ def stage_builder(model: Any, opts: TrainerOptions, num_stages: int, tp: int,
         family.model.check(model, tp, num_stages)
         weights = None if source is None else source.read
         sp = {"sequence_parallel": True} if opts.sequence_parallel and tp > 1 else {}
+        if opts.recompute != "none":
+            sp["recompute"] = opts.recompute
         builder = family.model.stage_builder(model, num_stages, partition=opts.partition,
                                              weights=weights, **sp)
         return builder, family.model.hidden(model)
@@ -82,6 +84,9 @@ def stage_builder(model: Any, opts: TrainerOptions, num_stages: int, tp: int,
     if opts.partition is not None:
         raise ValueError("partition= splits a ModelConfig's layers; a stage builder "
                          "decides its own stages' layers")
+    if opts.recompute != "none":
+        raise ValueError(f"recompute={opts.recompute!r} needs a model config; a stage builder "
+                         "decides what its own stages keep")
     if isinstance(model, nn.Module) or not callable(model):
         raise ValueError(
             f"Trainer takes a stp.models.ModelConfig, a stage builder function, or None "

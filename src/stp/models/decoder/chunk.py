@@ -10,6 +10,8 @@ graph from the chunk's input to its output, the residual adds inside it, one
 engine call for B. Weight gradients still wait for W (Zero Bubble, arXiv
 2401.10241) through the same deferred store, unless the microbatch's backward
 is a full BW, when the same graph walk computes them (`Unit.weights_at_once`).
+With full recomputation (stp.models.recompute) the chunk keeps its input only
+and B runs all its layers again before walking them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections.abc import Sequence
 import torch
 
 from stp.models.decoder.units import AttentionUnit, MLPUnit, Unit
+from stp.models.tp.wgrad import GradTaps
+from stp.models.unit import _MbState
 
 __all__ = ["LayerChunk"]
 
@@ -40,19 +44,33 @@ class LayerChunk(Unit):
         self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
     ) -> torch.Tensor:
         st = self._enter(mb, None, "F-partial")
-        with torch.enable_grad():
-            x_in = x.detach().requires_grad_(True)
-            sink = self._sink(st, mb, one_graph=True)
-            h = x_in
-            for part in self.parts[:-1]:
-                h = h + part.branch(h, sink)
-            last = self.parts[-1].branch(h, sink)
+        if self.recompute == "full":  # keep the input alone; B runs the layers again
+            st.saved["x"] = x
+            with torch.no_grad():  # the graph's functions (F.linear, the norm), no graph
+                h, last = self._layers(x, None)
+            return h + last
+        h, last = self._graph(st, mb, x)
         # The last residual add outside autograd, as a unit's finish does: the output
         # is a fresh tensor, not one the graph keeps (activation offload frees what
         # the graph keeps while the next stage may still read the output). B seeds
         # both roots with the output gradient.
-        st.saved.update(x_in=x_in, last=last, h=h)  # tensors: kept_tensors lists them
         return h.detach() + last.detach()
+
+    def _layers(self, x: torch.Tensor, sink: GradTaps | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the stream before the last residual add, the last unit's branch)."""
+        h = x
+        for part in self.parts[:-1]:
+            h = h + part.branch(h, sink)
+        return h, self.parts[-1].branch(h, sink)
+
+    def _graph(self, st: _MbState, mb: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers from x with their graph, kept for B (the forward, or with full
+        recomputation its rerun at the start of B)."""
+        with torch.enable_grad():
+            x_in = x.detach().requires_grad_(True)
+            h, last = self._layers(x_in, self._sink(st, mb, one_graph=True))
+        st.saved.update(x_in=x_in, last=last, h=h)  # tensors: kept_tensors lists them
+        return h, last
 
     def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
         self._enter(mb, "F-partial", "F")
@@ -60,6 +78,8 @@ class LayerChunk(Unit):
 
     def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
         st = self._enter(mb, "F", "B-partial")
+        if self.recompute == "full":
+            self._graph(st, mb, st.saved.pop("x"))
         roots = (st.saved.pop("last"), st.saved.pop("h"))
         st.saved["grad"] = self._input_grad(st, roots, st.saved.pop("x_in"), grad)
         return None  # nothing to reduce

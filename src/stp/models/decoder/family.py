@@ -16,6 +16,7 @@ from stp.models.decoder.shared_grads import SharedGrads
 from stp.models.decoder.stage import build_stage, check_model
 from stp.models.family import StageBuilder, check_text_batch
 from stp.models.hf.save import save_stages
+from stp.models.recompute import check_recompute
 from stp.schedule.placement import partition_layers
 from stp.shapes.decoder import ModelConfig
 
@@ -38,12 +39,15 @@ class DecoderFamily:
     def stage_builder(self, config: ModelConfig, num_stages: int, *,
                       partition: tuple[int, ...] | None,
                       weights: Callable[..., torch.Tensor] | None = None,
-                      sequence_parallel: bool = False) -> StageBuilder:
+                      sequence_parallel: bool = False,
+                      recompute: str = "none") -> StageBuilder:
         if partition is not None:
             partition_layers(config.num_layers, num_stages, partition)  # ValueError
+        check_recompute(recompute)
         read = {} if weights is None else {"weights": weights}
         return functools.partial(build_stage, config, partition=partition,
-                                 sequence_parallel=sequence_parallel, **read)
+                                 sequence_parallel=sequence_parallel, recompute=recompute,
+                                 **read)
 
     def check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         check_text_batch(tokens, targets)

@@ -22,12 +22,13 @@ from stp.models.decoder.chunk import LayerChunk
 from stp.models.decoder.init import ParamSpec, ShardSlice, init_shard, parameter_specs, tp_slice
 from stp.models.decoder.stage_shards import ShardSource, unshard
 from stp.models.decoder.units import AttentionUnit, EmbedUnit, LossUnit, MLPUnit, RopeCache, Unit
+from stp.models.recompute import check_recompute
 from stp.models.tp.comm import AllReduce, launch_sum, make_allreduce
 from stp.models.tp.sequence import SequenceParallel, ToScatter, check_sequence
 from stp.schedule.placement import partition_layers
 from stp.shapes.decoder import IGNORE_INDEX, ModelConfig
 
-__all__ = ["ModelStage", "ShardSource", "build_stage", "check_tp"]
+__all__ = ["ModelStage", "ShardSource", "build_stage", "check_tp", "set_recompute"]
 
 
 def check_tp(config: ModelConfig, tp_size: int, tp_rank: int) -> None:
@@ -58,6 +59,16 @@ def check_model(config: ModelConfig, tp: int, num_stages: int) -> None:
             f"every stage needs a layer, so use at least {num_stages} layers"
         )
     check_tp(config, tp, 0)
+
+
+def set_recompute(units: Iterable[Unit], mode: str) -> str:
+    """Give every unit (and a layer chunk's layers) the recomputation mode `mode`
+    (stp.models.recompute; ValueError naming the modes for another)."""
+    check_recompute(mode)
+    for unit in units:
+        for part in (unit, *getattr(unit, "parts", ())):
+            part.recompute = mode
+    return mode
 
 
 def _register(root: nn.Module, name: str, param: nn.Parameter) -> None:
@@ -102,6 +113,7 @@ class ModelStage(nn.Module):
         partition: tuple[int, ...] | None = None,
         fuse_layers: bool | None = None,
         sequence_parallel: bool = False,
+        recompute: str = "none",
     ) -> None:
         super().__init__()
         self.config = config
@@ -129,6 +141,7 @@ class ModelStage(nn.Module):
         self.seq = SequenceParallel(tp_group, tp_size, tp_rank) if self.prepares_gathers else None
         for unit in self.units:
             unit.seq = self.seq
+        self.recompute = set_recompute(self.units, recompute)
 
     def _make_units(self, p: dict[str, nn.Parameter]) -> list[Unit]:
         config, tp_size, tp_rank = self.config, self.tp_size, self.tp_rank
@@ -343,6 +356,7 @@ def build_stage(
     partition: tuple[int, ...] | None = None,
     fuse_layers: bool | None = None,
     sequence_parallel: bool = False,
+    recompute: str = "none",
 ) -> ModelStage:
     """Materialise only stage `stage` of `num_stages` on TP rank tp_rank of tp_size.
 
@@ -360,7 +374,8 @@ def build_stage(
     (stp.models.decoder.chunk): with one TP rank there is no all-reduce for units to hide.
     `sequence_parallel`: shard the stream between TP regions along the sequence
     (stp.models.tp.sequence; ignored at tp_size 1, where it is the identity); it needs
-    the TP process group, not a custom `allreduce`."""
+    the TP process group, not a custom `allreduce`. `recompute`: activation
+    recomputation, none / selective / full (stp.models.recompute)."""
     if not isinstance(config, ModelConfig):
         raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
@@ -373,6 +388,7 @@ def build_stage(
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
         raise ValueError(f"stage must be an int in [0, num_stages={num_stages}), got {stage!r}")
     check_tp(config, tp_size, tp_rank)
+    check_recompute(recompute)
     custom = allreduce is not None
     if sequence_parallel and custom and tp_size > 1:
         raise ValueError("sequence_parallel reduce-scatters on the TP group; it takes no "
@@ -398,5 +414,5 @@ def build_stage(
         config, stage, num_stages, specs, tensors,
         tp_size=tp_size, tp_rank=tp_rank, allreduce=allreduce,
         tp_group=tp_group, async_allreduce=not custom, partition=partition,
-        fuse_layers=fuse_layers, sequence_parallel=sequence_parallel,
+        fuse_layers=fuse_layers, sequence_parallel=sequence_parallel, recompute=recompute,
     )

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from stp.models.decoder.rope import RopeCache, apply_rope
+from stp.models.recompute import attention_core
 from stp.models.tp.layers import (
     linear,
     rms_norm,
@@ -89,12 +90,32 @@ class EmbedUnit(Unit):
         return None
 
 
+def _norm_graph(unit: _ResidualUnit | LossUnit, st: _MbState, mb: int,
+                x: torch.Tensor) -> tuple[torch.Tensor, GradTaps | None]:
+    """RMSNorm of a unit's input x with its autograd graph (x_in a fresh leaf), the
+    start of the forward that B walks; kept as x_in and h."""
+    with torch.enable_grad():
+        x_in = x.detach().requires_grad_(True)
+        sink = unit._sink(st, mb, unit.one_graph)
+        h = rms_norm(x_in, unit.norm_w, unit.eps, sink)
+    st.saved.update(x_in=x_in, h=h)
+    return h, sink
+
+
 class _ResidualUnit(Unit):
     """x -> x + f(RMSNorm(x)), f ending in a row-parallel matrix. Two autograd graphs,
     x -> h (the norm) and h -> partial (the TP body), so the all-reduce of dh sits
     between them, outside autograd. `one_graph` (one TP rank: the all-reduce is the
     identity): a single graph x -> partial, so B walks it with one engine call and
-    backward_partial returns None (nothing to reduce)."""
+    backward_partial returns None (nothing to reduce).
+
+    With full recomputation (stp.models.recompute) the forward runs the same
+    functions without a graph and keeps x alone; backward_partial first runs the
+    forward again with its graph (`_rebuild`), then walks it as it would have.
+    Under sequence parallelism the rebuild's all-gather is launched by
+    `prepare_backward` where the runner advances the chain (after the output
+    gradient's gather, so every TP rank issues them in one order), else at the
+    start of backward_partial and waited for at once."""
 
     def __init__(
         self, name: str, norm_weight: torch.Tensor, eps: float, one_graph: bool = False
@@ -117,15 +138,63 @@ class _ResidualUnit(Unit):
         """f(RMSNorm(x)) in one graph, for one TP rank (stp.models.decoder.chunk)."""
         return self._body(rms_norm(x, self.norm_w, self.eps, sink), sink)
 
+    def _graphless_sink(self) -> list[WGradEntry] | None:
+        """For a forward without a graph (full recomputation): the kind of sink the
+        graph's forward uses (F.linear at one TP rank, the deferring Functions
+        otherwise), so the values are the same bits; nothing is recorded."""
+        return None if self.one_graph else []
+
     def _norm(self, mb: int, x: torch.Tensor) -> tuple[_MbState, torch.Tensor, GradTaps | None]:
         """The unit's start: RMSNorm of its input (this rank's rows under SP)."""
         st = self._enter(mb, None, "F-partial")
-        with torch.enable_grad():
-            x_in = x.detach().requires_grad_(True)
-            sink = self._sink(st, mb, self.one_graph)
-            h = rms_norm(x_in, self.norm_w, self.eps, sink)
-        st.saved.update(x=x, x_in=x_in, h=h)
+        st.saved["x"] = x
+        if self.recompute == "full":
+            with torch.no_grad():
+                return st, rms_norm(x, self.norm_w, self.eps, self._graphless_sink()), None
+        h, sink = _norm_graph(self, st, mb, x)
         return st, h, sink
+
+    def _body_graph(self, st: _MbState, h: torch.Tensor, h_in: torch.Tensor) -> torch.Tensor:
+        """The TP body on h_in (the norm's output h, gathered under SP) as a graph of
+        its own; kept as h_in and out."""
+        h_in.requires_grad_(True)
+        sink: list[WGradEntry] | RegatheredInput = st.sink
+        if self.seq is not None:  # the matrices keep this rank's rows; W gathers again
+            sink = RegatheredInput(self.seq, h.detach(), h_in, st.sink)
+        with torch.enable_grad():
+            out = self._body(h_in, sink)
+        if self.seq is not None:  # nothing reads the gathered values again: free them
+            h_in.untyped_storage().resize_(0)
+        st.saved.update(h_in=h_in, out=out)
+        return out
+
+    def _rebuild(self, st: _MbState, mb: int) -> None:
+        """Full recomputation, at the start of B: the forward again from the kept
+        input, with the graph (and the taps) the forward without recomputation
+        keeps."""
+        gather = st.saved.pop("rebuild_gather", None)  # prepare_backward ran
+        if gather is not None:
+            self._body_graph(st, st.saved["h"], gather.wait())
+            return
+        h, sink = _norm_graph(self, st, mb, st.saved.pop("x"))
+        if self.one_graph:
+            with torch.enable_grad():
+                st.saved["out"] = self._body(h, sink)
+            del st.saved["h"]  # one graph: x_in -> out
+            return
+        self._body_graph(st, h, self._gathered(h.detach()))  # SP: an all-gather waited at once
+
+    def prepare_backward(self, mb: int, grad: torch.Tensor) -> None:
+        """SP: launch the output gradient's all-gather; with full recomputation also
+        rebuild the norm and launch the all-gather of its rows, so both fly under the
+        partner's next item (stp.runtime.braid's advance)."""
+        st = self._states.get(mb)
+        ready = self.seq is not None and st is not None and st.phase == "F"
+        super().prepare_backward(mb, grad)
+        if ready and self.recompute == "full":
+            assert st is not None and self.seq is not None
+            h, _ = _norm_graph(self, st, mb, st.saved.pop("x"))
+            st.saved["rebuild_gather"] = self.seq.launch_gather(h.detach())
 
     def prepare_forward(self, mb: int, x: torch.Tensor) -> None:
         """SP: the norm and the launch of its all-gather ahead of forward_partial, so the
@@ -137,12 +206,13 @@ class _ResidualUnit(Unit):
     def forward_partial(
         self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
     ) -> torch.Tensor | ToScatter:
+        full = self.recompute == "full"
         st = self._states.get(mb)
         if st is not None and "gather" in st.saved:  # prepare_forward ran
             h_in = st.saved.pop("gather").wait()
         else:
             st, h, sink = self._norm(mb, x)
-            if self.one_graph:
+            if self.one_graph and not full:
                 with torch.enable_grad():
                     out = self._body(h, sink)
                 del st.saved["h"]  # one graph: x_in -> out
@@ -150,23 +220,22 @@ class _ResidualUnit(Unit):
                 return out.detach()
             # SP: the column-parallel matrices read it; W gathers the rows again
             h_in = self._gathered(h.detach())
-        h_in.requires_grad_(True)
-        sink: list[WGradEntry] | RegatheredInput = st.sink
-        if self.seq is not None:  # the matrices keep this rank's rows; W gathers again
-            sink = RegatheredInput(self.seq, st.saved["h"].detach(), h_in, st.sink)
-        with torch.enable_grad():
-            out = self._body(h_in, sink)
-        if self.seq is not None:  # nothing reads the gathered values again: free them
-            h_in.untyped_storage().resize_(0)
-        st.saved.update(h_in=h_in, out=out)
+        if full:
+            with torch.no_grad():
+                return self._handoff(self._body(h_in, self._graphless_sink()))
+        out = self._body_graph(st, st.saved["h"], h_in)
         return self._handoff(out.detach())
 
     def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
         st = self._enter(mb, "F-partial", "F")
-        return st.saved.pop("x") + reduced
+        # full recomputation keeps the input for B
+        x = st.saved["x"] if self.recompute == "full" else st.saved.pop("x")
+        return x + reduced
 
     def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
         st = self._enter(mb, "F", "B-partial")
+        if self.recompute == "full":
+            self._rebuild(st, mb)
         if self.one_graph:
             out, x_in = st.saved.pop("out"), st.saved.pop("x_in")
             st.saved["grad"] = grad + self._input_grad(st, out, x_in, grad)
@@ -225,7 +294,7 @@ class AttentionUnit(_ResidualUnit):
         v = linear(h, self.wv, sink, self.bv).view(b, s, -1, hd).transpose(1, 2)
         cos, sin = self.rope.get(s, h.device, h.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        o = attention_core(q, k, v, causal=True, gqa=True, recompute=self.recompute)
         o = o.transpose(1, 2).reshape(b, s, -1)  # [b, s, nq * hd]
         return linear(o, self.wo, sink)  # [b, s, h], partial over TP
 
@@ -266,7 +335,9 @@ class LossUnit(Unit):
     turns the mean over all positions into the mean over the valid tokens of the
     global batch with one scale (and without ignored targets it is the plain mean).
     `vocab_valid`: this rank's real vocabulary rows; the rest are padding whose
-    logits are masked out. `one_graph`: as for the residual units (one TP rank)."""
+    logits are masked out. `one_graph`: as for the residual units (one TP rank).
+    With full recomputation it keeps its input and the loss's statistics, and B
+    computes the logits again (they are [b, s, V / tp], a stage's largest tensor)."""
 
     def __init__(
         self,
@@ -301,27 +372,36 @@ class LossUnit(Unit):
         else:
             st, h, sink = self._norm(mb, x)
             h_in = h if self.one_graph else self._gathered(h.detach())
-        if self.one_graph:
-            del st.saved["h"]
+        st.saved["targets"] = targets
+        if self.recompute == "full":  # B computes the logits again (`_logits`)
+            with torch.no_grad():
+                logits = linear(h_in, self.head_w, None)
         else:
-            h_in.requires_grad_(True)
-        with torch.enable_grad():
-            logits = linear(h_in, self.head_w, sink)  # [b, s, V / tp]
-        st.saved.update(logits=logits, targets=targets)
-        if not self.one_graph:
-            st.saved["h_in"] = h_in
+            logits = self._logits(st, h_in, sink)
         return vocab_ce_stats(
             logits.detach(), targets, self.vocab_start, self.tp_size, self.tp_rank,
             self.vocab_valid,
         )
 
+    def _logits(self, st: _MbState, h_in: torch.Tensor, sink: GradTaps | None) -> torch.Tensor:
+        """The head on the normalised input with its graph (kept for B)."""
+        if self.one_graph:
+            del st.saved["h"]  # one graph: x_in -> logits
+        else:
+            h_in.requires_grad_(True)
+            st.saved["h_in"] = h_in
+        with torch.enable_grad():
+            logits = linear(h_in, self.head_w, sink)  # [b, s, V / tp]
+        st.saved["logits"] = logits
+        return logits
+
     def _norm(self, mb: int, x: torch.Tensor) -> tuple[_MbState, torch.Tensor, GradTaps | None]:
         st = self._enter(mb, None, "F-partial")
-        with torch.enable_grad():
-            x_in = x.detach().requires_grad_(True)
-            sink = self._sink(st, mb, self.one_graph)
-            h = rms_norm(x_in, self.norm_w, self.eps, sink)
-        st.saved.update(x_in=x_in, h=h)
+        if self.recompute == "full":  # keep the input alone; the same values, no graph
+            st.saved["x"] = x
+            with torch.no_grad():
+                return st, rms_norm(x, self.norm_w, self.eps, None), None
+        h, sink = _norm_graph(self, st, mb, x)
         return st, h, sink
 
     def prepare_forward(self, mb: int, x: torch.Tensor) -> None:
@@ -337,6 +417,9 @@ class LossUnit(Unit):
 
     def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
         st = self._enter(mb, "F", "B-partial")
+        if self.recompute == "full":  # the forward again, with its graph
+            h, sink = _norm_graph(self, st, mb, st.saved.pop("x"))
+            self._logits(st, h if self.one_graph else self._gathered(h.detach()), sink)
         logits = st.saved.pop("logits")
         grad_logits = vocab_ce_grad(
             logits.detach(), st.saved.pop("targets"), st.saved.pop("lse"), self.vocab_start, grad,

@@ -14,6 +14,7 @@ from stp.models.decoder.shared_grads import SharedGrads
 from stp.models.family import StageBuilder
 from stp.models.mllm.reference import build_mllm_reference
 from stp.models.mllm.stage import build_mllm_stage, check_mllm
+from stp.models.recompute import check_recompute
 from stp.schedule.placement import partition_layers
 from stp.shapes.mllm import MLLMConfig
 
@@ -36,7 +37,9 @@ class MLLMFamily:
     def stage_builder(self, config: MLLMConfig, num_stages: int, *,
                       partition: tuple[int, ...] | None,
                       weights: Callable[..., torch.Tensor] | None = None,
-                      sequence_parallel: bool = False) -> StageBuilder:
+                      sequence_parallel: bool = False,
+                      recompute: str = "none") -> StageBuilder:
+        check_recompute(recompute)  # every mode: the encoder's units recompute too
         if sequence_parallel:
             raise ValueError("--sequence-parallel is not implemented for --arch mllm yet "
                              "(the decoder only)")
@@ -45,7 +48,8 @@ class MLLMFamily:
                              "from; it starts from its seeded initialisation")
         if partition is not None:
             partition_layers(config.num_layers, num_stages, partition)  # ValueError
-        return functools.partial(build_mllm_stage, config, partition=partition)
+        return functools.partial(build_mllm_stage, config, partition=partition,
+                                 recompute=recompute)
 
     def check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         # an input row is pixel bytes + tokens, its targets cover the decoder's positions

@@ -16,9 +16,10 @@ import torch.distributed as dist
 from torch import nn
 
 from stp.models.decoder.init import ParamSpec, init_full, pad_shard, parameter_specs, tp_slice
-from stp.models.decoder.stage import ModelStage, _register, check_tp
+from stp.models.decoder.stage import ModelStage, _register, check_tp, set_recompute
 from stp.models.decoder.units import AttentionUnit, LossUnit, MLPUnit, RopeCache, Unit
 from stp.models.mllm.vision import InputUnit, MergerUnit, VisionAttentionUnit, VisionMLPUnit
+from stp.models.recompute import check_recompute
 from stp.models.tp.comm import make_allreduce
 from stp.schedule.placement import partition_layers
 from stp.shapes.decoder import IGNORE_INDEX
@@ -102,7 +103,7 @@ class MLLMStage(ModelStage):
     def __init__(self, cfg: MLLMConfig, stage: int, num_stages: int, specs: list[ParamSpec],
                  tensors: dict[str, torch.Tensor], *, tp_size: int, tp_rank: int,
                  tp_group: dist.ProcessGroup | None,
-                 partition: tuple[int, ...] | None = None) -> None:
+                 partition: tuple[int, ...] | None = None, recompute: str = "none") -> None:
         nn.Module.__init__(self)
         self.mllm, self.config = cfg, cfg.decoder
         self.stage, self.num_stages = stage, num_stages
@@ -120,6 +121,8 @@ class MLLMStage(ModelStage):
         # no sequence parallelism for the multimodal model yet (refused by its family)
         self.sequence_parallel = self.prepares_gathers = False
         self.seq = None
+        # the input unit (patch and text embeddings) keeps its small inputs either way
+        self.recompute = set_recompute(self.units, recompute)
 
     def _mllm_units(self, p: dict[str, nn.Parameter]) -> list[Unit]:
         cfg, dec, lv = self.mllm, self.mllm.decoder, self.mllm.vision.num_layers
@@ -205,19 +208,22 @@ def build_mllm_stage(cfg: MLLMConfig, stage: int, num_stages: int, *,
                      tp_group: dist.ProcessGroup | None = None, tp_size: int = 1,
                      tp_rank: int = 0, device: torch.device | str = "cpu",
                      dtype: torch.dtype = torch.float32,
-                     partition: tuple[int, ...] | None = None) -> MLLMStage:
+                     partition: tuple[int, ...] | None = None,
+                     recompute: str = "none") -> MLLMStage:
     """Materialise stage `stage` of `num_stages` of the multimodal model on TP rank
-    tp_rank of tp_size (a StageBuilder for stp.train.Trainer)."""
+    tp_rank of tp_size (a StageBuilder for stp.train.Trainer); `recompute`: activation
+    recomputation (stp.models.recompute)."""
     if not isinstance(cfg, MLLMConfig):
         raise ValueError(f"cfg must be an MLLMConfig, got {type(cfg).__name__}")
     check_mllm(cfg, tp_size, num_stages)
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
         raise ValueError(f"stage must be an int in [0, num_stages={num_stages}), got {stage!r}")
     check_tp(cfg.decoder, tp_size, tp_rank)
+    check_recompute(recompute)
     layers = partition_layers(cfg.num_layers, num_stages, partition)[stage]
     specs = mllm_specs(cfg, layers, first=stage == 0, last=stage == num_stages - 1)
     tensors = {s.name: _shard(cfg, s, tp_size, tp_rank).to(device=device, dtype=dtype)
                for s in specs}
     return MLLMStage(cfg, stage, num_stages, specs, tensors, tp_size=tp_size, tp_rank=tp_rank,
-                     tp_group=tp_group, partition=partition)
+                     tp_group=tp_group, partition=partition, recompute=recompute)
 

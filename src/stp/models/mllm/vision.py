@@ -30,8 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from stp.models.decoder.units import Unit
+from stp.models.recompute import attention_core
 from stp.models.tp.layers import linear, rms_norm, vocab_embedding_partial
 from stp.models.tp.wgrad import EmbedGrad, LinearGrad, WGradEntry, accumulate_grad
+from stp.models.unit import _MbState
 from stp.shapes.mllm import MLLMConfig, VisionConfig
 
 __all__ = ["InputUnit", "VisionAttentionUnit", "VisionMLPUnit", "MergerUnit",
@@ -132,7 +134,8 @@ class InputUnit(Unit):
 class _VisionResidual(Unit):
     """image rows v -> v + f(RMSNorm(v)), f ending in a row-parallel matrix; text rows
     pass through. Two autograd graphs (norm, body) with the all-reduce between, as the
-    decoder's residual units."""
+    decoder's residual units; with full recomputation (stp.models.recompute) the
+    forward keeps its packed input alone and B runs it again with the graphs."""
 
     def __init__(self, name: str, cfg: MLLMConfig, norm_w: torch.Tensor) -> None:
         super().__init__(name)
@@ -141,24 +144,39 @@ class _VisionResidual(Unit):
     def _body(self, h: torch.Tensor, sink: list[WGradEntry]) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward_partial(self, mb: int, x: torch.Tensor,
-                        targets: torch.Tensor | None = None) -> torch.Tensor:
-        st = self._enter(mb, None, "F-partial")
-        vis, text = unpack(x, self.cfg)
+    def _graph(self, st: _MbState, vis: torch.Tensor) -> torch.Tensor:
+        """The norm and the body on the image rows with their graphs, kept for B."""
         with torch.enable_grad():
             v_in = vis.detach().requires_grad_(True)
             h = rms_norm(v_in, self.norm_w, self.cfg.vision.norm_eps, st.sink)
             h_in = h.detach().requires_grad_(True)
             out = self._body(h_in, st.sink)
-        st.saved.update(vis=vis, text=text, v_in=v_in, h=h, h_in=h_in, out=out)
-        return out.detach()
+        st.saved.update(v_in=v_in, h=h, h_in=h_in, out=out)
+        return out
+
+    def forward_partial(self, mb: int, x: torch.Tensor,
+                        targets: torch.Tensor | None = None) -> torch.Tensor:
+        st = self._enter(mb, None, "F-partial")
+        vis, text = unpack(x, self.cfg)
+        if self.recompute == "full":  # the same Functions without a graph: the same bits
+            st.saved["x"] = x
+            with torch.no_grad():
+                return self._body(rms_norm(vis, self.norm_w, self.cfg.vision.norm_eps, []), [])
+        st.saved.update(vis=vis, text=text)
+        return self._graph(st, vis).detach()
 
     def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
         st = self._enter(mb, "F-partial", "F")
-        return pack(st.saved.pop("vis") + reduced, st.saved.pop("text"), self.cfg)
+        if self.recompute == "full":
+            vis, text = unpack(st.saved["x"], self.cfg)
+        else:
+            vis, text = st.saved.pop("vis"), st.saved.pop("text")
+        return pack(vis + reduced, text, self.cfg)
 
     def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
         st = self._enter(mb, "F", "B-partial")
+        if self.recompute == "full":
+            self._graph(st, unpack(st.saved.pop("x"), self.cfg)[0])
         gvis, gtext = unpack(grad, self.cfg)
         (grad_h,) = torch.autograd.grad(st.saved.pop("out"), st.saved.pop("h_in"), gvis)
         st.saved.update(gvis=gvis, gtext=gtext)
@@ -185,7 +203,7 @@ class VisionAttentionUnit(_VisionResidual):
         hd = self.cfg.vision.hidden // self.cfg.vision.num_heads
         q, k, v = (linear(h, w, sink).view(b, s, -1, hd).transpose(1, 2)
                    for w in (self.wq, self.wk, self.wv))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=False)
+        o = attention_core(q, k, v, causal=False, recompute=self.recompute)
         return linear(o.transpose(1, 2).reshape(b, s, -1), self.wo, sink)
 
 
@@ -203,34 +221,50 @@ class VisionMLPUnit(_VisionResidual):
 
 class MergerUnit(Unit):
     """RMSNorm per patch, each merge window's patches concatenated, a 2-layer MLP into
-    the decoder width; the image rows become image tokens, text rows pass through."""
+    the decoder width; the image rows become image tokens, text rows pass through.
+    Full recomputation: as the encoder's residual units."""
 
     def __init__(self, cfg: MLLMConfig, norm_w: torch.Tensor, fc1: torch.Tensor,
                  fc2: torch.Tensor) -> None:
         super().__init__("vision.merger")
         self.cfg, self.norm_w, self.fc1, self.fc2 = cfg, norm_w, fc1, fc2
 
+    def _mlp(self, h: torch.Tensor, sink: list[WGradEntry]) -> torch.Tensor:
+        vc = self.cfg.vision
+        merged = h.reshape(h.shape[0], vc.image_tokens, vc.merged_width)
+        a = F.gelu(linear(merged, self.fc1, sink), approximate="tanh")
+        return linear(a, self.fc2, sink)  # [b, image_tokens, hidden], partial over TP
+
+    def _graph(self, st: _MbState, vis: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            v_in = vis.detach().requires_grad_(True)
+            h = rms_norm(v_in, self.norm_w, self.cfg.vision.norm_eps, st.sink)
+            h_in = h.detach().requires_grad_(True)
+            out = self._mlp(h_in, st.sink)
+        st.saved.update(v_in=v_in, h=h, h_in=h_in, out=out)
+        return out
+
     def forward_partial(self, mb: int, x: torch.Tensor,
                         targets: torch.Tensor | None = None) -> torch.Tensor:
         st = self._enter(mb, None, "F-partial")
         vis, text = unpack(x, self.cfg)
-        vc = self.cfg.vision
-        with torch.enable_grad():
-            v_in = vis.detach().requires_grad_(True)
-            h = rms_norm(v_in, self.norm_w, vc.norm_eps, st.sink)
-            h_in = h.detach().requires_grad_(True)
-            merged = h_in.reshape(h.shape[0], vc.image_tokens, vc.merged_width)
-            a = F.gelu(linear(merged, self.fc1, st.sink), approximate="tanh")
-            out = linear(a, self.fc2, st.sink)  # [b, image_tokens, hidden], partial over TP
-        st.saved.update(text=text, v_in=v_in, h=h, h_in=h_in, out=out)
-        return out.detach()
+        if self.recompute == "full":
+            st.saved["x"] = x
+            with torch.no_grad():
+                return self._mlp(rms_norm(vis, self.norm_w, self.cfg.vision.norm_eps, []), [])
+        st.saved["text"] = text
+        return self._graph(st, vis).detach()
 
     def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
         st = self._enter(mb, "F-partial", "F")
-        return torch.cat([reduced, st.saved.pop("text")], dim=1)
+        text = (unpack(st.saved["x"], self.cfg)[1] if self.recompute == "full"
+                else st.saved.pop("text"))
+        return torch.cat([reduced, text], dim=1)
 
     def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
         st = self._enter(mb, "F", "B-partial")
+        if self.recompute == "full":
+            self._graph(st, unpack(st.saved.pop("x"), self.cfg)[0])
         n = self.cfg.vision.image_tokens
         (grad_h,) = torch.autograd.grad(st.saved.pop("out"), st.saved.pop("h_in"), grad[:, :n])
         st.saved["gtext"] = grad[:, n:]

@@ -1,0 +1,187 @@
+"""Activation recomputation in the runtime (`--recompute`, stp.models.recompute) changes
+what a forward keeps, never the maths: float64 losses, first-step gradients and
+parameters after two SGD steps equal the single-process reference within 1e-9
+of each tensor's magnitude (the criterion of test_parity.py), and equal the
+run without recomputation within 1e-12, on pp2 x tp2 with the braided stp
+schedule (braided full backwards: W between a unit's B halves) and 1f1b, with
+sequence parallelism, with offload and a tied embedding, on pp2 x dp2, and on
+the multimodal model. The same runs measure the resident activation bytes of
+a step on every rank: full keeps strictly fewer than none, selective no more.
+The full matrix (every schedule x selective, full x plain, SP, offload) is
+behind `-m slow`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_dist
+from _parity import compare_with_reference, random_batch, rel, sgd, two_steps
+
+from stp.models import ModelConfig
+from stp.runtime.mesh import Mesh, ParallelDims
+from stp.schedule import registry
+from stp.train.trainer import Trainer, TrainerOptions
+
+CONFIG = ModelConfig(
+    vocab_size=32, hidden=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden=64,
+    max_seq_len=16, seed=3,
+)
+TIED = ModelConfig(
+    vocab_size=30, hidden=32, num_layers=4, num_heads=4, num_kv_heads=1, ffn_hidden=64,
+    max_seq_len=16, seed=5, tie_embeddings=True, qkv_bias=True,
+)
+MODELS = {"untied": CONFIG, "tied": TIED}
+SEQ = 8
+TOL = 1e-9
+SAME = 1e-12
+
+# (mesh (pp, tp, dp), schedule, recompute, sequence parallel, offload, model)
+Case = tuple[tuple[int, int, int], str, str, bool, str, str]
+
+
+def _mllm():
+    from stp.train.config import ModelShape, TrainJob, VisionShape
+    from stp.train.families.mllm import mllm_batches
+    from stp.train.job import model_config
+
+    job = TrainJob(arch="mllm", model=ModelShape(layers=2, hidden=32, heads=4, seq_len=12),
+                   vision=VisionShape(image_size=8, patch=2, vision_layers=2,
+                                      vision_hidden=8),
+                   microbatches=4, microbatch_size=1, dtype="float64")
+    cfg = model_config(job)
+    return cfg, mllm_batches(job, cfg)
+
+
+def _mllm_reference(cfg, batches) -> dict[str, float]:
+    """The multimodal reference's losses, first gradients and parameters (as _parity's)."""
+    from stp.models.mllm.reference import build_mllm_reference
+
+    ref = build_mllm_reference(cfg, torch.float64)
+    named = {"vision." + k.replace("__", "."): p for k, p in ref.vision.items()}
+    named.update(ref.decoder.named_parameters())  # the stages' names (named_full)
+    opt = sgd(list(ref.parameters()))
+    out: dict = {"losses": []}
+    for step in range(2):
+        opt.zero_grad()
+        loss = ref.loss(*batches[step])
+        loss.backward()
+        out["losses"].append(loss.item())
+        if step == 0:
+            out["grads"] = {n: p.grad.clone() for n, p in named.items()}
+        opt.step()
+    out["params"] = {n: p.detach().clone() for n, p in named.items()}
+    return out
+
+
+def _one(mesh: Mesh, case: Case) -> tuple[list[float], dict | None, dict | None, list | None]:
+    dims, name, mode, sp, offload, model = case
+    if model == "mllm":
+        config, data = _mllm()
+        batches = [data.batch(s) for s in range(2)]
+        sch = registry.make(name, dims[0], 4)
+    else:
+        config = MODELS[model]
+        sch = registry.make(name, dims[0])
+        rows = sch.num_microbatches * dims[2]
+        batches = [random_batch(config.vocab_size, rows, SEQ, s) for s in range(2)]
+    trainer = Trainer(config, sgd, sch, mesh=mesh,
+                      options=TrainerOptions(recompute=mode, sequence_parallel=sp,
+                                                       offload=offload, dtype=torch.float64,
+                                                       timeout=60))
+    losses, grads, params = two_steps(trainer, batches)
+    peaks = trainer.activation_peaks()
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, losses)
+    assert all(e == losses for e in every), every
+    if grads is None:
+        return losses, None, None, peaks
+    if model == "mllm":
+        ref = _mllm_reference(config, batches)
+        diffs = {"loss": max(abs(a - b) / abs(b) for a, b in
+                             zip(losses, ref["losses"], strict=True)),
+                 "grad": rel(grads, ref["grads"]), "param": rel(params, ref["params"])}
+    else:
+        if config.tie_embeddings:  # one tensor in the reference: both copies must equal it
+            for d in (grads, params):
+                assert torch.equal(d.pop("head.weight"), d["embed.weight"])
+        diffs = compare_with_reference(config, torch.float64, batches, losses, grads, params)
+    return losses, grads, diffs, peaks
+
+
+def _worker(rank: int, world: int, cases: list[Case]) -> dict:
+    meshes: dict[tuple[int, int, int], Mesh] = {}
+    plain: dict = {}  # the run without recomputation of a setting, when one is listed first
+    out = {}
+    for case in cases:
+        dims, name, mode, sp, offload, model = case
+        if dims not in meshes:  # every rank builds the meshes in the same order
+            meshes[dims] = Mesh.from_world(ParallelDims(*dims), timeout=60)
+        losses, grads, diffs, peaks = _one(meshes[dims], case)
+        if rank != 0:
+            continue
+        setting = (dims, name, sp, offload, model)
+        if mode == "none":
+            plain[setting] = (losses, grads)
+        elif setting in plain:  # only numbers go back (tensors die with the process)
+            base_losses, base_grads = plain[setting]
+            diffs = {**diffs, "vs none loss": max(
+                abs(a - b) / abs(b) for a, b in zip(losses, base_losses, strict=True)),
+                "vs none grad": rel(grads, base_grads)}
+        out[case] = {"diffs": diffs, "peaks": peaks}
+    return out
+
+
+def _run(cases: list[Case]) -> dict:
+    return run_dist(_worker, 4, cases, timeout=600)[0]
+
+
+def _assert_reference(res: dict) -> None:
+    bad = []
+    for case, r in res.items():
+        print(case, {k: f"{v:.1e}" for k, v in r["diffs"].items()}, "peaks", r["peaks"])
+        bad += [f"{case}: {k} differs by {v:.3g}" for k, v in r["diffs"].items()
+                if not v <= (SAME if k.startswith("vs none") else TOL)]
+    assert not bad, "\n".join(bad)
+
+
+PP2_TP2 = (2, 2, 1)
+MEASURED = [(PP2_TP2, "stp", mode, False, "none", "untied")
+            for mode in ("none", "selective", "full")]
+COVERING = [
+    *MEASURED,
+    (PP2_TP2, "1f1b", "selective", False, "none", "untied"),
+    (PP2_TP2, "1f1b", "full", False, "none", "untied"),
+    (PP2_TP2, "stp", "full", True, "none", "untied"),   # sequence parallelism
+    (PP2_TP2, "stp", "full", False, "stp", "tied"),     # offload, tied embedding
+    (PP2_TP2, "stp", "full", False, "none", "mllm"),    # encoder and decoder units
+    ((2, 1, 2), "1f1b", "full", False, "none", "tied"),  # pp2 x dp2
+]
+
+
+def test_recompute_equals_reference_and_full_keeps_fewer_bytes() -> None:
+    res = _run(COVERING)
+    assert len(res) == len(COVERING), sorted(res)
+    _assert_reference(res)
+    none, sel, full = (res[c] for c in MEASURED)
+    for other in (sel, full):  # the same maths as without recomputation (checked above)
+        assert {"vs none loss", "vs none grad"} <= set(other["diffs"])
+    # resident activation bytes of a step, per rank (the offloader's measurement)
+    assert len(none["peaks"]) == 4 and min(none["peaks"]) > 0
+    for rank, (n, s, f) in enumerate(zip(none["peaks"], sel["peaks"], full["peaks"],
+                                         strict=True)):
+        assert f < n, f"rank {rank}: full keeps {f} bytes, none {n}"
+        assert s <= n, f"rank {rank}: selective keeps {s} bytes, none {n}"
+
+
+@pytest.mark.slow
+def test_every_schedule_with_selective_and_full_plain_sp_offload() -> None:
+    names = [n for n in registry.names() if registry.get(n).min_ranks <= 2]
+    cases = [(PP2_TP2, n, mode, sp, off, model) for n in names
+             for mode in ("selective", "full")
+             for sp, off, model in ((False, "none", "untied"), (True, "none", "untied"),
+                                    (False, "stp", "tied"), (True, "all", "tied"))]
+    cases += [(PP2_TP2, n, "selective", False, "none", "mllm") for n in ("stp", "1f1b")]
+    res = _run(cases)
+    assert len(res) == len(cases)
+    _assert_reference(res)
