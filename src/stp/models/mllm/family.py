@@ -37,15 +37,13 @@ class MLLMFamily:
                       partition: tuple[int, ...] | None,
                       weights: Callable[..., torch.Tensor] | None = None,
                       sequence_parallel: bool = False) -> StageBuilder:
-        if sequence_parallel:
-            raise ValueError("--sequence-parallel is not implemented for --arch mllm yet "
-                             "(the decoder only)")
         if weights is not None:
             raise ValueError("the multimodal model has no Hugging Face layout to read weights "
                              "from; it starts from its seeded initialisation")
         if partition is not None:
             partition_layers(config.num_layers, num_stages, partition)  # ValueError
-        return functools.partial(build_mllm_stage, config, partition=partition)
+        return functools.partial(build_mllm_stage, config, partition=partition,
+                                 sequence_parallel=sequence_parallel)
 
     def check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         # an input row is pixel bytes + tokens, its targets cover the decoder's positions
