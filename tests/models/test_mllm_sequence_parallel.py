@@ -141,3 +141,70 @@ def test_pp2_tp2_every_schedule_braided_unbraided_offload():
     names = [n for n in registry.names() if registry.get(n).min_ranks <= 2]
     cases = [(n, b, o) for n in names for b, o in ((True, None), (False, None), (True, "stp"))]
     _assert_exact(_run(cases), len(cases))
+
+
+# 12-pixel images of 2-pixel patches merged 2 x 2: 9 image tokens before the caption
+SHAPE = ["--arch", "mllm", "--layers", "2", "--hidden", "32", "--heads", "4",
+         "--vision-layers", "2", "--image-size", "12", "--patch", "2", "--vision-hidden", "8",
+         "--microbatch-size", "1", "-m", "4", "--steps", "1", "--sequence-parallel",
+         "--pp", "2", "--tp", "2"]
+
+
+def test_image_tokens_plus_caption_not_divisible_by_tp_is_refused_in_one_line(capsys, tmp_path):
+    from stp.cli.main import main
+
+    code = main(["train", *SHAPE, "--seq-len", "12", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "9 image tokens + --seq-len 12 = 21 is not divisible by --tp 2" in err, err
+    assert "refuses rather than pads" in err and "--seq-len 13 would fit" in err, err
+
+
+def test_the_whole_sequence_decides_not_the_caption_alone(tmp_path):
+    """An odd caption is accepted when image tokens + caption divide by tp."""
+    from stp.train.config import ModelShape, TrainJob, VisionShape
+    from stp.train.job import check
+
+    job = TrainJob(arch="mllm", model=ModelShape(layers=2, hidden=32, heads=4, seq_len=13),
+                   vision=VisionShape(image_size=12, patch=2, vision_layers=2, vision_hidden=8),
+                   pp=2, tp=2, microbatches=4, microbatch_size=1, steps=1,
+                   sequence_parallel=True, out=str(tmp_path / "run"))
+    run = check(job)
+    assert run.config.seq_len(13) == 22
+
+
+@pytest.mark.slow
+def test_stp_train_arch_mllm_sequence_parallel_matches_one_process(tmp_path):
+    """The flag end to end: `stp train` losses equal the reference's (AdamW, float64)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from stp.train.config import ModelShape, TrainJob, VisionShape
+    from stp.train.families.mllm import mllm_batches
+    from stp.train.job import model_config
+    from stp.train.lr import adamw
+
+    job = TrainJob(arch="mllm", model=ModelShape(layers=2, hidden=32, heads=4, seq_len=13),
+                   vision=VisionShape(image_size=12, patch=2, vision_layers=2, vision_hidden=8),
+                   microbatches=4, microbatch_size=1, steps=2, dtype="float64")
+    cfg = model_config(job)
+    ref = build_mllm_reference(cfg, torch.float64)
+    opt, batches, want = adamw(job.lr)(list(ref.parameters())), mllm_batches(job, cfg), []
+    for step in range(2):
+        opt.zero_grad()
+        loss = ref.loss(*batches.batch(step))
+        loss.backward()
+        opt.step()
+        want.append(float(loss.detach()))
+    argv = [*SHAPE, "--seq-len", "13", "--steps", "2", "--dtype", "float64", "--schedule",
+            "stp", "--json", "--out", str(tmp_path / "run")]
+    got = subprocess.run([sys.executable, "-m", "stp.cli.main", "train", *argv],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert got.returncode == 0, got.stderr[-3000:]
+    losses = [r["loss"] for r in map(json.loads, got.stdout.splitlines()) if "loss" in r]
+    assert len(losses) == 2
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, want, strict=True)) <= 1e-9, (
+        losses, want)
