@@ -169,7 +169,8 @@ def _print_overlap(res: dict[str, Any], s: Any, modes: tuple[str, ...]) -> None:
               "included (launches alone)")
     else:
         print("exposed: compute-stream time in all-reduce launches + waits (launches alone)")
-    print(f"{'mode':12s} {'colls':>5s} {'sequential':>20s} {'braided':>20s} "
+    width, count = (12, "colls") if sp else (9, "ARs")  # mode column, collectives
+    print(f"{'mode':{width}s} {count:>{len(count)}s} {'sequential':>20s} {'braided':>20s} "
           f"{'wall seq':>9s} {'wall braid':>10s} {'hidden':>7s} {'waits hidden':>12s}")
     for mode in modes:
         for key, tag in ((mode, " AR" if sp else ""), (mode + "_sp", " SP")):
@@ -178,7 +179,7 @@ def _print_overlap(res: dict[str, Any], s: Any, modes: tuple[str, ...]) -> None:
             r = res[key]
             seq = f"{r['exposed_sequential_s'] * ms:.1f} ({r['launch_sequential_s'] * ms:.1f}) ms"
             br = f"{r['exposed_braided_s'] * ms:.1f} ({r['launch_braided_s'] * ms:.1f}) ms"
-            print(f"{mode + tag:12s} {r['allreduces']:5d} {seq:>20s} {br:>20s} "
+            print(f"{mode + tag:{width}s} {r['allreduces']:{len(count)}d} {seq:>20s} {br:>20s} "
                   f"{r['wall_sequential_s'] * ms:6.1f} ms {r['wall_braided_s'] * ms:7.1f} ms "
                   f"{r['hidden_fraction']:7.3f} {r['wait_hidden_fraction']:12.3f}")
 
