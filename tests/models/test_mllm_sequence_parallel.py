@@ -60,7 +60,7 @@ def _reference(batches) -> tuple[list[float], dict, dict]:
         opt.zero_grad()
         loss = ref.loss(inputs, targets)
         loss.backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step == 0:
             grads = {n: p.grad.clone() for n, p in ref.named_full().items()}
         opt.step()
