@@ -5,17 +5,23 @@ magnitude, on the braided STP schedule, on 1f1b, and with offload once. The pack
 sequence (16 image tokens + 6 caption tokens = 22 rows) splits 11 / 11, so the
 image rows are cut between the two TP ranks (rank 1 holds 5 image rows and the
 caption). A planted bug (a rank's position-embedding gradient added at the first
-rows, not at its own) must fail the same comparison. An S that
+rows, not at its own) must fail the same comparison. The braided run's measured
+trace names the reduce-scatters (RS) and all-gathers (AG), shows some of each
+under the partner pass's compute, and `stp draw --measured` draws them. An S that
 does not divide by tp is refused in one line naming the --seq-len that would fit.
 The full schedule matrix is behind `-m slow`."""
 
 from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_dist
 
+from stp.cli.main import main
 from stp.models import ModelConfig
 from stp.models.mllm import vision
 from stp.models.mllm.reference import build_mllm_reference
@@ -24,6 +30,7 @@ from stp.schedule import registry
 from stp.shapes.mllm import MLLMConfig, VisionConfig
 from stp.train.images import CaptionBatches, ShapeImages
 from stp.train.trainer import Trainer
+from stp.viz.measured_read import load_measured_trace
 
 DEC = ModelConfig(vocab_size=256, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   ffn_hidden=64, max_seq_len=32, seed=4)
@@ -67,31 +74,40 @@ def _reference(batches) -> tuple[list[float], dict, dict]:
     return losses, grads, {n: p.detach().clone() for n, p in ref.named_full().items()}
 
 
-def _worker(rank: int, world: int, cases: list[Case], planted: bool) -> dict:
-    if planted:
-        vision.AddGrad.accumulate = _rows_at_zero
+def _case(rank: int, world: int, mesh: Mesh, case: Case, trace: str | None) -> dict | None:
+    """Two SGD steps of one case on this mesh; rank 0 returns the differences."""
+    name, braid, offload = case
+    sch = registry.make(name, 2)
+    trainer = Trainer(CFG, sgd, sch, mesh=mesh, dtype=torch.float64, timeout=60,
+                      sequence_parallel=True, braid=braid, offload=offload, trace=True)
+    batches = _batches(sch.num_microbatches)
+    losses = [trainer.step(batches[0])]
+    grads = trainer.full_state_dict(grads=True)
+    losses.append(trainer.step(batches[1]))
+    params = trainer.full_state_dict()
+    if trace is not None:  # collective: the last step's spans of every rank
+        trainer.write_trace(trace)
+    every = [None] * world
+    dist.all_gather_object(every, losses)
+    if rank != 0:
+        return None
+    ref_losses, ref_grads, ref_params = _reference(batches)
+    return {"same": all(e == losses for e in every),
+            "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
+            "grad": _rel(grads, ref_grads), "param": _rel(params, ref_params),
+            "advanced": trainer.executor.runner.stats.advanced}
+
+
+def _worker(rank: int, world: int, cases: list[Case], planted: Case | None,
+            trace: str | None) -> dict:
+    """Every case on one mesh (one spawn); the first case's trace to `trace`; then
+    `planted` with the planted bug."""
     mesh = Mesh.from_world(ParallelDims(2, 2, 1), timeout=60)
-    out = {}
-    for name, braid, offload in cases:
-        sch = registry.make(name, 2)
-        trainer = Trainer(CFG, sgd, sch, mesh=mesh, dtype=torch.float64, timeout=60,
-                          sequence_parallel=True, braid=braid, offload=offload, trace=True)
-        batches = _batches(sch.num_microbatches)
-        losses = [trainer.step(batches[0])]
-        grads = trainer.full_state_dict(grads=True)
-        losses.append(trainer.step(batches[1]))
-        params = trainer.full_state_dict()
-        every = [None] * world
-        dist.all_gather_object(every, losses)
-        if rank == 0:
-            ref_losses, ref_grads, ref_params = _reference(batches)
-            out[(name, braid, offload)] = {
-                "same": all(e == losses for e in every),
-                "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
-                "grad": _rel(grads, ref_grads), "param": _rel(params, ref_params),
-                "advanced": trainer.executor.runner.stats.advanced,
-                "kinds": sorted({s.kind for s in trainer.executor.recorder.spans()
-                                 if s.lane == "tp"})}
+    out = {case: _case(rank, world, mesh, case, trace if k == 0 else None)
+           for k, case in enumerate(cases)}
+    if planted is not None:
+        vision.AddGrad.accumulate = _rows_at_zero
+        out[("planted", *planted)] = _case(rank, world, mesh, planted, None)
     return out
 
 
@@ -104,12 +120,12 @@ def _rows_at_zero(self) -> None:
     self.weight.grad.narrow(0, 0, g.shape[0]).add_(g)
 
 
-def _run(cases: list[Case], planted: bool = False) -> dict:
-    return run_dist(_worker, 4, cases, planted, timeout=300)[0]
+def _run(cases: list[Case], planted: Case | None = None, trace: str | None = None) -> dict:
+    return run_dist(_worker, 4, cases, planted, trace, timeout=300)[0]
 
 
 def _assert_exact(res: dict, expected: int) -> None:
-    assert len(res) == expected, sorted(res)
+    assert len(res) == expected, sorted(res, key=str)
     bad = []
     for case, r in sorted(res.items(), key=str):
         print(case, {k: f"{r[k]:.1e}" for k in ("loss", "grad", "param")}, r["advanced"])
@@ -120,20 +136,62 @@ def _assert_exact(res: dict, expected: int) -> None:
     assert not bad, "\n".join(bad)
 
 
-def test_pp2_tp2_braided_stp_1f1b_and_offload_equal_one_process():
-    cases = [("stp", True, None), ("1f1b", True, None), ("stp", True, "stp")]
-    res = _run(cases)
-    _assert_exact(res, len(cases))
+COVERING = [("stp", True, None), ("1f1b", True, None), ("stp", True, "stp")]
+
+
+@pytest.fixture(scope="module")
+def covering(tmp_path_factory) -> tuple[dict, Path]:
+    """The covering cases, their braided STP run's trace, and the planted bug: one
+    spawn for the three tests that read them."""
+    trace = tmp_path_factory.mktemp("sp") / "stp.json"
+    return _run(COVERING, planted=("1f1b", True, None), trace=str(trace)), trace
+
+
+def test_pp2_tp2_braided_stp_1f1b_and_offload_equal_one_process(covering):
+    res, _ = covering
+    _assert_exact({k: v for k, v in res.items() if k[0] != "planted"}, len(COVERING))
     # the braided schedule launched all-gathers early (the runner's advance): that
     # path, through encoder, merger and decoder units, is what parity covered
     assert res[("stp", True, None)]["advanced"] > 0
-    assert res[("stp", True, None)]["kinds"] == ["AG", "AR", "RS"]
 
 
-def test_position_gradient_at_the_wrong_rows_fails_parity():
-    res = _run([("1f1b", True, None)], planted=True)
-    (r,) = res.values()
-    assert r["grad"] > 1e-3, r
+def test_position_gradient_at_the_wrong_rows_fails_parity(covering):
+    res, _ = covering
+    assert res[("planted", "1f1b", True, None)]["grad"] > 1e-3, res
+
+
+def _overlaps(spans, rank: int, kind: str) -> int:
+    """Braided tp spans of `kind` on `rank` that overlap a compute span of the other
+    pass of their block."""
+    compute = defaultdict(list)
+    for s in spans:
+        if s.rank == rank and s.lane == "compute":
+            compute[s.action_index].append(s)
+    return sum(
+        any(c.name != s.name and c.start < s.end and s.start < c.end
+            for c in compute[s.action_index])
+        for s in spans if s.rank == rank and s.lane == "tp" and s.kind == kind and s.braided)
+
+
+def test_braided_sp_trace_names_rs_and_ag_hides_them_and_draws_them(covering, tmp_path):
+    """The braided STP run's measured trace: every rank's TP lane holds RS (the
+    reduce-scatter ending each unit) and AG (the all-gather starting one), AR only for
+    the loss statistics (the V puts the loss on pipeline rank 0); in braided blocks
+    some RS and some AG of every rank run while the partner pass computes (STP paper,
+    arXiv 2510.27257, Fig. 3); `stp draw --measured` draws each by name."""
+    _, path = covering
+    trace = load_measured_trace(path)
+    for rank in range(4):
+        kinds = {s.kind for s in trace.spans if s.rank == rank and s.lane == "tp"}
+        assert kinds == ({"AR", "RS", "AG"} if rank < 2 else {"RS", "AG"}), (rank, kinds)
+        assert _overlaps(trace.spans, rank, "RS") > 0, rank
+        assert _overlaps(trace.spans, rank, "AG") > 0, rank
+    svg = tmp_path / "sp.svg"
+    assert main(["draw", "--measured", str(path), "--out", str(svg)]) == 0
+    text = svg.read_text()
+    for needle in ("reduce-scatter (RS)", "all-gather (AG)", "TP all-reduce", "RS of 0F",
+                   "AG of 0F", "under compute", "braided block"):
+        assert needle in text, needle
 
 
 @pytest.mark.slow
@@ -151,8 +209,6 @@ SHAPE = ["--arch", "mllm", "--layers", "2", "--hidden", "32", "--heads", "4",
 
 
 def test_image_tokens_plus_caption_not_divisible_by_tp_is_refused_in_one_line(capsys, tmp_path):
-    from stp.cli.main import main
-
     code = main(["train", *SHAPE, "--seq-len", "12", "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
