@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from stp.models.tp.sequence import SequenceParallel, ToScatter
+from stp.models.tp.sequence import PendingGather, SequenceParallel, ToScatter
 from stp.shapes.mllm import MLLMConfig
 
 __all__ = ["check_mllm_sequence", "image_rows", "local_image", "gather_input", "image_of",
@@ -73,7 +73,8 @@ def spread(t: torch.Tensor, cfg: MLLMConfig, total: int) -> ToScatter:
     return ToScatter(F.pad(packed, (0, 0, 0, total - n)))
 
 
-def gather_input(seq: SequenceParallel, h: torch.Tensor, cfg: MLLMConfig, rows: int) -> object:
+def gather_input(seq: SequenceParallel, h: torch.Tensor, cfg: MLLMConfig,
+                 rows: int) -> PendingGather:
     """Launch the all-gather of this rank's normalised patches h [b, k merge**2, vision
     hidden] (its `rows` rows of the stream, text rows zero); `image_of` reads the
     result."""

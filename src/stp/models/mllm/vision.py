@@ -20,6 +20,12 @@ The norm is RMSNorm (Qwen2.5-VL's vision tower; Qwen2-VL uses LayerNorm), so
 the deferred-gain TP pieces of the decoder serve here too. Positions: a
 learned absolute embedding (ViT, Dosovitskiy et al., arXiv 2010.11929) where
 Qwen2-VL uses 2-D rotary embeddings.
+
+Under sequence parallelism (arXiv 2205.05198; stp.models.mllm.rows) a unit
+takes and returns this TP rank's rows of the packed tensor, each all-reduce
+above is a reduce-scatter, and each encoder unit's TP region starts with an
+all-gather of the normalised image rows (the input unit's backward gathers
+its gradient instead: the dual of its forward's reduce-scatter).
 """
 
 from __future__ import annotations
