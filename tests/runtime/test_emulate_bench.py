@@ -38,15 +38,15 @@ def test_overlap_bench_reports_both_modes():
 @pytest.mark.slow
 def test_overlap_bench_sequence_parallel_counts_reduce_scatters():
     out = _stp("bench", "overlap", "--sequence-parallel", "--layers", "2", "--hidden", "16",
-               "--seq-len", "8", "--repeats", "1", "--json")
+               "--seq-len", "8", "--repeats", "1", "--mode", "real", "--json")
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout.splitlines()[-1])
-    r = res["real"]
-    assert "emulated" not in res and res["hidden_fraction"] == r["hidden_fraction"]
+    r = res["real_sp"]
+    assert "emulated" not in res and res["hidden_fraction"] == res["real"]["hidden_fraction"]
     # F then BW over 6 units: a reduce-scatter per unit, none for the embedding's backward
-    assert r["allreduces"] == 2 * 6 - 1
-    assert r["hidden_fraction"] <= 1 and r["launch_braided_s"] <= r["exposed_braided_s"]
-    assert "reduce-scatter" in out.stdout
+    assert r["allreduces"] == 2 * 6 - 1 and r["advanced"] > 0
+    assert 0 <= r["hidden_fraction"] <= 1 and r["launch_braided_s"] <= r["exposed_braided_s"]
+    assert "reduce-scatter" in out.stdout and "real SP" in out.stdout
 
 
 @pytest.mark.slow

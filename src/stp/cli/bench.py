@@ -7,7 +7,9 @@
 overlap: the all-reduce time left on the compute stream when F and B of two
 microbatches run one after the other, and when they run as one braided block
 (STP paper arXiv 2510.27257, Fig. 3); hidden_fraction = 1 - exposed(braided) / exposed(sequential),
-in emulated compute (stp.models.emulated) and in real compute.
+in [0, 1], in emulated compute (stp.models.emulated) and in real compute. With
+--sequence-parallel the same for the reduce-scatters and all-gathers (rows "SP",
+JSON keys emulated_sp / real_sp) beside the all-reduces (rows "AR").
 
 fidelity: the all-reduce of one unit's partial sum and the point-to-point
 time are measured first; then each schedule runs on emulated stages with
@@ -69,8 +71,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--mode", choices=("both", "emulated", "real"), default="both",
                    help="compute: emulated, real or both (default)")
     o.add_argument("--sequence-parallel", action="store_true",
-                   help="real compute with sequence parallelism (reduce-scatter + all-gather "
-                   "in place of each all-reduce; --seq-len must be even)")
+                   help="also measure sequence parallelism (reduce-scatter + all-gather in "
+                   "place of each all-reduce), printed beside the all-reduce in each mode; "
+                   "both with F braided with a full backward (--seq-len must be even)")
     o.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     o.set_defaults(func=run_overlap)
 
@@ -134,13 +137,9 @@ def run_overlap(args: argparse.Namespace) -> int:
 
     modes = ("emulated", "real") if args.mode == "both" else (args.mode,)
     sp = args.sequence_parallel
-    if sp:  # the emulated stage has no sequence to shard
-        if args.mode == "emulated":
-            raise ValueError("--sequence-parallel measures real compute; drop --mode emulated")
-        if args.seq_len % 2:
-            raise ValueError(f"--sequence-parallel splits the sequence over tp=2: --seq-len "
-                             f"{args.seq_len} is not even (stp refuses rather than pads)")
-        modes = ("real",)
+    if sp and args.seq_len % 2:
+        raise ValueError(f"--sequence-parallel splits the sequence over tp=2: --seq-len "
+                         f"{args.seq_len} is not even (stp refuses rather than pads)")
     if args.hidden % args.heads or (args.hidden // args.heads) % 2 or args.heads % 2:
         raise ValueError(f"--hidden {args.hidden} / --heads {args.heads}: heads must be even "
                          "(tp=2) and divide hidden into even head widths")
@@ -151,29 +150,38 @@ def run_overlap(args: argparse.Namespace) -> int:
                         unit=UnitTimes(*_unit_ms(args.unit_ms)), repeats=args.repeats,
                         modes=modes, sequence_parallel=sp)
     res = _launch("overlap", s, 2)
-    ms = 1e3
-    print(f"tp=2, one stage of {model.num_layers} layers, microbatch [{s.microbatch_size}, "
-          f"{s.seq_len}, {model.hidden}]; one all-reduce of it: {res['allreduce_s'] * ms:.2f} ms")
-    if sp:
-        print("sequence parallel: each unit ends in a reduce-scatter and starts with an "
-              "all-gather; F of mb 1 against a full backward (B, W) of mb 0")
-        print("exposed: compute-stream time in reduce-scatter launches + waits + all-gathers "
-              "(launches alone)")
-    else:
-        print("exposed: compute-stream time in all-reduce launches + waits (launches alone)")
-    print(f"{'mode':9s} {'RSs' if sp else 'ARs':>4s} {'sequential':>20s} {'braided':>20s} "
-          f"{'wall seq':>9s} {'wall braid':>10s} {'hidden':>7s} {'waits hidden':>12s}")
-    for mode in modes:
-        r = res[mode]
-        seq = f"{r['exposed_sequential_s'] * ms:.1f} ({r['launch_sequential_s'] * ms:.1f}) ms"
-        br = f"{r['exposed_braided_s'] * ms:.1f} ({r['launch_braided_s'] * ms:.1f}) ms"
-        print(f"{mode:9s} {r['allreduces']:4d} {seq:>20s} {br:>20s} "
-              f"{r['wall_sequential_s'] * ms:6.1f} ms {r['wall_braided_s'] * ms:7.1f} ms "
-              f"{r['hidden_fraction']:7.3f} {r['wait_hidden_fraction']:12.3f}")
+    _print_overlap(res, s, modes)
     if args.json:
         head = res.get("emulated", res.get("real"))
         print(json.dumps({"hidden_fraction": head["hidden_fraction"], **res}))
     return 0
+
+
+def _print_overlap(res: dict[str, Any], s: Any, modes: tuple[str, ...]) -> None:
+    ms, sp = 1e3, s.sequence_parallel
+    print(f"tp=2, one stage of {s.model.num_layers} layers, microbatch [{s.microbatch_size}, "
+          f"{s.seq_len}, {s.model.hidden}]; one all-reduce of it: {res['allreduce_s'] * ms:.2f} ms")
+    if sp:
+        print("F of mb 1 against a full backward (B, W) of mb 0; AR rows: an all-reduce ends "
+              "each unit; SP rows (sequence parallel): a reduce-scatter ends each unit and an "
+              "all-gather starts it")
+        print("exposed: compute-stream time in collective launches + waits, all-gathers "
+              "included (launches alone)")
+    else:
+        print("exposed: compute-stream time in all-reduce launches + waits (launches alone)")
+    width, count = (12, "colls") if sp else (9, "ARs")  # mode column, collectives
+    print(f"{'mode':{width}s} {count:>{len(count)}s} {'sequential':>20s} {'braided':>20s} "
+          f"{'wall seq':>9s} {'wall braid':>10s} {'hidden':>7s} {'waits hidden':>12s}")
+    for mode in modes:
+        for key, tag in ((mode, " AR" if sp else ""), (mode + "_sp", " SP")):
+            if key not in res:
+                continue
+            r = res[key]
+            seq = f"{r['exposed_sequential_s'] * ms:.1f} ({r['launch_sequential_s'] * ms:.1f}) ms"
+            br = f"{r['exposed_braided_s'] * ms:.1f} ({r['launch_braided_s'] * ms:.1f}) ms"
+            print(f"{mode + tag:{width}s} {r['allreduces']:{len(count)}d} {seq:>20s} {br:>20s} "
+                  f"{r['wall_sequential_s'] * ms:6.1f} ms {r['wall_braided_s'] * ms:7.1f} ms "
+                  f"{r['hidden_fraction']:7.3f} {r['wait_hidden_fraction']:12.3f}")
 
 
 def run_fidelity(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
     stp draw --schedule stp --pp 4 -m 12 --cost f=2,b=2,w=2,ar=0.4 --out stp.svg
     stp draw --from-csv order.csv --out order.png --trace order.json
+    stp draw --measured run.json --out run.svg    # what `stp train --trace` recorded
 """
 
 from __future__ import annotations
@@ -35,11 +36,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="picture to write; the suffix picks the format")
     p.add_argument("--trace", metavar="FILE.json", default=None,
                    help="also write a Chrome/Perfetto trace (open in ui.perfetto.dev)")
+    p.add_argument("--measured", metavar="TRACE.json", default=None,
+                   help="draw a measured trace (`stp train --trace`) instead of a simulation: "
+                   "every unit, TP collective (AR; RS and AG with --sequence-parallel) and "
+                   "send of every rank, as run")
     p.add_argument("--title", default=None, help="title of the picture")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.measured is not None:
+        return _draw_measured(args)
     if not args.out and not args.trace:
         raise ValueError("nothing to write: give --out FILE.svg|FILE.png and/or --trace FILE.json")
     if args.out and not args.out.lower().endswith((".svg", ".png")):
@@ -65,4 +72,23 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         viz.write_trace(res, args.trace)
         print(f"wrote {args.trace}", file=sys.stderr)
+    return 0
+
+
+def _draw_measured(args: argparse.Namespace) -> int:
+    """`--measured TRACE.json --out FILE`: the trace as the runtime recorded it."""
+    given = [f for f in ("schedule", "from_csv", "from_json", "schedule_text")
+             if getattr(args, f) is not None]
+    if given:
+        raise ValueError(f"--measured draws a recorded run; drop --{given[0].replace('_', '-')}"
+                         " (a schedule to simulate)")
+    if args.trace:
+        raise ValueError("--measured TRACE.json is a trace already (open it in "
+                         "ui.perfetto.dev); drop --trace")
+    if not args.out or not args.out.lower().endswith((".svg", ".png")):
+        raise ValueError("--measured needs --out FILE.svg or FILE.png")
+    from stp import viz
+
+    viz.draw_measured(viz.load_measured_trace(args.measured), args.out, title=args.title)
+    print(f"wrote {args.out}", file=sys.stderr)
     return 0

@@ -5,9 +5,15 @@ A `Recorder` on each rank collects, for one run of the executor:
 * compute lane: every unit's compute (`7F3`, kind F/B/W, unit = index of the
   transformer unit in the stage, None for the embedding and loss units),
   from after any wait to its end; units of one action share `action_index`;
-* tp lane: every TP all-reduce from its launch to its completion (the work's
-  completion callback where the backend has one, else when first seen
-  complete);
+* tp lane: every TP collective, named by its kind: `AR` an all-reduce, and
+  under sequence parallelism (stp.models.tp.sequence) `RS` the
+  reduce-scatter that ends a unit and `AG` the all-gather that starts one.
+  An all-reduce or reduce-scatter runs from its launch to its completion
+  (the work's completion callback where the backend has one, else when first
+  seen complete); an all-gather from its launch to when the compute stream
+  took its result (its unit's start, or under an advance of
+  stp.runtime.braid the later unit that reads it), so a gather hidden under
+  the partner's unit spans that unit;
 * send lane: every send and receive (`1SEND_F3`, `2RECV_B1`, kind SEND /
   RECV) from its posting to its completion as seen by the receiver: a receive
   ends when the executor's wait for it returns (right before the pass that
@@ -78,6 +84,7 @@ class Recorder:
         self.chunk_of = chunk_of
         self.origin = 0.0
         self._spans: list[Span] = []
+        self._gathers: list[Span] = []
         self._ars: list[tuple[Any, Pass, int | None, int, bool, str]] = []
         self._xfers: list[TransferRecord] = []
         self._layer_index: dict[int, list[int | None]] = {}
@@ -85,7 +92,7 @@ class Recorder:
     def start(self) -> None:
         """Forget the previous run; times count from now."""
         self.origin = time.perf_counter()
-        self._spans, self._ars, self._xfers = [], [], []
+        self._spans, self._gathers, self._ars, self._xfers = [], [], [], []
 
     def _unit_index(self, stage: Any, u: int) -> int | None:
         """Index of unit u among the stage's transformer units (None: embed, loss)."""
@@ -125,9 +132,9 @@ class Recorder:
                braided: bool) -> None:
         """An all-gather unit u of pass p ran and waited for on the compute stream
         (sequence parallelism: the start of a TP region, stp.models.tp.sequence)."""
-        self._spans.append(Span(self.rank, "tp", start, end, str(p), "AG", p.stage, p.mb,
-                                self.chunk_of[p.stage], self._unit_index(stage, u), index,
-                                braided))
+        self._gathers.append(Span(self.rank, "tp", start, end, str(p), "AG", p.stage, p.mb,
+                                  self.chunk_of[p.stage], self._unit_index(stage, u), index,
+                                  braided))
 
     def transfer(self, name: str, kind: str, stage: int, mb: int, start: float, end: float,
                  peer: int, message: Message) -> None:
@@ -136,13 +143,14 @@ class Recorder:
                                     peer, message))
 
     def spans(self) -> list[Span]:
-        """This run's spans (absolute perf_counter seconds), lanes made to nest."""
+        """This run's spans (absolute perf_counter seconds), lanes made to nest (the tp
+        lane's all-reduces, reduce-scatters and all-gathers together)."""
         ars = []
         for ar, p, unit, index, braided, kind in self._ars:
             done = ar.done_at if ar.done_at is not None else ar.launched
             ars.append(Span(self.rank, "tp", ar.launched, done, str(p), kind, p.stage, p.mb,
                             self.chunk_of[p.stage], unit, index, braided))
-        return self._spans + lane_layout(ars)
+        return self._spans + lane_layout(ars + self._gathers)
 
     def transfers(self) -> list[TransferRecord]:
         return list(self._xfers)

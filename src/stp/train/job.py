@@ -84,15 +84,11 @@ def _check_save_full(job: TrainJob) -> None:
 
 
 def _check_sequence_parallel(job: TrainJob) -> None:
-    """--sequence-parallel: the sequence must split over the TP ranks (a family that
-    cannot shard it refuses in its check_flags)."""
+    """--sequence-parallel on stages that have a sequence (whether it splits over the TP
+    ranks is the family's check_run: its sequence is its own)."""
     if job.emulate is not None:
         raise ValueError("--emulate-compute stages have no sequence to shard; drop "
                          "--sequence-parallel or --emulate-compute")
-    if job.model.seq_len % job.tp:
-        raise ValueError(f"--sequence-parallel splits the sequence over the TP ranks: --seq-len "
-                         f"{job.model.seq_len} is not divisible by --tp {job.tp} (stp refuses "
-                         "rather than pads)")
 
 
 def check_output_file(path: str, flag: str) -> None:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from stp.sim.result import SimResult
 from stp.viz.compare_plot import compare_scene
+from stp.viz.measured import measured_scene
+from stp.viz.measured_read import MeasuredTrace, load_measured_trace
 from stp.viz.scene import Scene
 from stp.viz.svg import to_svg
 from stp.viz.timeline import timeline_scene
@@ -16,6 +18,9 @@ from stp.viz.trace import trace_events, trace_json, write_trace
 
 __all__ = [
     "draw_timeline",
+    "draw_measured",
+    "load_measured_trace",
+    "measured_scene",
     "plot_compare",
     "save_scene",
     "timeline_scene",
@@ -49,6 +54,12 @@ def save_scene(scene: Scene, path: str | Path) -> None:
 def draw_timeline(res: SimResult, path: str | Path, *, title: str | None = None) -> None:
     """Draw the simulated timeline of `res` to an .svg or .png file."""
     save_scene(timeline_scene(res, title=title), path)
+
+
+def draw_measured(trace: MeasuredTrace, path: str | Path, *, title: str | None = None) -> None:
+    """Draw a measured trace (`stp train --trace`, read by load_measured_trace) to an
+    .svg or .png file."""
+    save_scene(measured_scene(trace, title=title), path)
 
 
 def plot_compare(results: Sequence[SimResult], path: str | Path) -> None:

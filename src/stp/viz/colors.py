@@ -14,6 +14,9 @@ __all__ = [
     "tp_wait",
     "text_on",
     "AR_COLOR",
+    "TP_COLORS",
+    "TP_NAMES",
+    "tp_parts",
     "SEND_COLOR",
     "COPY_COLORS",
     "MEM_LINE",
@@ -30,6 +33,11 @@ KIND_BASE = {"F": "#2f6db5", "B": "#e07020", "W": "#2e9e5b"}
 """Dark shade (chunk 0) of each compute kind."""
 
 AR_COLOR = "#8a63b8"
+TP_COLORS = {"AR": AR_COLOR, "RS": "#c2449a", "AG": "#3a8f8f"}
+"""The TP lane by collective: all-reduce purple; under sequence parallelism
+(arXiv 2205.05198) the reduce-scatter that ends a unit magenta, the all-gather
+that starts one teal."""
+TP_NAMES = {"AR": "TP all-reduce", "RS": "reduce-scatter (RS)", "AG": "all-gather (AG)"}
 SEND_COLOR = "#7f7f7f"
 COPY_COLORS = {"D2H": "#b5651d", "H2D": "#1d8fb5"}
 MEM_LINE = "#444444"
@@ -54,6 +62,14 @@ def pass_color(kind: str, chunk: int, chunks: int) -> str:
     if chunks <= 1:
         return base
     return _mix(base, "#ffffff", 0.55 * chunk / (chunks - 1))
+
+
+def tp_parts(kind: str) -> list[str]:
+    """The collectives of a TP-lane span's kind: `RS+AG` (the simulator's reduce-scatter
+    followed by the next unit's all-gather, one span) is both; unknown kinds draw as
+    an all-reduce."""
+    parts = [k for k in kind.split("+") if k in TP_COLORS]
+    return parts or ["AR"]
 
 
 def tp_wait(fill: str) -> str:

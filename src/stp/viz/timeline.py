@@ -2,7 +2,8 @@
 
 One band per rank, top to bottom: the compute lane (F / B / W blocks, the
 rank's chunks in shades of one hue, microbatch numbers where they fit), the
-TP lane (all-reduces), the send lane and the offload copy lanes when the run
+TP lane (all-reduces; under sequence parallelism reduce-scatters and
+all-gathers, each in its own colour), the send lane and the offload copy lanes when the run
 has them, and the rank's resident activation memory over time with its peak
 marked. A braided block (STP, arXiv 2510.27257, Fig. 3) is drawn unit by unit, so its
 interleaving is visible, inside one dark frame labelled `F-mb|other-mb`.
@@ -24,7 +25,7 @@ from stp.sim.result import SimResult, Span
 from stp.viz import colors as C
 from stp.viz.scene import Line, Poly, Rect, Scene, Text, fmt_num, nice_ticks, text_width
 
-__all__ = ["timeline_scene"]
+__all__ = ["timeline_scene", "tp_rect", "tp_kinds"]
 
 _LEFT, _RIGHT, _TOP = 92.0, 24.0, 106.0
 _LANE_H = {"compute": 26.0, "tp": 9.0, "send": 6.0, "d2h": 6.0, "h2d": 6.0}
@@ -182,7 +183,11 @@ def _legend(sc: Scene, L: _Layout, x: float, y: float) -> None:
         sc.add(Rect(x, y, sw, sh, stroke=C.FRAME_COLOR, stroke_width=1.4))
         x += sw + 4
         label("braided block (F mb | other mb)")
-    extra = [("tp", C.AR_COLOR, "TP all-reduce"), ("send", C.SEND_COLOR, "send"),
+    for kind in tp_kinds(L.by_lane, "tp"):
+        sc.add(Rect(x, y + 3, sw, sh - 6, fill=C.TP_COLORS[kind]))
+        x += sw + 4
+        label(C.TP_NAMES[kind])
+    extra = [("send", C.SEND_COLOR, "send"),
              ("d2h", C.COPY_COLORS["D2H"], "offload D2H"),
              ("h2d", C.COPY_COLORS["H2D"], "reload H2D")]
     for lane, color, name in extra:
@@ -268,14 +273,31 @@ def _compute_lane(sc: Scene, L: _Layout, r: int) -> None:
 
 
 def _plain_lanes(sc: Scene, L: _Layout, r: int) -> None:
-    color = {"tp": C.AR_COLOR, "send": C.SEND_COLOR, "d2h": C.COPY_COLORS["D2H"],
-             "h2d": C.COPY_COLORS["H2D"]}
+    color = {"send": C.SEND_COLOR, "d2h": C.COPY_COLORS["D2H"], "h2d": C.COPY_COLORS["H2D"]}
     for ln in L.lanes[1:]:
         y = L.lane_y(r, ln)
         for s in L.by_lane.get((r, ln), []):
-            sc.add(Rect(L.x(s.start), y, max((s.end - s.start) * L.px, 0.6), _LANE_H[ln],
-                        fill=color[ln], title=f"{s.kind} of {s.name} {fmt_num(s.start)}-"
-                        f"{fmt_num(s.end)}"))
+            x, w = L.x(s.start), max((s.end - s.start) * L.px, 0.6)
+            tip = f"{s.kind} of {s.name} {fmt_num(s.start)}-{fmt_num(s.end)}"
+            if ln == "tp":
+                tp_rect(sc, x, y, w, _LANE_H[ln], s.kind, tip)
+            else:
+                sc.add(Rect(x, y, w, _LANE_H[ln], fill=color[ln], title=tip))
+
+
+def tp_rect(sc: Scene, x: float, y: float, w: float, h: float, kind: str, tip: str) -> None:
+    """A TP-lane span coloured by its collective (an `RS+AG` span: RS above, AG below)."""
+    parts = C.tp_parts(kind)
+    for i, part in enumerate(parts):
+        sc.add(Rect(x, y + i * h / len(parts), w, h / len(parts), fill=C.TP_COLORS[part],
+                    title=tip))
+
+
+def tp_kinds(by_lane: dict[tuple[int, str], list[Span]], lane: str) -> list[str]:
+    """The collectives the TP lanes hold, in legend order (AR, RS, AG)."""
+    seen = {part for (_, ln), spans in by_lane.items() if ln == lane for s in spans
+            for part in C.tp_parts(s.kind)}
+    return [k for k in C.TP_COLORS if k in seen]
 
 
 def _memory(sc: Scene, L: _Layout, r: int) -> None:

@@ -43,6 +43,7 @@ class MLLMFamily:
         if sequence_parallel:
             raise ValueError("--sequence-parallel is not implemented for --arch mllm yet "
                              "(the decoder only)")
+                      sequence_parallel: bool = False) -> StageBuilder:
         if weights is not None:
             raise ValueError("the multimodal model has no Hugging Face layout to read weights "
                              "from; it starts from its seeded initialisation")
@@ -50,6 +51,7 @@ class MLLMFamily:
             partition_layers(config.num_layers, num_stages, partition)  # ValueError
         return functools.partial(build_mllm_stage, config, partition=partition,
                                  recompute=recompute)
+                                 sequence_parallel=sequence_parallel)
 
     def check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         # an input row is pixel bytes + tokens, its targets cover the decoder's positions

@@ -5,6 +5,10 @@ stp.models.decoder.units) that the executor runs or braids like the decoder's.
 Global layers 0..Lv-1 are encoder blocks (the merger follows the last one, on
 the same stage), Lv.. decoder layers; `partition` counts both, so the encoder
 may span several stages or share one with the first decoder layers.
+
+With `sequence_parallel` each TP rank holds S/t rows of the packed stream
+(image tokens + caption, S = image_tokens + T) between TP regions, and sends
+those between stages (stp.models.mllm.rows).
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ from torch import nn
 from stp.models.decoder.init import ParamSpec, init_full, pad_shard, parameter_specs, tp_slice
 from stp.models.decoder.stage import ModelStage, _register, check_tp, set_recompute
 from stp.models.decoder.units import AttentionUnit, LossUnit, MLPUnit, RopeCache, Unit
+from stp.models.mllm.rows import check_mllm_sequence
 from stp.models.mllm.vision import InputUnit, MergerUnit, VisionAttentionUnit, VisionMLPUnit
 from stp.models.recompute import check_recompute
 from stp.models.tp.comm import make_allreduce
+from stp.models.tp.sequence import SequenceParallel
 from stp.schedule.placement import partition_layers
 from stp.shapes.decoder import IGNORE_INDEX
 from stp.shapes.mllm import MLLMConfig
@@ -104,6 +110,8 @@ class MLLMStage(ModelStage):
                  tensors: dict[str, torch.Tensor], *, tp_size: int, tp_rank: int,
                  tp_group: dist.ProcessGroup | None,
                  partition: tuple[int, ...] | None = None, recompute: str = "none") -> None:
+                 partition: tuple[int, ...] | None = None,
+                 sequence_parallel: bool = False) -> None:
         nn.Module.__init__(self)
         self.mllm, self.config = cfg, cfg.decoder
         self.stage, self.num_stages = stage, num_stages
@@ -123,6 +131,11 @@ class MLLMStage(ModelStage):
         self.seq = None
         # the input unit (patch and text embeddings) keeps its small inputs either way
         self.recompute = set_recompute(self.units, recompute)
+        # sequence parallelism (stp.models.mllm.rows): the identity at one TP rank
+        self.sequence_parallel = self.prepares_gathers = sequence_parallel and tp_size > 1
+        self.seq = SequenceParallel(tp_group, tp_size, tp_rank) if self.prepares_gathers else None
+        for unit in self.units:
+            unit.seq = self.seq
 
     def _mllm_units(self, p: dict[str, nn.Parameter]) -> list[Unit]:
         cfg, dec, lv = self.mllm, self.mllm.decoder, self.mllm.vision.num_layers
@@ -181,6 +194,8 @@ class MLLMStage(ModelStage):
                     f"stage 0 of the multimodal model takes int64 [batch, {cfg.vision.pixels} "
                     f"pixel bytes + caption tokens], got {x.dtype} {tuple(x.shape)}")
             seq = cfg.seq_len(text)
+            if self.sequence_parallel:
+                check_mllm_sequence(cfg, text, self.tp_size)
             if x.device.type == "cpu" and x.numel():
                 pix, tok = x[:, : cfg.vision.pixels], x[:, cfg.vision.pixels:]
                 if pix.min() < 0 or pix.max() > 255:
@@ -190,8 +205,8 @@ class MLLMStage(ModelStage):
         elif x.dim() != 3 or x.shape[-1] != cfg.hidden:
             raise ValueError(f"stage {self.stage} takes hidden states [batch, seq, {cfg.hidden}], "
                              f"got {tuple(x.shape)}")
-        else:
-            seq = x.shape[1]
+        else:  # with sequence parallelism a later stage receives its S/t rows
+            seq = x.shape[1] * (self.tp_size if self.sequence_parallel else 1)
         if seq > cfg.decoder.max_seq_len:
             raise ValueError(f"{cfg.vision.image_tokens} image + caption tokens = {seq} exceed "
                              f"max_seq_len={cfg.decoder.max_seq_len}")
@@ -213,6 +228,10 @@ def build_mllm_stage(cfg: MLLMConfig, stage: int, num_stages: int, *,
     """Materialise stage `stage` of `num_stages` of the multimodal model on TP rank
     tp_rank of tp_size (a StageBuilder for stp.train.Trainer); `recompute`: activation
     recomputation (stp.models.recompute)."""
+                     sequence_parallel: bool = False) -> MLLMStage:
+    tp_rank of tp_size (a StageBuilder for stp.train.Trainer). `sequence_parallel`:
+    shard the packed stream along the sequence (stp.models.mllm.rows; ignored at
+    tp_size 1)."""
     if not isinstance(cfg, MLLMConfig):
         raise ValueError(f"cfg must be an MLLMConfig, got {type(cfg).__name__}")
     check_mllm(cfg, tp_size, num_stages)
@@ -226,4 +245,6 @@ def build_mllm_stage(cfg: MLLMConfig, stage: int, num_stages: int, *,
                for s in specs}
     return MLLMStage(cfg, stage, num_stages, specs, tensors, tp_size=tp_size, tp_rank=tp_rank,
                      tp_group=tp_group, partition=partition, recompute=recompute)
+                     tp_group=tp_group, partition=partition,
+                     sequence_parallel=sequence_parallel)
 

@@ -20,6 +20,12 @@ The norm is RMSNorm (Qwen2.5-VL's vision tower; Qwen2-VL uses LayerNorm), so
 the deferred-gain TP pieces of the decoder serve here too. Positions: a
 learned absolute embedding (ViT, Dosovitskiy et al., arXiv 2010.11929) where
 Qwen2-VL uses 2-D rotary embeddings.
+
+Under sequence parallelism (arXiv 2205.05198; stp.models.mllm.rows) a unit
+takes and returns this TP rank's rows of the packed tensor, each all-reduce
+above is a reduce-scatter, and each encoder unit's TP region starts with an
+all-gather of the normalised image rows (the input unit's backward gathers
+its gradient instead: the dual of its forward's reduce-scatter).
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ import torch.nn.functional as F
 
 from stp.models.decoder.units import Unit
 from stp.models.recompute import attention_core
+from stp.models.mllm.rows import gather_input, image_of, image_rows, local_image, spread
 from stp.models.tp.layers import linear, rms_norm, vocab_embedding_partial
+from stp.models.tp.sequence import ToScatter
 from stp.models.tp.wgrad import EmbedGrad, LinearGrad, WGradEntry, accumulate_grad
 from stp.models.unit import _MbState
 from stp.shapes.mllm import MLLMConfig, VisionConfig
@@ -55,30 +63,40 @@ def patchify(pixels: torch.Tensor, vc: VisionConfig, dtype: torch.dtype) -> torc
 
 def pack(vis: torch.Tensor, text: torch.Tensor, cfg: MLLMConfig) -> torch.Tensor:
     """Encoder state [b, vision_tokens, vision hidden] and text rows [b, T, hidden] ->
-    one [b, image_tokens + T, hidden] tensor (image rows zero padded)."""
+    one [b, image_tokens + T, hidden] tensor (image rows zero padded); also a rank's
+    rows under sequence parallelism (k merge windows, then its text rows)."""
     vc = cfg.vision
-    rows = vis.reshape(vis.shape[0], vc.image_tokens, vc.merged_width)
+    rows = vis.reshape(vis.shape[0], -1, vc.merged_width)
     rows = F.pad(rows, (0, cfg.hidden - vc.merged_width))
     return torch.cat([rows, text.to(rows.dtype)], dim=1)
 
 
-def unpack(x: torch.Tensor, cfg: MLLMConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of `pack`: (encoder state, text rows)."""
-    vc = cfg.vision
-    n = vc.image_tokens
-    vis = x[:, :n, : vc.merged_width].reshape(x.shape[0], vc.vision_tokens, vc.hidden)
-    return vis, x[:, n:]
+def unpack(x: torch.Tensor, cfg: MLLMConfig,
+           k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `pack`: (encoder state, text rows); `k`: x's image rows (default
+    all, image_tokens; fewer in a rank's rows under sequence parallelism,
+    stp.models.mllm.rows)."""
+    k = cfg.vision.image_tokens if k is None else k
+    return local_image(x, cfg, k), x[:, k:]
 
 
 @dataclass
 class AddGrad:
-    """W of a tensor added to every sample (position embedding): dP += sum_b dy."""
+    """W of a tensor added to every sample (position embedding): dP += sum_b dy, into
+    rows [start, start + rows of dy) of P (a rank's rows under sequence parallelism)."""
 
     weight: torch.Tensor
     grad_out: torch.Tensor
+    start: int = 0
 
     def accumulate(self) -> None:
-        accumulate_grad(self.weight, self.grad_out.sum(0))
+        g = self.grad_out.sum(0)
+        if g.shape == self.weight.shape:
+            accumulate_grad(self.weight, g)
+            return
+        if self.weight.grad is None:
+            self.weight.grad = torch.zeros_like(self.weight)
+        self.weight.grad.narrow(0, self.start, g.shape[0]).add_(g.to(self.weight.dtype))
 
 
 class InputUnit(Unit):
@@ -86,7 +104,12 @@ class InputUnit(Unit):
     (vocab-parallel), summed by one all-reduce; the finish normalises each patch's
     embedding (RMSNorm, so a patch's content reaches the encoder at unit scale, not at
     the tiny scale of a freshly initialised projection of sparse pixels) and adds the
-    position embedding. No input gradient (bytes and token ids)."""
+    position embedding. No input gradient (bytes and token ids).
+
+    Sequence parallelism (stp.models.mllm.rows): the sum is a reduce-scatter, the
+    finish runs on this rank's rows, and the backward all-gathers the gradient of the
+    summed embeddings (the dual of that reduce-scatter) for the patch and text
+    embeddings' W."""
 
     def __init__(self, cfg: MLLMConfig, patch_w: torch.Tensor, patch_cols: tuple[int, int],
                  patch_norm: torch.Tensor, pos: torch.Tensor, embed: torch.Tensor,
@@ -96,7 +119,7 @@ class InputUnit(Unit):
         self.patch_norm, self.embed, self.vocab_start = patch_norm, embed, vocab_start
 
     def forward_partial(self, mb: int, x: torch.Tensor,
-                        targets: torch.Tensor | None = None) -> torch.Tensor:
+                        targets: torch.Tensor | None = None) -> torch.Tensor | ToScatter:
         st = self._enter(mb, None, "F-partial")
         pixels, tokens = x[:, : self.cfg.vision.pixels], x[:, self.cfg.vision.pixels:]
         patches = patchify(pixels, self.cfg.vision, self.patch_w.dtype)
@@ -104,24 +127,48 @@ class InputUnit(Unit):
         vis = local @ self.patch_w.detach().t()
         text, owned, rows = vocab_embedding_partial(tokens, self.embed.detach(), self.vocab_start)
         st.saved.update(patches=local, owned=owned, rows=rows)
-        return pack(vis, text, self.cfg)
+        return self._handoff(pack(vis, text, self.cfg))
 
     def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
         st = self._enter(mb, "F-partial", "F")
-        vis, text = unpack(reduced, self.cfg)
+        vc = self.cfg.vision
+        k = image_rows(self.cfg, self.seq, reduced.shape[1])
+        # the first of this rank's patches (SP: the rows before its own hold the others)
+        start = 0 if self.seq is None else min(
+            self.seq.rank * reduced.shape[1] * vc.merge**2, vc.vision_tokens)
+        vis, text = unpack(reduced, self.cfg, k)
         with torch.enable_grad():
             v_in = vis.detach().requires_grad_(True)
-            h = rms_norm(v_in, self.patch_norm, self.cfg.vision.norm_eps, st.sink)
-        st.saved.update(v_in=v_in, h=h)
-        return pack(h.detach() + self.pos.detach(), text, self.cfg)
+            h = rms_norm(v_in, self.patch_norm, vc.norm_eps, st.sink)
+        st.saved.update(v_in=v_in, h=h, span=(k, start))
+        pos = self.pos.detach()[start: start + vis.shape[1]]
+        return pack(h.detach() + pos, text, self.cfg)
+
+    def _local_backward(self, st: _MbState, grad: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the backward: the norm's, the position embedding's W;
+        the gradient of the summed embeddings (packed) for the all-gather."""
+        k, start = st.saved.pop("span")
+        gvis, gtext = unpack(grad, self.cfg, k)
+        (grad_v,) = torch.autograd.grad(st.saved.pop("h"), st.saved.pop("v_in"), gvis)
+        st.sink.append(AddGrad(self.pos, gvis, start))  # type: ignore[arg-type]
+        return pack(grad_v, gtext, self.cfg)
+
+    def prepare_backward(self, mb: int, grad: torch.Tensor) -> None:
+        """SP: the local backward and the all-gather's launch, ahead of backward_partial."""
+        st = self._states.get(mb)
+        if self.seq is not None and st is not None and st.phase == "F":
+            st.saved["grad_gather"] = self.seq.launch_gather(self._local_backward(st, grad))
 
     def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
         st = self._enter(mb, "F", "B-partial")
-        gvis, gtext = unpack(grad, self.cfg)
+        pending = st.saved.pop("grad_gather", None)  # prepare_backward ran
+        if pending is not None:
+            full = pending.wait()
+        else:
+            full = self._gathered(self._local_backward(st, grad))
+        grad_v, gtext = unpack(full, self.cfg)
         owned, rows = st.saved.pop("owned"), st.saved.pop("rows")
-        (grad_v,) = torch.autograd.grad(st.saved.pop("h"), st.saved.pop("v_in"), gvis)
         st.sink.append(LinearGrad(self.patch_w, st.saved.pop("patches"), grad_v))
-        st.sink.append(AddGrad(self.pos, gvis))  # type: ignore[arg-type]
         st.sink.append(EmbedGrad(self.embed, rows[owned], gtext[owned]))
         return None
 
@@ -136,20 +183,74 @@ class _VisionResidual(Unit):
     pass through. Two autograd graphs (norm, body) with the all-reduce between, as the
     decoder's residual units; with full recomputation (stp.models.recompute) the
     forward keeps its packed input alone and B runs it again with the graphs."""
+class _ImageUnit(Unit):
+    """What the encoder's residual units and the merger share: the unit starts with
+    RMSNorm of the image rows (per patch; this rank's rows under sequence parallelism),
+    then, under SP, the all-gather of the normalised patches (stp.models.mllm.rows),
+    launched early when the braid runner prepares the unit (stp.runtime.braid)."""
 
     def __init__(self, name: str, cfg: MLLMConfig, norm_w: torch.Tensor) -> None:
         super().__init__(name)
         self.cfg, self.norm_w = cfg, norm_w
+
+    def _norm(self, mb: int, x: torch.Tensor) -> tuple[_MbState, torch.Tensor]:
+        st = self._enter(mb, None, "F-partial")
+        k = image_rows(self.cfg, self.seq, x.shape[1])
+        vis, text = unpack(x, self.cfg, k)
+        with torch.enable_grad():
+            v_in = vis.detach().requires_grad_(True)
+            h = rms_norm(v_in, self.norm_w, self.cfg.vision.norm_eps, st.sink)
+        st.saved.update(vis=vis, text=text, v_in=v_in, h=h, rows=(k, x.shape[1]))
+        return st, h
+
+    def prepare_forward(self, mb: int, x: torch.Tensor) -> None:
+        if self.seq is not None:
+            st, h = self._norm(mb, x)
+            st.saved["gather"] = gather_input(self.seq, h.detach(), self.cfg, x.shape[1])
+
+    def _patches(self, mb: int, x: torch.Tensor) -> tuple[_MbState, torch.Tensor]:
+        """(state, the normalised patches [b, vision_tokens, vision hidden]: a leaf that
+        requires grad, the input of the unit's TP body)."""
+        st = self._states.get(mb)
+        if st is not None and "gather" in st.saved:  # prepare_forward ran
+            h_in = image_of(st.saved.pop("gather").wait(), self.cfg)
+        else:
+            st, h = self._norm(mb, x)
+            h_in = h.detach() if self.seq is None else image_of(
+                gather_input(self.seq, h.detach(), self.cfg, x.shape[1]).wait(), self.cfg)
+        return st, h_in.requires_grad_(True)
+
+    def _local(self, reduced: torch.Tensor, st: _MbState) -> torch.Tensor:
+        """The image rows of a reduced tensor that are this rank's (all without SP)."""
+        return reduced if self.seq is None else local_image(reduced, self.cfg,
+                                                            st.saved["rows"][0])
+
+    def _spread(self, partial: torch.Tensor, st: _MbState) -> ToScatter:
+        """An image-rows partial sum as the whole packed sequence to reduce-scatter."""
+        assert self.seq is not None
+        return spread(partial, self.cfg, st.saved["rows"][1] * self.seq.size)
+
+    def _norm_backward(self, st: _MbState, reduced: torch.Tensor) -> torch.Tensor:
+        (grad_v,) = torch.autograd.grad(st.saved.pop("h"), st.saved.pop("v_in"),
+                                        self._local(reduced, st))
+        return grad_v
+
+
+class _VisionResidual(_ImageUnit):
+    """image rows v -> v + f(RMSNorm(v)), f ending in a row-parallel matrix; text rows
+    pass through. Two autograd graphs (norm, body) with the all-reduce (SP: the
+    reduce-scatter, then the next unit's all-gather) between, as the decoder's
+    residual units."""
 
     def _body(self, h: torch.Tensor, sink: list[WGradEntry]) -> torch.Tensor:
         raise NotImplementedError
 
     def _graph(self, st: _MbState, vis: torch.Tensor) -> torch.Tensor:
         """The norm and the body on the image rows with their graphs, kept for B."""
+    def forward_partial(self, mb: int, x: torch.Tensor,
+                        targets: torch.Tensor | None = None) -> torch.Tensor | ToScatter:
+        st, h_in = self._patches(mb, x)
         with torch.enable_grad():
-            v_in = vis.detach().requires_grad_(True)
-            h = rms_norm(v_in, self.norm_w, self.cfg.vision.norm_eps, st.sink)
-            h_in = h.detach().requires_grad_(True)
             out = self._body(h_in, st.sink)
         st.saved.update(v_in=v_in, h=h, h_in=h_in, out=out)
         return out
@@ -172,19 +273,40 @@ class _VisionResidual(Unit):
         else:
             vis, text = st.saved.pop("vis"), st.saved.pop("text")
         return pack(vis + reduced, text, self.cfg)
+        st.saved.update(h_in=h_in, out=out)
+        return out.detach() if self.seq is None else self._spread(out.detach(), st)
 
-    def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
+        vis = st.saved.pop("vis") + self._local(reduced, st)
+        return pack(vis, st.saved.pop("text"), self.cfg)
+
+    def prepare_backward(self, mb: int, grad: torch.Tensor) -> None:
+        st = self._states.get(mb)
+        if self.seq is not None and st is not None and st.phase == "F":
+            st.saved["grad_gather"] = self.seq.launch_gather(
+                grad[..., : self.cfg.vision.merged_width])
+
+    def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | ToScatter:
         st = self._enter(mb, "F", "B-partial")
         if self.recompute == "full":
             self._graph(st, unpack(st.saved.pop("x"), self.cfg)[0])
         gvis, gtext = unpack(grad, self.cfg)
         (grad_h,) = torch.autograd.grad(st.saved.pop("out"), st.saved.pop("h_in"), gvis)
+        k = st.saved["rows"][0]
+        gvis, gtext = unpack(grad, self.cfg, k)
+        full = gvis
+        if self.seq is not None:
+            pending = st.saved.pop("grad_gather", None)  # prepare_backward ran
+            if pending is None:
+                pending = self.seq.launch_gather(grad[..., : self.cfg.vision.merged_width])
+            full = image_of(pending.wait(), self.cfg)
+        (grad_h,) = torch.autograd.grad(st.saved.pop("out"), st.saved.pop("h_in"), full)
         st.saved.update(gvis=gvis, gtext=gtext)
-        return grad_h
+        return grad_h if self.seq is None else self._spread(grad_h, st)
 
     def backward_finish(self, mb: int, reduced: torch.Tensor | None) -> torch.Tensor | None:
         st = self._enter(mb, "B-partial", "B")
-        (grad_v,) = torch.autograd.grad(st.saved.pop("h"), st.saved.pop("v_in"), reduced)
+        assert reduced is not None
+        grad_v = self._norm_backward(st, reduced)
         out = pack(st.saved.pop("gvis") + grad_v, st.saved.pop("gtext"), self.cfg)
         self._close(mb)
         return out
@@ -219,15 +341,17 @@ class VisionMLPUnit(_VisionResidual):
         return linear(F.gelu(linear(h, self.fc1, sink), approximate="tanh"), self.fc2, sink)
 
 
-class MergerUnit(Unit):
+class MergerUnit(_ImageUnit):
     """RMSNorm per patch, each merge window's patches concatenated, a 2-layer MLP into
     the decoder width; the image rows become image tokens, text rows pass through.
     Full recomputation: as the encoder's residual units."""
+    Under SP its backward gathers the image tokens' gradient at the decoder's width
+    (the default prepare_backward: the whole output gradient)."""
 
     def __init__(self, cfg: MLLMConfig, norm_w: torch.Tensor, fc1: torch.Tensor,
                  fc2: torch.Tensor) -> None:
-        super().__init__("vision.merger")
-        self.cfg, self.norm_w, self.fc1, self.fc2 = cfg, norm_w, fc1, fc2
+        super().__init__("vision.merger", cfg, norm_w)
+        self.fc1, self.fc2 = fc1, fc2
 
     def _mlp(self, h: torch.Tensor, sink: list[WGradEntry]) -> torch.Tensor:
         vc = self.cfg.vision
@@ -260,19 +384,38 @@ class MergerUnit(Unit):
         text = (unpack(st.saved["x"], self.cfg)[1] if self.recompute == "full"
                 else st.saved.pop("text"))
         return torch.cat([reduced, text], dim=1)
+                        targets: torch.Tensor | None = None) -> torch.Tensor | ToScatter:
+        st, h_in = self._patches(mb, x)
+        vc = self.cfg.vision
+        with torch.enable_grad():
+            merged = h_in.reshape(h_in.shape[0], vc.image_tokens, vc.merged_width)
+            a = F.gelu(linear(merged, self.fc1, st.sink), approximate="tanh")
+            out = linear(a, self.fc2, st.sink)  # [b, image_tokens, hidden], partial over TP
+        st.saved.update(h_in=h_in, out=out)
+        st.saved.pop("vis")
+        return out.detach() if self.seq is None else self._spread(out.detach(), st)
 
-    def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
+        k = st.saved["rows"][0]
+        return torch.cat([reduced[:, :k], st.saved.pop("text")], dim=1)
+
+    def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | ToScatter:
         st = self._enter(mb, "F", "B-partial")
         if self.recompute == "full":
             self._graph(st, unpack(st.saved.pop("x"), self.cfg)[0])
+        k = st.saved["rows"][0]
+        full = grad
+        if self.seq is not None:
+            pending = st.saved.pop("grad_gather", None)  # prepare_backward ran
+            full = pending.wait() if pending is not None else self._gathered(grad)
         n = self.cfg.vision.image_tokens
-        (grad_h,) = torch.autograd.grad(st.saved.pop("out"), st.saved.pop("h_in"), grad[:, :n])
-        st.saved["gtext"] = grad[:, n:]
-        return grad_h
+        (grad_h,) = torch.autograd.grad(st.saved.pop("out"), st.saved.pop("h_in"), full[:, :n])
+        st.saved["gtext"] = grad[:, k:]
+        return grad_h if self.seq is None else self._spread(grad_h, st)
 
     def backward_finish(self, mb: int, reduced: torch.Tensor | None) -> torch.Tensor | None:
         st = self._enter(mb, "B-partial", "B")
-        (grad_v,) = torch.autograd.grad(st.saved.pop("h"), st.saved.pop("v_in"), reduced)
+        assert reduced is not None
+        grad_v = self._norm_backward(st, reduced)
         out = pack(grad_v, st.saved.pop("gtext"), self.cfg)
         self._close(mb)
         return out

@@ -72,6 +72,10 @@ class DecoderJob:
             self.model.check(config, job.tp, schedule.num_stages)
         except ValueError as e:
             raise in_flag_words(e) from None
+        if job.sequence_parallel and job.tp > 1 and job.model.seq_len % job.tp:
+            raise ValueError(f"--sequence-parallel splits the sequence over the TP ranks: "
+                             f"--seq-len {job.model.seq_len} is not divisible by --tp {job.tp} "
+                             "(stp refuses rather than pads)")
 
     def batches(self, run: Any) -> Any:
         job = run.job

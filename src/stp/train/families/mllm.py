@@ -8,7 +8,10 @@ coloured-shape images (stp.train.images.ShapeImages), or `--images DIR`.
 multimodal cost model (stp.costmodel.mllm_costs, through the family's cost
 spec: stp.train.resolve). `--eval-every` evaluates on
 held-out images: `--eval-images DIR`, or with generated shapes a held-out
-stream of them (never the training images).
+stream of them (never the training images). `--sequence-parallel` splits the
+decoder's whole sequence, image tokens + --seq-len, over the TP ranks (each
+merge window of patches whole on one rank): it must divide by --tp, else the
+run is refused in one line naming a --seq-len that fits (stp.models.mllm.rows).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from stp.models.mllm.family import MLLM
+from stp.models.mllm.rows import check_mllm_sequence
 from stp.schedule import Schedule
 from stp.shapes import MLLMConfig, ModelConfig, VisionConfig
 from stp.train.config import TrainJob
@@ -58,9 +62,6 @@ class MLLMJob:
 
     def check_flags(self, job: TrainJob) -> None:
         """Settings `--arch mllm` does not take."""
-        if job.sequence_parallel and job.tp > 1:
-            raise ValueError("--sequence-parallel is implemented for --arch decoder, not yet "
-                             "for --arch mllm")
         if job.save_hf is not None:
             raise ValueError("--arch mllm cannot --save-hf: stp's vision encoder and merger have "
                              "no Hugging Face layout to write; the checkpoints in --out keep the "
@@ -83,6 +84,8 @@ class MLLMJob:
         if job.partition == "auto":  # before check_mllm: the message names --partition auto
             check_auto_fits(config, schedule.num_stages)
         self.model.check(config, job.tp, schedule.num_stages)
+        if job.sequence_parallel and job.tp > 1:  # image tokens + caption split over TP
+            check_mllm_sequence(config, job.model.seq_len, job.tp)
         if job.images is not None:
             if not Path(job.images).is_dir():
                 raise ValueError(f"--images {job.images!r} is not a directory")

@@ -1,0 +1,192 @@
+"""A measured trace drawn as a timeline (`stp draw --measured TRACE.json --out FILE.svg`).
+
+One band per global rank, top to bottom: the compute lane (every unit as the
+runtime ran it, F / B / W in the simulated picture's colours, a braided
+block's units framed together and labelled `F-mb|other-mb`), the TP lane
+(each collective in its colour: all-reduce, and under sequence parallelism
+the reduce-scatter that ends a unit and the all-gather that starts one), and
+the send lane (sends and receives). Times are the measured milliseconds. A
+TP span drawn under a unit of the other pass of its block is communication
+hidden by braiding (STP paper, arXiv 2510.27257, Fig. 3); the header counts,
+per kind, how much of the collectives' time ran under the rank's compute.
+No memory strip: a trace holds no activation memory.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+from stp.sim.result import Span
+from stp.viz import colors as C
+from stp.viz.measured_read import MeasuredTrace
+from stp.viz.scene import Line, Rect, Scene, Text, fmt_num, nice_ticks, text_width
+from stp.viz.timeline import tp_kinds, tp_rect
+
+__all__ = ["measured_scene", "hidden_under_compute"]
+
+_LEFT, _RIGHT, _TOP = 92.0, 24.0, 106.0
+_LANES = ("compute", "tp", "send")
+_LANE_H = {"compute": 26.0, "tp": 9.0, "send": 6.0}
+_GAP, _RANK_GAP = 3.0, 16.0
+
+
+def hidden_under_compute(spans: Sequence[Span], rank: int, kind: str) -> tuple[float, float]:
+    """(total time, time under the rank's compute spans) of the rank's tp spans of
+    `kind`: how much of that collective ran while the stream computed."""
+    busy = sorted((s.start, s.end) for s in spans if s.rank == rank and s.lane == "compute")
+    total = hidden = 0.0
+    for s in spans:
+        if s.rank != rank or s.lane != "tp" or kind not in C.tp_parts(s.kind):
+            continue
+        total += s.end - s.start
+        hidden += sum(max(0.0, min(s.end, b) - max(s.start, a)) for a, b in busy
+                      if a < s.end and b > s.start)
+    return total, hidden
+
+
+class _Layout:
+    def __init__(self, trace: MeasuredTrace, plot_width: float | None) -> None:
+        self.ranks = sorted({s.rank for s in trace.spans})
+        self.by_lane: dict[tuple[int, str], list[Span]] = defaultdict(list)
+        for s in trace.spans:
+            self.by_lane[(s.rank, s.lane)].append(s)
+        self.lanes = [ln for ln in _LANES if ln == "compute" or any(
+            self.by_lane.get((r, ln)) for r in self.ranks)]
+        self.t_end = max(s.end for s in trace.spans) or 1.0
+        units = [s.end - s.start for s in trace.spans if s.lane == "compute" and s.end > s.start]
+        shortest = min(units, default=self.t_end)
+        self.plot_w = plot_width or min(max(self.t_end / shortest * 18.0, 800.0), 2800.0)
+        self.px = self.plot_w / self.t_end
+        self.band_h = sum(_LANE_H[ln] + _GAP for ln in self.lanes)
+        self.width = _LEFT + self.plot_w + _RIGHT
+        self.plot_bottom = _TOP + len(self.ranks) * (self.band_h + _RANK_GAP) - _RANK_GAP
+        self.height = self.plot_bottom + 52.0
+
+    def x(self, t: float) -> float:
+        return _LEFT + t * self.px
+
+    def lane_y(self, band: int, lane: str) -> float:
+        y = _TOP + band * (self.band_h + _RANK_GAP)
+        for ln in self.lanes:
+            if ln == lane:
+                return y
+            y += _LANE_H[ln] + _GAP
+        return y
+
+
+def measured_scene(trace: MeasuredTrace, *, title: str | None = None,
+                   plot_width: float | None = None) -> Scene:
+    """The picture of a measured trace (stp.viz.measured_read)."""
+    L = _Layout(trace, plot_width)
+    sc = Scene(L.width, L.height)
+    sc.add(Text(12, 24, title or f"{trace.schedule} (measured): {len(L.ranks)} ranks",
+                size=16, bold=True, color=C.INK))
+    for i, line in enumerate(_summary(trace, L)):
+        sc.add(Text(12, 42 + 15 * i, line, size=11, color=C.MUTED))
+        sc.width = max(sc.width, 24 + text_width(line, 11))
+    _legend(sc, L, trace)
+    ticks = nice_ticks(L.t_end, target=max(4, int(L.plot_w // 90)))
+    for band, r in enumerate(L.ranks):
+        for ln in L.lanes:
+            sc.add(Rect(_LEFT, L.lane_y(band, ln), L.plot_w, _LANE_H[ln], fill=C.LANE_BG))
+            if ln != "compute":
+                sc.add(Text(_LEFT - 8, L.lane_y(band, ln) + _LANE_H[ln] - 0.5,
+                            {"tp": "TP", "send": "send"}[ln], size=8, color=C.MUTED,
+                            anchor="end"))
+        sc.add(Text(_LEFT - 8, L.lane_y(band, "compute") + 17, f"rank {r}", size=12,
+                    bold=True, color=C.INK, anchor="end"))
+    for t in ticks:
+        sc.add(Line(L.x(t), _TOP - 4, L.x(t), L.plot_bottom, color=C.GRID, width=1.0))
+    for band, r in enumerate(L.ranks):
+        _compute(sc, L, trace, band, r)
+        _comm(sc, L, band, r)
+    y = L.plot_bottom + 6
+    sc.add(Line(_LEFT, y, _LEFT + L.plot_w, y, color=C.INK, width=1.0))
+    for t in ticks:
+        sc.add(Line(L.x(t), y, L.x(t), y + 5, color=C.INK, width=1.0))
+        sc.add(Text(L.x(t), y + 17, fmt_num(t), size=10, color=C.INK, anchor="middle"))
+    sc.add(Text(_LEFT + L.plot_w / 2, y + 36, "time (ms, measured)", size=11, color=C.MUTED,
+                anchor="middle"))
+    return sc
+
+
+def _summary(trace: MeasuredTrace, L: _Layout) -> list[str]:
+    lines = [f"measured by the stp runtime: {len(trace.spans)} spans, last one ends at "
+             f"{fmt_num(L.t_end)} ms"]
+    parts = []
+    for kind in tp_kinds(L.by_lane, "tp"):
+        total = hidden = 0.0
+        for r in L.ranks:
+            t, h = hidden_under_compute(trace.spans, r, kind)
+            total, hidden = total + t, hidden + h
+        share = hidden / total if total > 0 else 0.0
+        parts.append(f"{kind} {fmt_num(total)} ms ({share:.0%} under compute)")
+    if parts:
+        lines.append("TP collectives, all ranks: " + ", ".join(parts))
+    return lines
+
+
+def _legend(sc: Scene, L: _Layout, trace: MeasuredTrace) -> None:
+    x, y, sw, sh, fs = 12.0, 80.0, 14.0, 11.0, 11.0
+
+    def label(text: str) -> None:
+        nonlocal x
+        sc.add(Text(x, y + sh - 1, text, size=fs, color=C.INK))
+        x += text_width(text, fs) + 16
+
+    kinds = {s.kind for s in trace.spans if s.lane == "compute"}
+    for kind, name in (("F", "F forward"), ("B", "B input grad"), ("W", "W weight grad")):
+        if kind in kinds:
+            sc.add(Rect(x, y, sw, sh, fill=C.pass_color(kind, 0, 1)))
+            x += sw + 4
+            label(name)
+    if any(s.braided for s in trace.spans if s.lane == "compute"):
+        sc.add(Rect(x, y, sw, sh, stroke=C.FRAME_COLOR, stroke_width=1.4))
+        x += sw + 4
+        label("braided block (F mb | other mb)")
+    for kind in tp_kinds(L.by_lane, "tp"):
+        sc.add(Rect(x, y + 3, sw, sh - 6, fill=C.TP_COLORS[kind]))
+        x += sw + 4
+        label(C.TP_NAMES[kind])
+    if "send" in L.lanes:
+        sc.add(Rect(x, y + 3, sw, sh - 6, fill=C.SEND_COLOR))
+        x += sw + 4
+        label("send / receive")
+    sc.width = max(sc.width, x + 12)
+
+
+def _compute(sc: Scene, L: _Layout, trace: MeasuredTrace, band: int, r: int) -> None:
+    y, h = L.lane_y(band, "compute"), _LANE_H["compute"]
+    groups: dict[int, list[Span]] = defaultdict(list)
+    for s in L.by_lane.get((r, "compute"), []):
+        groups[s.action_index].append(s)
+    for idx, spans in sorted(groups.items()):
+        name = trace.actions.get((r, idx), spans[0].name)
+        for s in spans:
+            sc.add(Rect(L.x(s.start), y, max((s.end - s.start) * L.px, 0.4), h,
+                        fill=C.pass_color(s.kind, s.chunk, trace.chunks),
+                        title=f"{name}: {s.kind} of {s.name} unit {s.unit} "
+                        f"{s.start:.3f}-{s.end:.3f} ms"))
+        t0, t1 = min(s.start for s in spans), max(s.end for s in spans)
+        mbs = list(dict.fromkeys(s.mb for s in spans))
+        if any(s.braided for s in spans):
+            sc.add(Rect(L.x(t0), y + 0.7, (t1 - t0) * L.px, h - 1.4, stroke=C.FRAME_COLOR,
+                        stroke_width=1.4, title=f"{name} {t0:.3f}-{t1:.3f} ms"))
+        text = "|".join(map(str, mbs))
+        if text_width(text, 9) <= (t1 - t0) * L.px - 2:
+            sc.add(Text((L.x(t0) + L.x(t1)) / 2, y + h / 2 + 3.2, text, size=9, color=C.INK,
+                        anchor="middle", halo="#ffffff"))
+        sc.add(Line(L.x(t0), y, L.x(t0), y + h, color="#ffffff", width=0.8))
+
+
+def _comm(sc: Scene, L: _Layout, band: int, r: int) -> None:
+    for ln in L.lanes[1:]:
+        y = L.lane_y(band, ln)
+        for s in L.by_lane.get((r, ln), []):
+            x, w = L.x(s.start), max((s.end - s.start) * L.px, 0.6)
+            tip = f"{s.kind} of {s.name} {s.start:.3f}-{s.end:.3f} ms"
+            if ln == "tp":
+                tp_rect(sc, x, y, w, _LANE_H[ln], s.kind, tip)
+            else:
+                sc.add(Rect(x, y, w, _LANE_H[ln], fill=C.SEND_COLOR, title=tip))
