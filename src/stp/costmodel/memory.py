@@ -45,7 +45,7 @@ from stp.costmodel.decoder_costs import derive_decoder
 from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.model import RECOMPUTE_MODES, ModelSpec, decoder_only
 from stp.costmodel.stages import layered_costs
-from stp.schedule.ir import Kind, passes_of
+from stp.schedule.ir import Kind, Schedule, passes_of
 from stp.schedule.offload import parse_policy
 from stp.schedule.registry import generate
 from stp.shapes import ModelConfig
@@ -194,18 +194,24 @@ def rank_parameters(spec: ModelSpec, num_stages: int, stage_to_rank: tuple[int, 
 
 
 def estimate(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout: Layout,
-             features: Features = Features()) -> MemoryEstimate:
+             features: Features = Features(), schedule: Schedule | None = None
+             ) -> MemoryEstimate:
     """Bytes per pipeline rank of a training step (module doc). `model` is a
     cost-model spec or the `ModelConfig` a run builds (`stp.costmodel.configs`);
     its tp, sequence, micro_batch, sequence_parallel and recompute are taken
-    from `layout` and `features`."""
+    from `layout` and `features`. `schedule`: the one to simulate (a schedule
+    file's); None generates `layout.schedule` for `layout.pp` and `microbatches`."""
     if isinstance(model, ModelConfig):
         model = spec_from_config(model, seq_len=layout.seq_len)
     model = decoder_only(model, "a memory estimate")
     spec = replace(model, tp=layout.tp, sequence=layout.seq_len,
                    micro_batch=layout.microbatch_size,
                    sequence_parallel=features.sequence_parallel, recompute=features.recompute)
-    sch = generate(layout.schedule, layout.pp, layout.microbatches)
+    sch = schedule or generate(layout.schedule, layout.pp, layout.microbatches)
+    if (sch.num_ranks, sch.num_microbatches) != (layout.pp, layout.microbatches):
+        raise ValueError(f"schedule {sch.name}: {sch.num_ranks} ranks x {sch.num_microbatches} "
+                         f"microbatches, but the layout is pp={layout.pp} "
+                         f"m={layout.microbatches}")
     if spec.layers < sch.num_stages:
         raise ValueError(f"the model's {spec.layers} layers cannot fill {sch.num_stages} "
                          f"stages of {layout.schedule} at pp={layout.pp}")
