@@ -33,6 +33,22 @@ on the first stage, the final norm and output layer on the last):
                  optimizer, the reduce-scattered fp32 gradient shard `4 P /
                  dp`. All-reduces run in place and are not counted, nor is
                  the allocator's fragmentation or the CUDA context.
+
+Against stp's own runtime (`stp train --json` measures the first five
+categories, `stp.train.memory_measure`; `benchmarks/bench_memory.py` compares
+them, `benchmarks/results/memory.md`): the model states agree to the byte
+(AdamW's step counters aside). The activations are Korthikanti's counting,
+not a census of what stp's decoder units keep, and run low against them.
+Per layer and token at one TP rank in float32 (`stp.runtime.offload`'s
+census; k d the key/value width, SwiGLU, no dropout) the formula gives
+`24h + 8kd + 12f + 8as` bytes, the units keep `32h + 8kd + 16f + 4a + 8`:
+torch's scaled_dot_product_attention keeps no s x s scores (a float32
+log-sum-exp per head instead), but the rotated q and k, the attention output
+before and after its reshape, each unit's output before its all-reduce and
+all four SwiGLU intermediates are kept, and in a 16-bit run each RMSNorm
+keeps its input and normalised values in float32. At s = 128 the scores
+term happens to cover most of the difference in float32; in bfloat16 and at
+tp = 2 the activations come out 20-30% low (the table).
 """
 
 from __future__ import annotations
