@@ -57,17 +57,18 @@ import math
 from dataclasses import dataclass, replace
 
 from stp.costmodel.configs import spec_from_config
-from stp.costmodel.decoder_costs import derive_decoder
+from stp.costmodel.decoder_costs import Derived, derive_decoder, edge_costs
 from stp.costmodel.hardware import HardwareSpec
+from stp.costmodel.kept import stp_kept
 from stp.costmodel.model import RECOMPUTE_MODES, ModelSpec, decoder_only
 from stp.costmodel.stages import layered_costs
 from stp.schedule.ir import Kind, Schedule, passes_of
 from stp.schedule.offload import parse_policy
 from stp.schedule.registry import generate
 from stp.shapes import ModelConfig
-from stp.sim.costs import OffloadCosts
+from stp.sim.costs import MemCosts, OffloadCosts
 from stp.sim.engine import simulate
-from stp.sim.layered import check_partition, even_partition
+from stp.sim.layered import LayeredCosts, check_partition, even_partition
 from stp.sim.offload import plan_offload
 from stp.sim.result import SimResult
 
@@ -76,6 +77,7 @@ __all__ = ["DTYPE_BYTES", "CATEGORIES", "Layout", "Features", "RankMemory", "Mem
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 CATEGORIES = ("weights", "grads", "masters", "optimizer", "activations_peak", "buffers")
+RUNTIMES = ("megatron", "stp")
 
 
 @dataclass(frozen=True)
@@ -114,8 +116,14 @@ class Features:
     shard_optimizer: bool = False
     offload: str = "none"
     """An offload policy of `stp.sim.offload` (none, stp, all, selective:X)."""
+    runtime: str = "megatron"
+    """Whose activations: `megatron` (Korthikanti's formulas, stp.costmodel.model)
+    or `stp` (what stp's own decoder units keep, stp.costmodel.kept: the
+    estimate of a `stp train` run)."""
 
     def __post_init__(self) -> None:
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"runtime {self.runtime!r}: choose one of {', '.join(RUNTIMES)}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
         if self.recompute not in RECOMPUTE_MODES:
@@ -234,12 +242,37 @@ def estimate(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout: Lay
     derived = derive_decoder(spec, hardware, layout.pp)
     counts = (even_partition(spec.layers, sch.num_stages) if layout.partition is None
               else check_partition(layout.partition, sch.num_stages, spec.layers))
-    table = layered_costs(spec, hardware, layout.pp, derived.costs, derived.mem).table(counts)
-    oc = OffloadCosts(bandwidth=hardware.host_bandwidth / 1e3, act_bytes=derived.bytes_per_unit)
-    plan = plan_offload(sch, features.offload, derived.costs, derived.mem, oc, stages=table)
-    res = simulate(sch, derived.costs, derived.mem, offload=plan if len(plan) else None,
+    if features.runtime == "stp":
+        layered, mem, unit = _stp_layered(spec, hardware, layout.pp, derived, features.dtype)
+    else:  # Korthikanti's bytes are for 16-bit activations (module doc)
+        layered = layered_costs(spec, hardware, layout.pp, derived.costs, derived.mem)
+        mem, unit = derived.mem, derived.bytes_per_unit * DTYPE_BYTES[features.dtype] / 2
+    table = layered.table(counts)
+    copied = unit if features.runtime == "stp" else derived.bytes_per_unit
+    oc = OffloadCosts(bandwidth=hardware.host_bandwidth / 1e3, act_bytes=copied)
+    plan = plan_offload(sch, features.offload, derived.costs, mem, oc, stages=table)
+    res = simulate(sch, derived.costs, mem, offload=plan if len(plan) else None,
                    offload_costs=oc, record_spans=False, stages=table)
-    return memory_of_run(spec, res, derived.bytes_per_unit, features, dp=layout.dp)
+    # memory_of_run takes a 16-bit unit and scales it by the dtype
+    return memory_of_run(spec, res, unit * 2 / DTYPE_BYTES[features.dtype], features,
+                         dp=layout.dp)
+
+
+def _stp_layered(spec: ModelSpec, hardware: HardwareSpec, pp: int, derived: Derived,
+                 dtype: str) -> tuple[LayeredCosts, MemCosts, float]:
+    """Per-layer costs with stp's own units' kept bytes (stp.costmodel.kept), the
+    memory costs and the bytes of one unit (one rank's share of layers)."""
+    kept = stp_kept(spec, DTYPE_BYTES[dtype])
+    unit = kept.layer_b * derived.layers_per_rank
+    mem = MemCosts(m_b=1.0, m_w=kept.layer_w / kept.layer_b)
+    first, last = edge_costs(spec, hardware, pp)
+    # the simulator frees M_W at W out of what F allocated: capped there
+    first = replace(first, mem_b=kept.first_b / unit,
+                    mem_w=min(kept.first_w, kept.first_b) / unit)
+    last = replace(last, mem_b=kept.last_b / unit, mem_w=min(kept.last_w, kept.last_b) / unit)
+    layered = LayeredCosts.from_rank_share(derived.costs, mem, pp, spec.layers, first=first,
+                                           last=last)
+    return layered, mem, unit
 
 
 def memory_of_run(spec: ModelSpec, res: SimResult, bytes_per_unit: float,

@@ -3,11 +3,9 @@
 The estimate is the cost model's (`stp.costmodel.memory.estimate`: weights,
 gradients, masters, optimizer state, the simulator's peak activations for the
 run's schedule, partition, offload, recomputation and sequence parallelism,
-buffers), for the run's own model, mesh, batch and dtype: `run_estimate`,
-the one function `stp train` and `stp memory` (given a train command line)
-both call. Attention is priced without a fused kernel (the s x s
-scores kept), as stp's CPU runtime computes it, so the estimate errs on the
-large side of the activations.
+buffers) for the run's own model, mesh, batch and dtype, with the activations
+stp's own decoder units keep (`stp.costmodel.kept`): `run_estimate`, the one
+function `stp train` and `stp memory` (given a train command line) both call.
 
 - `--memory-budget SIZE`: the peak rank's total must fit SIZE (one device).
 - without it, every rank this machine runs together (the whole world for
@@ -70,7 +68,7 @@ def run_features(job: Any, *, recompute: str | None = None,
         shard_optimizer = bool(getattr(job, "shard_optimizer", False))
     return Features(dtype=job.dtype, offload=job.offload, recompute=recompute,
                     sequence_parallel=job.sequence_parallel and job.tp > 1,
-                    shard_optimizer=shard_optimizer)
+                    shard_optimizer=shard_optimizer, runtime="stp")
 
 
 def run_estimate(run: Any, hardware: HardwareSpec | None = None,
