@@ -144,7 +144,9 @@ def main() -> int:
               flush=True)
     text = (f"# `stp memory` against `stp train`'s measurement\n\n"
             f"`PYTHONPATH=src python3 benchmarks/bench_memory.py` (model: `{' '.join(MODEL)}`, "
-            f"default -m and microbatch size, {args.steps} steps, CPU, gloo). Each cell: "
+            f"default -m and microbatch size, {args.steps} steps, CPU, gloo; the estimate with "
+            f"`{' '.join(INSTANT_HOST)}`: the CPU runtime's offload copies are synchronous). "
+            "Each cell: "
             "estimated / measured MiB of the pipeline rank that measured the most; error: "
             "of the total over the five measured categories (target: within "
             f"{100 * TARGET:.0f}%). `buffers` are estimated only (module doc).\n\n"
