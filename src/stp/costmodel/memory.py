@@ -243,7 +243,10 @@ def estimate(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout: Lay
     counts = (even_partition(spec.layers, sch.num_stages) if layout.partition is None
               else check_partition(layout.partition, sch.num_stages, spec.layers))
     if features.runtime == "stp":
-        layered, mem, unit = _stp_layered(spec, hardware, layout.pp, derived, features.dtype)
+        native = not any(p.kind is Kind.W for acts in sch.actions for a in acts
+                         for p in passes_of(a))
+        layered, mem, unit = _stp_layered(spec, hardware, layout.pp, derived, features.dtype,
+                                          native)
     else:  # Korthikanti's bytes are for 16-bit activations (module doc)
         layered = layered_costs(spec, hardware, layout.pp, derived.costs, derived.mem)
         mem, unit = derived.mem, derived.bytes_per_unit * DTYPE_BYTES[features.dtype] / 2
@@ -259,12 +262,15 @@ def estimate(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout: Lay
 
 
 def _stp_layered(spec: ModelSpec, hardware: HardwareSpec, pp: int, derived: Derived,
-                 dtype: str) -> tuple[LayeredCosts, MemCosts, float]:
-    """Per-layer costs with stp's own units' kept bytes (stp.costmodel.kept), the
-    memory costs and the bytes of one unit (one rank's share of layers)."""
-    kept = stp_kept(spec, DTYPE_BYTES[dtype])
+                 dtype: str, native: bool) -> tuple[LayeredCosts, MemCosts, float]:
+    """Per-layer costs with stp's own units' kept bytes (stp.costmodel.kept; `native`:
+    the schedule defers no W), the memory costs and the bytes of one unit (one
+    rank's share of layers)."""
+    kept = stp_kept(spec, DTYPE_BYTES[dtype], native)
     unit = kept.layer_b * derived.layers_per_rank
-    mem = MemCosts(m_b=1.0, m_w=kept.layer_w / kept.layer_b)
+    # M_W <= M_B in the simulator (B frees, never allocates): W's output gradients
+    # can outweigh what B freed when W is deferred; they are capped there
+    mem = MemCosts(m_b=1.0, m_w=min(1.0, kept.layer_w / kept.layer_b))
     first, last = edge_costs(spec, hardware, pp)
     # the simulator frees M_W at W out of what F allocated: capped there
     first = replace(first, mem_b=kept.first_b / unit,
