@@ -59,7 +59,7 @@ from dataclasses import dataclass, replace
 from stp.costmodel.configs import spec_from_config
 from stp.costmodel.decoder_costs import Derived, derive_decoder, edge_costs
 from stp.costmodel.hardware import HardwareSpec
-from stp.costmodel.kept import stp_kept
+from stp.costmodel.kept import Kept, stp_kept
 from stp.costmodel.model import RECOMPUTE_MODES, ModelSpec, decoder_only
 from stp.costmodel.stages import layered_costs
 from stp.schedule.ir import Kind, Schedule, passes_of
@@ -71,6 +71,7 @@ from stp.sim.engine import simulate
 from stp.sim.layered import LayeredCosts, check_partition, even_partition
 from stp.sim.offload import plan_offload
 from stp.sim.result import SimResult
+from stp.sim.stages import StageCosts
 
 __all__ = ["DTYPE_BYTES", "CATEGORIES", "Layout", "Features", "RankMemory", "MemoryEstimate",
            "estimate", "format_bytes", "memory_of_run", "rank_parameters"]
@@ -243,14 +244,12 @@ def estimate(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout: Lay
     counts = (even_partition(spec.layers, sch.num_stages) if layout.partition is None
               else check_partition(layout.partition, sch.num_stages, spec.layers))
     if features.runtime == "stp":
-        native = not any(p.kind is Kind.W for acts in sch.actions for a in acts
-                         for p in passes_of(a))
-        layered, mem, unit = _stp_layered(spec, hardware, layout.pp, derived, features.dtype,
-                                          native)
+        table, mem, unit = _stp_table(spec, hardware, layout.pp, derived, features.dtype,
+                                      sch, counts)
     else:  # Korthikanti's bytes are for 16-bit activations (module doc)
         layered = layered_costs(spec, hardware, layout.pp, derived.costs, derived.mem)
         mem, unit = derived.mem, derived.bytes_per_unit * DTYPE_BYTES[features.dtype] / 2
-    table = layered.table(counts)
+        table = layered.table(counts)
     copied = unit if features.runtime == "stp" else derived.bytes_per_unit
     oc = OffloadCosts(bandwidth=hardware.host_bandwidth / 1e3, act_bytes=copied)
     plan = plan_offload(sch, features.offload, derived.costs, mem, oc, stages=table)
@@ -261,24 +260,44 @@ def estimate(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout: Lay
                          dp=layout.dp)
 
 
-def _stp_layered(spec: ModelSpec, hardware: HardwareSpec, pp: int, derived: Derived,
-                 dtype: str, native: bool) -> tuple[LayeredCosts, MemCosts, float]:
-    """Per-layer costs with stp's own units' kept bytes (stp.costmodel.kept; `native`:
-    the schedule defers no W), the memory costs and the bytes of one unit (one
-    rank's share of layers)."""
-    kept = stp_kept(spec, DTYPE_BYTES[dtype], native)
-    unit = kept.layer_b * derived.layers_per_rank
-    # M_W <= M_B in the simulator (B frees, never allocates): W's output gradients
-    # can outweigh what B freed when W is deferred; they are capped there
-    mem = MemCosts(m_b=1.0, m_w=min(1.0, kept.layer_w / kept.layer_b))
+def _stp_table(spec: ModelSpec, hardware: HardwareSpec, pp: int, derived: Derived, dtype: str,
+               sch: Schedule, counts: tuple[int, ...]) -> tuple[StageCosts, MemCosts, float]:
+    """The stage table with stp's own units' kept bytes (stp.costmodel.kept), the
+    memory costs and the bytes of one unit (one rank's share of layers). At one TP
+    rank a microbatch whose backward is a full BW keeps more than one whose W is
+    deferred; a stage's bytes are the two mixed in the proportion of its backwards."""
+    width = DTYPE_BYTES[dtype]
+    deferred, native = stp_kept(spec, width, False), stp_kept(spec, width, True)
+    unit = deferred.layer_b * derived.layers_per_rank
     first, last = edge_costs(spec, hardware, pp)
-    # the simulator frees M_W at W out of what F allocated: capped there
-    first = replace(first, mem_b=kept.first_b / unit,
-                    mem_w=min(kept.first_w, kept.first_b) / unit)
-    last = replace(last, mem_b=kept.last_b / unit, mem_w=min(kept.last_w, kept.last_b) / unit)
-    layered = LayeredCosts.from_rank_share(derived.costs, mem, pp, spec.layers, first=first,
-                                           last=last)
-    return layered, mem, unit
+
+    def table(kept: Kept) -> StageCosts:
+        # M_W <= M_B in the simulator (B frees, never allocates): W's output gradients
+        # can outweigh what B freed when W is deferred; they are capped there
+        mem = MemCosts(m_b=kept.layer_b / deferred.layer_b,
+                       m_w=min(kept.layer_w, kept.layer_b) / deferred.layer_b)
+        ends = (replace(first, mem_b=kept.first_b / unit,
+                        mem_w=min(kept.first_w, kept.first_b) / unit),
+                replace(last, mem_b=kept.last_b / unit,
+                        mem_w=min(kept.last_w, kept.last_b) / unit))
+        return LayeredCosts.from_rank_share(derived.costs, mem, pp, spec.layers, first=ends[0],
+                                            last=ends[1]).table(counts)
+
+    split, whole = table(deferred), table(native)
+    full = [0] * sch.num_stages
+    backwards = [0] * sch.num_stages
+    for p in (p for acts in sch.actions for a in acts for p in passes_of(a)):
+        if p.kind in (Kind.B, Kind.BW):
+            backwards[p.stage] += 1
+            full[p.stage] += p.kind is Kind.BW
+    stages = tuple(replace(d, mem_b=(1 - x) * d.mem_b + x * n.mem_b,
+                           mem_w=(1 - x) * d.mem_w + x * n.mem_w)
+                   for d, n, x in zip(split.stages, whole.stages,
+                                      (f / max(b, 1) for f, b in zip(full, backwards,
+                                                                     strict=True)),
+                                      strict=True))
+    mem = MemCosts(m_b=1.0, m_w=min(1.0, deferred.layer_w / deferred.layer_b))
+    return replace(split, stages=stages), mem, unit
 
 
 def memory_of_run(spec: ModelSpec, res: SimResult, bytes_per_unit: float,
