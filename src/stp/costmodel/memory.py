@@ -34,21 +34,19 @@ on the first stage, the final norm and output layer on the last):
                  dp`. All-reduces run in place and are not counted, nor is
                  the allocator's fragmentation or the CUDA context.
 
-Against stp's own runtime (`stp train --json` measures the first five
-categories, `stp.train.memory_measure`; `benchmarks/bench_memory.py` compares
-them, `benchmarks/results/memory.md`): the model states agree to the byte
-(AdamW's step counters aside). The activations are Korthikanti's counting,
-not a census of what stp's decoder units keep, and run low against them.
-Per layer and token at one TP rank in float32 (`stp.runtime.offload`'s
-census; k d the key/value width, SwiGLU, no dropout) the formula gives
-`24h + 8kd + 12f + 8as` bytes, the units keep `32h + 8kd + 16f + 4a + 8`:
-torch's scaled_dot_product_attention keeps no s x s scores (a float32
-log-sum-exp per head instead), but the rotated q and k, the attention output
-before and after its reshape, each unit's output before its all-reduce and
-all four SwiGLU intermediates are kept, and in a 16-bit run each RMSNorm
-keeps its input and normalised values in float32. At s = 128 the scores
-term happens to cover most of the difference in float32; in bfloat16 and at
-tp = 2 the activations come out 20-30% low (the table).
+Whose activations (`Features.runtime`): `megatron`, Korthikanti's counting
+(`stp.costmodel.model`; `stp memory --model`), or `stp`, what stp's own
+decoder units keep (`stp.costmodel.kept`, a census of the runtime's saved
+tensors; the estimate of a `stp train` run, `stp.train.memory_check`). The
+two differ: torch's scaled_dot_product_attention keeps no s x s scores, but
+stp's units keep the rotated q and k, each unit's output before its
+all-reduce and all four SwiGLU intermediates, and float32 norm values.
+Against `stp train --json`'s measurement (`stp.train.memory_measure`;
+`benchmarks/bench_memory.py`, `benchmarks/results/memory.md`) the `stp`
+estimate's model states agree to the byte (AdamW's step counters aside) and
+its activations on the rank that peaks to the byte on the small models
+measured there; on a rank whose deferred W's output gradients outweigh what
+B freed (the simulator cannot grow memory at B), a few percent low.
 """
 
 from __future__ import annotations
