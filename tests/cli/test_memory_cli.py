@@ -175,3 +175,13 @@ def test_train_mode_bad_input_one_line_exit_2(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("stp: error:")
+
+
+def test_a_schedule_file_is_priced_as_its_schedule(tmp_path, capsys):
+    path = tmp_path / "zbv.json"
+    assert main(["export", "--schedule", "zb-v", "--pp", "2", "-m", "8", "--format", "json",
+                 "--out", str(path)]) == 0
+    capsys.readouterr()
+    by_file = _json(capsys, ["memory", *TRAIN, "--schedule", str(path), "--json"])
+    by_name = _json(capsys, ["memory", *TRAIN, "--schedule", "zb-v", "--json"])
+    assert by_file["ranks"] == by_name["ranks"]
