@@ -104,3 +104,84 @@ def test_search_takes_its_limit_from_a_byte_budget(capsys):
     assert "model states" in capsys.readouterr().err
     assert main(argv) == 2  # neither a limit nor a budget
     assert "--memory-limit" in capsys.readouterr().err
+
+
+# -- a `stp train` command line --------------------------------------------------------
+
+TRAIN = ["--layers", "4", "--hidden", "64", "--heads", "4", "--seq-len", "32"]
+
+
+def _train_run_estimate(argv):
+    """The estimate `stp train ARGV` checks against --memory-budget before launching."""
+    from stp.cli.flags import from_args
+    from stp.cli.main import build_parser
+    from stp.train.config import TrainJob
+    from stp.train.job import check
+    from stp.train.memory_check import run_estimate
+
+    job = from_args(TrainJob, build_parser().parse_args(["train", *argv]))
+    return run_estimate(check(job))
+
+
+@pytest.mark.parametrize("flags", [
+    [],
+    ["--pp", "2", "--tp", "2", "--schedule", "zb-v", "--sequence-parallel", "--dtype",
+     "bfloat16", "-m", "6"],
+    ["--pp", "2", "--dp", "2", "--schedule", "1f1b", "--offload", "all", "--partition", "1,3",
+     "--microbatch-size", "2", "--lr", "0.1", "--steps", "7"],
+])
+def test_a_train_command_line_gets_the_estimate_train_checks(flags, capsys, tmp_path,
+                                                             monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = [*TRAIN, *flags, "--out", str(tmp_path / "out")]
+    out = _json(capsys, ["memory", *argv, "--json"])
+    assert list(tmp_path.iterdir()) == []  # no --out, no runs/ directory: nothing written
+    want = _train_run_estimate(argv).to_json()  # train's check creates --out
+    assert {k: out[k] for k in want} == json.loads(json.dumps(want))
+
+
+def test_train_mode_takes_train_defaults(capsys):
+    out = _json(capsys, ["memory", "--json"])  # stp train's toy model, float32, 4 x 64
+    assert out["memory"]["masters"] == 0  # float32: the weights are the masters
+    assert out["memory"]["weights"] == out["memory"]["grads"]
+    capsys.readouterr()
+    assert main(["memory", "--pp", "2", "--hidden", "64"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "microbatch 4 x 64 tokens" in head and "float32" in head and "m=8" in head
+
+
+def test_init_from_reads_config_json_only(tmp_path, capsys):
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
+           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "intermediate_size": 128, "vocab_size": 300, "max_position_embeddings": 128}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))  # no weights at all
+    out = _json(capsys, ["memory", "--init-from", str(tmp_path), "--pp", "2", "--json"])
+    assert len(out["ranks"]) == 2 and out["memory"]["total"] > 0
+    assert main(["memory", "--init-from", str(tmp_path), "--layers", "8"]) == 2
+    assert "--layers 8 contradicts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["memory", "--model", "qwen2-12.1b", "--layers", "3"],
+    ["memory", "--arch", "mllm"],
+    ["memory", "--emulate-compute", "f=1,b=1,w=1"],
+    ["memory", "--dtype", "float16"],
+    ["memory", "--tp", "3"],
+    ["memory", "--pp", "2", "--schedule", "nope"],
+    ["memory", "--init-from", "/nonexistent/dir"],
+    ["memory", "--steps", "0"],
+])
+def test_train_mode_bad_input_one_line_exit_2(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("stp: error:")
+
+
+def test_a_schedule_file_is_priced_as_its_schedule(tmp_path, capsys):
+    path = tmp_path / "zbv.json"
+    assert main(["export", "--schedule", "zb-v", "--pp", "2", "-m", "8", "--format", "json",
+                 "--out", str(path)]) == 0
+    capsys.readouterr()
+    by_file = _json(capsys, ["memory", *TRAIN, "--schedule", str(path), "--json"])
+    by_name = _json(capsys, ["memory", *TRAIN, "--schedule", "zb-v", "--json"])
+    assert by_file["ranks"] == by_name["ranks"]

@@ -1,8 +1,22 @@
 """`stp memory`: bytes per pipeline rank of a training step, before renting the cluster.
 
+    stp memory --pp 2 --tp 2 --hidden 256 --seq-len 128 --schedule zb-v   # any `stp train` line
+    stp memory --init-from ~/models/Qwen2-0.5B --pp 2 --seq-len 2048      # reads config.json only
     stp memory --model qwen2-12.1b --pp 2 --tp 8 --dp 4 -m 8 --seq-len 6144 \\
         --schedule stp --sequence-parallel --shard-optimizer --memory-budget 80GB
     stp memory --model ~/models/Qwen2-0.5B/config.json --pp 2 --json
+
+Two modes, one parser. Without `--model` the command line is a `stp train`
+command line (the same flags, from `stp.train.config.TrainJob`, with train's
+defaults: float32, 4 sequences per microbatch, --seq-len 64, the toy
+model): it is resolved as `stp train` resolves it (`stp.train.job.check_plan`:
+no worker started, nothing written, --out neither created nor locked; an
+--init-from directory's config.json read, never its weights) and priced by
+`stp.train.memory_check.run_estimate`, the estimate `stp train` checks
+before launching. Flags that do not change memory (--lr, --steps, --out, ...)
+are accepted and ignored. With `--model PRESET|config.json` the shape is the
+preset's and the defaults are a large run's (bfloat16, 1 sequence per
+microbatch, the preset's sequence length, else 4096).
 
 Prints weights, gradients, fp32 masters, optimizer state, peak activations
 (the simulator's memory curve) and communication buffers per rank, and names
@@ -16,16 +30,16 @@ refused in one line naming its largest category (exit 2).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import replace
 from pathlib import Path
 
-from stp.cli.common import EXIT_USAGE, int_in, microbatch_count, pp_count
+from stp.cli.common import EXIT_USAGE
 from stp.costmodel import derive
 from stp.costmodel.budget import over_budget, parse_size
 from stp.costmodel.memory import (
     CATEGORIES,
-    DTYPE_BYTES,
     Features,
     Layout,
     MemoryEstimate,
@@ -33,53 +47,55 @@ from stp.costmodel.memory import (
     format_bytes,
 )
 from stp.costmodel.model import RECOMPUTE_MODES, ModelSpec, decoder_only
-from stp.schedule.limits import MAX_MICROBATCHES, MAX_RANKS
 
 __all__ = ["register", "run", "model_spec"]
 
-MAX_TP = 1024
-MAX_DP = 65536
-MAX_SEQ_LEN = 1 << 20
+
+_OWN_DEFAULTS = {"dtype": "bfloat16", "microbatch_size": 1}
+"""--model mode's defaults where they are not `stp train`'s (seq-len: the preset's)."""
+_SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "init_from", "tokenizer", "images")
+"""Train flags that describe the model: --model describes it instead."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from stp.cli.flags import add_flags
+    from stp.train.config import TrainJob
+
     p = sub.add_parser("memory", help="bytes per rank of a training step: weights, grads, "
-                       "masters, optimizer, peak activations, buffers")
-    p.add_argument("--model", required=True, metavar="PRESET|config.json",
+                       "masters, optimizer, peak activations, buffers",
+                       description="Bytes per pipeline rank of a training step. Takes any "
+                       "`stp train` command line (its flags and defaults), or --model with "
+                       "the mesh flags.")
+    p.add_argument("--model", default=None, metavar="PRESET|config.json",
                    help="a decoder preset (qwen2-12.1b, qwen2-72b, llama3-405b, ...; with "
-                   ",key=val fields) or a Hugging Face config.json")
+                   ",key=val fields) or a Hugging Face config.json; default: the model "
+                   "`stp train`'s flags describe")
     p.add_argument("--hardware", default="a100-80g", metavar="NAME[,key=val..]",
                    help="a100-80g (default), a800-80g or h100-80g: host link for offload, "
                    "and the device memory the total is set against")
-    p.add_argument("--pp", type=pp_count, default=2, help=f"pipeline ranks (default 2, at "
-                   f"most {MAX_RANKS})")
-    p.add_argument("--tp", type=int_in(1, MAX_TP), default=1, help="tensor-parallel ranks")
-    p.add_argument("--dp", type=int_in(1, MAX_DP), default=1, help="data-parallel replicas")
-    p.add_argument("--microbatches", "-m", type=microbatch_count, default=None,
-                   help=f"microbatches per step (default 8, or 2 pp when larger; at most "
-                   f"{MAX_MICROBATCHES})")
-    p.add_argument("--microbatch-size", type=int_in(1, 1 << 16), default=1,
-                   help="sequences per microbatch (default 1)")
-    p.add_argument("--seq-len", type=int_in(1, MAX_SEQ_LEN), default=None,
-                   help="tokens per sequence (default: the preset's sequence, else 4096)")
-    p.add_argument("--schedule", default="stp", help="schedule name (default stp)")
-    p.add_argument("--partition", default=None, metavar="auto|L0,L1,..",
-                   help="layers per global stage (default: the even split; auto: the "
-                   "simulator's choice, as `stp simulate --partition auto`)")
-    p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bfloat16",
-                   help="compute dtype (default bfloat16: fp32 masters and gradients)")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="Megatron sequence parallelism (activations between TP regions s/t)")
-    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
-                   help="activation recomputation (default none)")
-    p.add_argument("--shard-optimizer", action="store_true",
-                   help="fp32 masters and AdamW moments divided across dp (ZeRO stage 1)")
-    p.add_argument("--offload", default="none", metavar="POLICY",
-                   help="activation offload: none, stp, all, selective:X (default none)")
-    p.add_argument("--memory-budget", default=None, metavar="SIZE",
-                   help="refuse (exit 2) when the peak rank needs more: bytes, or 80GB, 80GiB")
+    # stp train's own flags, from TrainJob: the mode's defaults are filled in later
+    # where the two modes differ (dtype, microbatch size, seq-len)
+    open_job = replace(TrainJob(), dtype=None, microbatch_size=None,
+                       model=replace(TrainJob().model, seq_len=None))
+    add_flags(p, TrainJob, defaults=open_job)
+    _action(p, "dtype").choices = (*_action(p, "dtype").choices, "float16")
+    for dest, text in (("dtype", "float32, or bfloat16 with --model"),
+                       ("microbatch_size", "4, or 1 with --model"),
+                       ("seq_len", "64, or with --model the preset's, else 4096")):
+        _action(p, dest).help += f" (default {text})"
+    fields = {f.name for f in dataclasses.fields(TrainJob)}
+    if "recompute" not in fields:  # until stp train has them (then theirs are used)
+        p.add_argument("--recompute", choices=RECOMPUTE_MODES, default=None,
+                       help="activation recomputation (default none)")
+    if "shard_optimizer" not in fields:
+        p.add_argument("--shard-optimizer", action="store_true", default=None,
+                       help="fp32 masters and AdamW moments divided across dp (ZeRO stage 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
+
+
+def _action(parser: argparse.ArgumentParser, dest: str) -> argparse.Action:
+    return next(a for a in parser._actions if a.dest == dest)
 
 
 def model_spec(text: str) -> ModelSpec:
@@ -99,17 +115,32 @@ def model_spec(text: str) -> ModelSpec:
     return decoder_only(spec, "stp memory")
 
 
-def estimate_from_args(args: argparse.Namespace) -> MemoryEstimate:
+def estimate_from_args(args: argparse.Namespace) -> tuple[MemoryEstimate, str]:
+    """The estimate the command line asks for, and the model's name for the report."""
+    if args.model is None:
+        return _train_estimate(args)
+    return _model_estimate(args), args.model.split(",")[0]
+
+
+def _model_estimate(args: argparse.Namespace) -> MemoryEstimate:
+    """--model mode: a preset or a config.json on the mesh flags."""
     from stp.costmodel import parse_hardware
 
+    given = [name for name in _SHAPE_FLAGS if getattr(args, name, None) is not None]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise ValueError(f"{flag} describes the model, and so does --model {args.model}: "
+                         f"drop {flag}, or --model to price a `stp train` command line")
     spec = model_spec(args.model)
     m = args.microbatches or max(8, 2 * args.pp)
     seq = args.seq_len or (spec.sequence if spec.sequence > 1 else 4096)
     layout = Layout(pp=args.pp, tp=args.tp, dp=args.dp, microbatches=m,
-                    microbatch_size=args.microbatch_size, seq_len=seq, schedule=args.schedule)
-    feats = Features(dtype=args.dtype, sequence_parallel=args.sequence_parallel,
-                     recompute=args.recompute, shard_optimizer=args.shard_optimizer,
-                     offload=args.offload)
+                    microbatch_size=args.microbatch_size or _OWN_DEFAULTS["microbatch_size"],
+                    seq_len=seq, schedule=args.schedule)
+    feats = Features(dtype=args.dtype or _OWN_DEFAULTS["dtype"],
+                     sequence_parallel=bool(args.sequence_parallel),
+                     recompute=args.recompute or "none",
+                     shard_optimizer=bool(args.shard_optimizer), offload=args.offload)
     from stp.cli.common import check_work, generated_stages
 
     check_work(generated_stages(args), m, 1, f"--pp {args.pp} -m {m}")
@@ -118,6 +149,48 @@ def estimate_from_args(args: argparse.Namespace) -> MemoryEstimate:
         layout = replace(layout, partition=_partition(args.partition, spec, hardware, layout,
                                                       feats))
     return estimate(spec, hardware, layout, feats)
+
+
+def _train_estimate(args: argparse.Namespace) -> tuple[MemoryEstimate, str]:
+    """A `stp train` command line, resolved as train resolves it (nothing launched,
+    nothing written) and priced by the estimate train checks before launching."""
+    from stp.cli.common import check_work
+    from stp.cli.flags import from_args
+    from stp.costmodel import parse_hardware
+    from stp.train.config import TrainJob
+    from stp.train.job import check_plan
+    from stp.train.memory_check import no_estimate_reason, run_estimate, run_features
+    from stp.train.schedules import with_schedule_file
+
+    defaults = TrainJob()
+    filled = argparse.Namespace(**vars(args))
+    for dest, value in (("dtype", defaults.dtype), ("microbatch_size", defaults.microbatch_size),
+                        ("seq_len", defaults.model.seq_len)):
+        if getattr(filled, dest) is None:
+            setattr(filled, dest, value)
+    job = with_schedule_file(from_args(TrainJob, filled))
+    check_work(2 * job.pp, job.num_microbatches, 1, f"--pp {job.pp} -m {job.num_microbatches}")
+    config = None
+    if job.init_from is not None:  # config.json alone: the weights need not be there
+        from stp.train.pretrained import config_json_config
+
+        config = config_json_config(job.init_from, job.model)
+    run = check_plan(job, config=config)
+    reason = no_estimate_reason(run)
+    if reason is not None:
+        raise ValueError(f"no byte estimate for this run: {reason}")
+    own = {k: getattr(args, k) for k in ("recompute", "shard_optimizer")
+           if k not in {f.name for f in dataclasses.fields(TrainJob)}}
+    est = run_estimate(run, parse_hardware(args.hardware), run_features(run.job, **own))
+    assert est is not None
+    return est, _describe(run)
+
+
+def _describe(run: object) -> str:
+    job, c = run.job, run.config  # type: ignore[attr-defined]
+    where = f"--init-from {job.init_from}" if job.init_from else "stp train's decoder"
+    return (f"{where} ({c.num_layers} layers, hidden {c.hidden}, {c.num_heads} heads, "
+            f"vocab {c.vocab_size})")
 
 
 def _partition(text: str, spec: ModelSpec, hardware: object, layout: Layout,
@@ -146,7 +219,7 @@ def _partition(text: str, spec: ModelSpec, hardware: object, layout: Layout,
 
 def run(args: argparse.Namespace) -> int:
     budget = None if args.memory_budget is None else parse_size(args.memory_budget)
-    est = estimate_from_args(args)
+    est, name = estimate_from_args(args)
     verdict = None if budget is None else over_budget(est, budget)
     from stp.costmodel import parse_hardware
 
@@ -154,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**est.to_json(), "device_memory": device or None}))
     else:
-        _print(est, args)
+        _print(est, name)
         if device:
             room = device - est.peak.total
             print(f"device memory ({args.hardware.split(',')[0]}): {format_bytes(device)}; "
@@ -168,9 +241,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print(est: MemoryEstimate, args: argparse.Namespace) -> None:
+def _print(est: MemoryEstimate, name: str) -> None:
     lay, f = est.layout, est.features
-    print(f"{args.model.split(',')[0]}: pp={lay.pp} tp={lay.tp} dp={lay.dp} m={lay.microbatches}"
+    print(f"{name}: pp={lay.pp} tp={lay.tp} dp={lay.dp} m={lay.microbatches}"
           f" microbatch {lay.microbatch_size} x {lay.seq_len} tokens, {lay.schedule}, {f.dtype}"
           f", sp={'on' if f.sequence_parallel else 'off'} recompute={f.recompute} "
           f"shard-optimizer={'on' if f.shard_optimizer else 'off'} offload={f.offload}")

@@ -33,6 +33,20 @@ on the first stage, the final norm and output layer on the last):
                  optimizer, the reduce-scattered fp32 gradient shard `4 P /
                  dp`. All-reduces run in place and are not counted, nor is
                  the allocator's fragmentation or the CUDA context.
+
+Whose activations (`Features.runtime`): `megatron`, Korthikanti's counting
+(`stp.costmodel.model`; `stp memory --model`), or `stp`, what stp's own
+decoder units keep (`stp.costmodel.kept`, a census of the runtime's saved
+tensors; the estimate of a `stp train` run, `stp.train.memory_check`). The
+two differ: torch's scaled_dot_product_attention keeps no s x s scores, but
+stp's units keep the rotated q and k, each unit's output before its
+all-reduce and all four SwiGLU intermediates, and float32 norm values.
+Against `stp train --json`'s measurement (`stp.train.memory_measure`;
+`benchmarks/bench_memory.py`, `benchmarks/results/memory.md`) the `stp`
+estimate's model states agree to the byte (AdamW's step counters aside) and
+its activations on the rank that peaks to the byte on the small models
+measured there; on a rank whose deferred W's output gradients outweigh what
+B freed (the simulator cannot grow memory at B), a few percent low.
 """
 
 from __future__ import annotations
@@ -41,25 +55,28 @@ import math
 from dataclasses import dataclass, replace
 
 from stp.costmodel.configs import spec_from_config
-from stp.costmodel.decoder_costs import derive_decoder
+from stp.costmodel.decoder_costs import Derived, derive_decoder, edge_costs
 from stp.costmodel.hardware import HardwareSpec
+from stp.costmodel.kept import Kept, stp_kept
 from stp.costmodel.model import RECOMPUTE_MODES, ModelSpec, decoder_only
 from stp.costmodel.stages import layered_costs
-from stp.schedule.ir import Kind, passes_of
+from stp.schedule.ir import Kind, Schedule, passes_of
 from stp.schedule.offload import parse_policy
 from stp.schedule.registry import generate
 from stp.shapes import ModelConfig
-from stp.sim.costs import OffloadCosts
+from stp.sim.costs import MemCosts, OffloadCosts
 from stp.sim.engine import simulate
-from stp.sim.layered import check_partition, even_partition
+from stp.sim.layered import LayeredCosts, check_partition, even_partition
 from stp.sim.offload import plan_offload
 from stp.sim.result import SimResult
+from stp.sim.stages import StageCosts
 
 __all__ = ["DTYPE_BYTES", "CATEGORIES", "Layout", "Features", "RankMemory", "MemoryEstimate",
            "estimate", "format_bytes", "memory_of_run", "rank_parameters"]
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 CATEGORIES = ("weights", "grads", "masters", "optimizer", "activations_peak", "buffers")
+RUNTIMES = ("megatron", "stp")
 
 
 @dataclass(frozen=True)
@@ -98,8 +115,14 @@ class Features:
     shard_optimizer: bool = False
     offload: str = "none"
     """An offload policy of `stp.sim.offload` (none, stp, all, selective:X)."""
+    runtime: str = "megatron"
+    """Whose activations: `megatron` (Korthikanti's formulas, stp.costmodel.model)
+    or `stp` (what stp's own decoder units keep, stp.costmodel.kept: the
+    estimate of a `stp train` run)."""
 
     def __post_init__(self) -> None:
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"runtime {self.runtime!r}: choose one of {', '.join(RUNTIMES)}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
         if self.recompute not in RECOMPUTE_MODES:
@@ -194,30 +217,85 @@ def rank_parameters(spec: ModelSpec, num_stages: int, stage_to_rank: tuple[int, 
 
 
 def estimate(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout: Layout,
-             features: Features = Features()) -> MemoryEstimate:
+             features: Features = Features(), schedule: Schedule | None = None
+             ) -> MemoryEstimate:
     """Bytes per pipeline rank of a training step (module doc). `model` is a
     cost-model spec or the `ModelConfig` a run builds (`stp.costmodel.configs`);
     its tp, sequence, micro_batch, sequence_parallel and recompute are taken
-    from `layout` and `features`."""
+    from `layout` and `features`. `schedule`: the one to simulate (a schedule
+    file's); None generates `layout.schedule` for `layout.pp` and `microbatches`."""
     if isinstance(model, ModelConfig):
         model = spec_from_config(model, seq_len=layout.seq_len)
     model = decoder_only(model, "a memory estimate")
     spec = replace(model, tp=layout.tp, sequence=layout.seq_len,
                    micro_batch=layout.microbatch_size,
                    sequence_parallel=features.sequence_parallel, recompute=features.recompute)
-    sch = generate(layout.schedule, layout.pp, layout.microbatches)
+    sch = schedule or generate(layout.schedule, layout.pp, layout.microbatches)
+    if (sch.num_ranks, sch.num_microbatches) != (layout.pp, layout.microbatches):
+        raise ValueError(f"schedule {sch.name}: {sch.num_ranks} ranks x {sch.num_microbatches} "
+                         f"microbatches, but the layout is pp={layout.pp} "
+                         f"m={layout.microbatches}")
     if spec.layers < sch.num_stages:
         raise ValueError(f"the model's {spec.layers} layers cannot fill {sch.num_stages} "
                          f"stages of {layout.schedule} at pp={layout.pp}")
     derived = derive_decoder(spec, hardware, layout.pp)
     counts = (even_partition(spec.layers, sch.num_stages) if layout.partition is None
               else check_partition(layout.partition, sch.num_stages, spec.layers))
-    table = layered_costs(spec, hardware, layout.pp, derived.costs, derived.mem).table(counts)
-    oc = OffloadCosts(bandwidth=hardware.host_bandwidth / 1e3, act_bytes=derived.bytes_per_unit)
-    plan = plan_offload(sch, features.offload, derived.costs, derived.mem, oc, stages=table)
-    res = simulate(sch, derived.costs, derived.mem, offload=plan if len(plan) else None,
+    if features.runtime == "stp":
+        table, mem, unit = _stp_table(spec, hardware, layout.pp, derived, features.dtype,
+                                      sch, counts)
+    else:  # Korthikanti's bytes are for 16-bit activations (module doc)
+        layered = layered_costs(spec, hardware, layout.pp, derived.costs, derived.mem)
+        mem, unit = derived.mem, derived.bytes_per_unit * DTYPE_BYTES[features.dtype] / 2
+        table = layered.table(counts)
+    copied = unit if features.runtime == "stp" else derived.bytes_per_unit
+    oc = OffloadCosts(bandwidth=hardware.host_bandwidth / 1e3, act_bytes=copied)
+    plan = plan_offload(sch, features.offload, derived.costs, mem, oc, stages=table)
+    res = simulate(sch, derived.costs, mem, offload=plan if len(plan) else None,
                    offload_costs=oc, record_spans=False, stages=table)
-    return memory_of_run(spec, res, derived.bytes_per_unit, features, dp=layout.dp)
+    # memory_of_run takes a 16-bit unit and scales it by the dtype
+    return memory_of_run(spec, res, unit * 2 / DTYPE_BYTES[features.dtype], features,
+                         dp=layout.dp)
+
+
+def _stp_table(spec: ModelSpec, hardware: HardwareSpec, pp: int, derived: Derived, dtype: str,
+               sch: Schedule, counts: tuple[int, ...]) -> tuple[StageCosts, MemCosts, float]:
+    """The stage table with stp's own units' kept bytes (stp.costmodel.kept), the
+    memory costs and the bytes of one unit (one rank's share of layers). At one TP
+    rank a microbatch whose backward is a full BW keeps more than one whose W is
+    deferred; a stage's bytes are the two mixed in the proportion of its backwards."""
+    width = DTYPE_BYTES[dtype]
+    deferred, native = stp_kept(spec, width, False), stp_kept(spec, width, True)
+    unit = deferred.layer_b * derived.layers_per_rank
+    first, last = edge_costs(spec, hardware, pp)
+
+    def table(kept: Kept) -> StageCosts:
+        # M_W <= M_B in the simulator (B frees, never allocates): W's output gradients
+        # can outweigh what B freed when W is deferred; they are capped there
+        mem = MemCosts(m_b=kept.layer_b / deferred.layer_b,
+                       m_w=min(kept.layer_w, kept.layer_b) / deferred.layer_b)
+        ends = (replace(first, mem_b=kept.first_b / unit,
+                        mem_w=min(kept.first_w, kept.first_b) / unit),
+                replace(last, mem_b=kept.last_b / unit,
+                        mem_w=min(kept.last_w, kept.last_b) / unit))
+        return LayeredCosts.from_rank_share(derived.costs, mem, pp, spec.layers, first=ends[0],
+                                            last=ends[1]).table(counts)
+
+    split, whole = table(deferred), table(native)
+    full = [0] * sch.num_stages
+    backwards = [0] * sch.num_stages
+    for p in (p for acts in sch.actions for a in acts for p in passes_of(a)):
+        if p.kind in (Kind.B, Kind.BW):
+            backwards[p.stage] += 1
+            full[p.stage] += p.kind is Kind.BW
+    stages = tuple(replace(d, mem_b=(1 - x) * d.mem_b + x * n.mem_b,
+                           mem_w=(1 - x) * d.mem_w + x * n.mem_w)
+                   for d, n, x in zip(split.stages, whole.stages,
+                                      (f / max(b, 1) for f, b in zip(full, backwards,
+                                                                     strict=True)),
+                                      strict=True))
+    mem = MemCosts(m_b=1.0, m_w=min(1.0, deferred.layer_w / deferred.layer_b))
+    return replace(split, stages=stages), mem, unit
 
 
 def memory_of_run(spec: ModelSpec, res: SimResult, bytes_per_unit: float,

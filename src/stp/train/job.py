@@ -26,7 +26,7 @@ from stp.train.pretrained import check_pretrained
 from stp.train.resolve import Run, resolve
 from stp.train.storage import check_free_space, checkpoint_bytes
 
-__all__ = ["check", "check_output_file", "model_config"]
+__all__ = ["check", "check_output_file", "check_plan", "model_config"]
 
 
 def model_config(job: TrainJob) -> Any:
@@ -37,12 +37,7 @@ def model_config(job: TrainJob) -> Any:
 def check(job: TrainJob, world_size: int | None = None) -> Run:
     """The run `job` describes; ValueError naming the first bad setting and what
     would be accepted."""
-    dims = ParallelDims(job.pp, job.tp, job.dp)
-    if world_size is not None:
-        dims.check_world(world_size)
-    if job.dtype not in DTYPES:
-        raise ValueError(f"--dtype {job.dtype!r} not accepted; choose one of {', '.join(DTYPES)}")
-    run = resolve(job)  # schedule, model (config.json checked), partition, tokenizer
+    run = check_plan(job, world_size)
     check_pretrained(job, run.config, run.tokenizer)
     parse_policy(job.offload)  # ValueError naming the accepted policies
     if job.emulate is not None:
@@ -65,8 +60,6 @@ def check(job: TrainJob, world_size: int | None = None) -> Run:
                 f"data {job.data!r} holds {size} bytes, fewer than "
                 f"--seq-len + 2 = {job.model.seq_len + 2}"
             )
-    if job.sequence_parallel and job.tp > 1:
-        _check_sequence_parallel(job)
     _check_training(job, run.config)
     if job.save_full is not None:  # after --out, which may be its directory, is made
         _check_save_full(job)
@@ -81,6 +74,28 @@ def _check_save_full(job: TrainJob) -> None:
         raise ValueError("--emulate-compute stages hold no model to save; drop --save-full "
                          "or --emulate-compute")
     check_output_file(job.save_full, "--save-full")  # type: ignore[arg-type]
+def check_plan(job: TrainJob, world_size: int | None = None, config: Any = None) -> Run:
+    """The checks that read no data and write nothing (the mesh, the dtype, the
+    resolved run, offload, emulation, sequence parallelism), and the run;
+    `stp memory` prices a train command line after these. `config`: the model's,
+    already read (stp.train.resolve.resolve)."""
+    dims = ParallelDims(job.pp, job.tp, job.dp)
+    if world_size is not None:
+        dims.check_world(world_size)
+    if job.dtype not in DTYPES:
+        raise ValueError(f"--dtype {job.dtype!r} not accepted; choose one of {', '.join(DTYPES)}")
+    run = resolve(job, config)  # schedule, model (config.json checked), partition, tokenizer
+    parse_policy(job.offload)  # ValueError naming the accepted policies
+        parse_emulate(job.emulate)
+        if job.partition is not None:
+            raise ValueError("--emulate-compute times every stage's pass the same; drop "
+                             "--partition or --emulate-compute")
+        if job.offload != "none":
+            raise ValueError("--emulate-compute has no activations to offload; "
+                             "drop --offload or --emulate-compute")
+    if job.sequence_parallel and job.tp > 1:
+        _check_sequence_parallel(job)
+    return run
 
 
 def _check_sequence_parallel(job: TrainJob) -> None:

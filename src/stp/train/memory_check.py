@@ -2,10 +2,10 @@
 
 The estimate is the cost model's (`stp.costmodel.memory.estimate`: weights,
 gradients, masters, optimizer state, the simulator's peak activations for the
-run's schedule, partition and offload, buffers), for the run's own model,
-mesh, batch and dtype. Attention is priced without a fused kernel (the s x s
-scores kept), as stp's CPU runtime computes it, so the estimate errs on the
-large side of the activations.
+run's schedule, partition, offload, recomputation and sequence parallelism,
+buffers) for the run's own model, mesh, batch and dtype, with the activations
+stp's own decoder units keep (`stp.costmodel.kept`): `run_estimate`, the one
+function `stp train` and `stp memory` (given a train command line) both call.
 
 - `--memory-budget SIZE`: the peak rank's total must fit SIZE (one device).
 - without it, every rank this machine runs together (the whole world for
@@ -25,10 +25,12 @@ from typing import Any
 from stp.costmodel import HARDWARE
 from stp.costmodel.budget import parse_size
 from stp.costmodel.configs import spec_from_config
+from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.memory import Features, Layout, MemoryEstimate, estimate, format_bytes
 from stp.shapes import ModelConfig
 
-__all__ = ["available_host_bytes", "check_memory", "run_estimate"]
+__all__ = ["available_host_bytes", "check_memory", "no_estimate_reason", "run_estimate",
+           "run_features"]
 
 
 def available_host_bytes() -> int | None:
@@ -43,16 +45,47 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def run_estimate(run: Any) -> MemoryEstimate | None:
-    """The cost model's bytes per rank of `run` (stp.train.resolve.Run); None where
-    there is no estimate (emulated stages, a family the byte model does not price)."""
+def no_estimate_reason(run: Any) -> str | None:
+    """Why `run` has no byte estimate (None: it has one)."""
     job = run.job
-    if job.emulate is not None or type(run.config) is not ModelConfig:
+    if job.emulate is not None:
+        return "--emulate-compute stages wait instead of computing: they hold no model"
+    if type(run.config) is not ModelConfig:
+        return (f"--arch {job.arch}: the byte model prices the decoder only "
+                "(stp.costmodel.memory)")
+    return None
+
+
+def run_features(job: Any, *, recompute: str | None = None,
+                 shard_optimizer: bool | None = None) -> Features:
+    """What of `job` (a TrainJob) changes its memory. `--recompute` and
+    `--shard-optimizer` are read where the job has them; `recompute` and
+    `shard_optimizer` given here stand in for a job without them (`stp memory`'s
+    own flags)."""
+    if recompute is None:
+        recompute = getattr(job, "recompute", "none")
+    if shard_optimizer is None:
+        shard_optimizer = bool(getattr(job, "shard_optimizer", False))
+    return Features(dtype=job.dtype, offload=job.offload, recompute=recompute,
+                    sequence_parallel=job.sequence_parallel and job.tp > 1,
+                    shard_optimizer=shard_optimizer, runtime="stp")
+
+
+def run_estimate(run: Any, hardware: HardwareSpec | None = None,
+                 features: Features | None = None) -> MemoryEstimate | None:
+    """The cost model's bytes per rank of `run` (stp.train.resolve.Run): its model,
+    mesh, batch, schedule (a file's too), partition and `run_features`; None where
+    there is no estimate (`no_estimate_reason`). The one estimate `stp train`
+    checks before launching and `stp memory` prints for a train command line.
+    `hardware` (default a100-80g) only sets the offload link and the step time."""
+    if no_estimate_reason(run) is not None:
         return None
+    job = run.job
     spec = spec_from_config(run.config, seq_len=job.model.seq_len,
                             microbatch_size=job.microbatch_size, tp=job.tp,
                             flash_attention=False)
-    layout = Layout(pp=job.pp, tp=job.tp, dp=job.dp, microbatches=job.num_microbatches,
+    layout = Layout(pp=job.pp, tp=job.tp, dp=job.dp,
+                    microbatches=run.schedule.num_microbatches,
                     microbatch_size=job.microbatch_size, seq_len=job.model.seq_len,
                     schedule=run.schedule.name, partition=run.partition)
     features = Features(dtype=job.dtype, offload=job.offload,
@@ -69,6 +102,8 @@ def _registry_schedule(run: Any) -> bool:
 
     return run.schedule.name in registry.names() and not run.job.schedule.lower().endswith(
         (".json", ".csv"))
+    return estimate(spec, hardware or HARDWARE["a100-80g"], layout,
+                    features or run_features(job), schedule=run.schedule)
 
 
 def _largest(est: MemoryEstimate) -> str:

@@ -17,7 +17,10 @@ Bytes of the live tensors of this rank, each counted once (by storage):
 
 The same definitions as `stp.costmodel.memory` (whose `buffers`, receive and
 collective buffers, are not measured here), so `stp memory` can be checked
-against a run (benchmarks/bench_memory.py).
+against a run (benchmarks/bench_memory.py). Counting by storage is what makes
+the figures true to the bytes held: a parameter that is a view of a larger
+tensor keeps all of it (this found random-init TP shards holding their whole
+unsharded matrix, stp.models.decoder.init.init_shard, since fixed).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from stp.train.tokens import (
     tokenizer_vocab,
 )
 
-__all__ = ["checkpoint_config", "check_pretrained", "copy_tokenizer"]
+__all__ = ["checkpoint_config", "check_pretrained", "config_json_config", "copy_tokenizer"]
 
 # ModelShape field -> (ModelConfig field, what config.json calls it)
 _SHAPE_FLAGS = {
@@ -42,7 +42,27 @@ def checkpoint_config(init_from: str, shape: ModelShape) -> ModelConfig:
     flag)."""
     from stp.models.hf import HFCheckpoint
 
-    config = HFCheckpoint.open(init_from).config
+    return _agreeing(HFCheckpoint.open(init_from).config, init_from, shape)
+
+
+def config_json_config(init_from: str, shape: ModelShape) -> ModelConfig:
+    """The model of --init-from DIR from its config.json alone (the weights neither
+    read nor required: `stp memory` sizes a model before it is downloaded), checked
+    against the model-shape flags as `checkpoint_config` does."""
+    from stp.files import read_json_object
+    from stp.models.hf.config import config_from_hf
+
+    path = Path(init_from) / "config.json"
+    if not Path(init_from).is_dir():
+        raise ValueError(f"--init-from {init_from!r}: no such directory")
+    if not path.is_file():
+        raise ValueError(f"--init-from {init_from!r}: {path} is missing (a Hugging Face "
+                         "checkpoint directory holds config.json)")
+    return _agreeing(config_from_hf(read_json_object(path), str(path)), init_from, shape)
+
+
+def _agreeing(config: ModelConfig, init_from: str, shape: ModelShape) -> ModelConfig:
+    """`config`, once the model-shape flags given agree with it."""
     for flag, (field, hf) in _SHAPE_FLAGS.items():
         given = getattr(shape, flag)
         if given is not None and given != getattr(config, field):

@@ -82,9 +82,11 @@ class Run:
                                                  self.built_partition)]
 
 
-def resolve(job: TrainJob) -> Run:
+def resolve(job: TrainJob, config: Any = None) -> Run:
     """The run `job` describes; ValueError (one line, naming the flag) for a schedule,
     model, partition, tokenizer or checkpoint to resume that does not fit.
+    `config`: the model's config when the caller has read it already (`stp
+    memory` reads only --init-from's config.json, never the weights' headers).
 
     `--resume DIR` restores the model settings the resumed run recorded
     (stp.train.resume) and, unless `--out` says otherwise, goes on writing in the
@@ -100,7 +102,8 @@ def resolve(job: TrainJob) -> Run:
     family = family_named(job.arch)
     family.check_flags(job)
     tokenizer = run_tokenizer(job.tokenizer, job.init_from)
-    config = family.config(job, tokenizer)
+    if config is None:
+        config = family.config(job, tokenizer)
     family.check_run(job, config, schedule)
     partition = _partition(job, family, config, schedule)
     if partition is not None:

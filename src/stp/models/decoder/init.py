@@ -186,5 +186,8 @@ def init_shard(
     full = init_full(config, spec, dtype)
     where = tp_slice(config, spec, tp_size, tp_rank)
     if where.dim is not None:
-        full = pad_shard(full.narrow(where.dim, where.start, where.stop - where.start), where)
+        # cloned: a narrowed view (contiguous along dim 0) would keep the whole
+        # tensor's storage alive, t times the shard's bytes on every TP rank
+        full = pad_shard(full.narrow(where.dim, where.start, where.stop - where.start).clone(),
+                         where)
     return full.contiguous().to(device)

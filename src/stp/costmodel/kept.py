@@ -1,0 +1,95 @@
+"""What stp's own decoder units keep for their backward: a census, in bytes.
+
+`stp.costmodel.model`'s activation formulas are Korthikanti et al.'s
+counting ("Reducing Activation Recomputation in Large Transformer Models",
+arXiv 2205.05198) for a Megatron-style layer. stp's runtime
+(`stp.models.decoder.units`, torch's scaled_dot_product_attention) keeps
+other tensors: no s x s scores (a float32 log-sum-exp per head instead), but
+the rotated q and k, the attention output, each unit's row-parallel output
+before its all-reduce (full width, sequence parallel or not), all four SwiGLU
+intermediates, and each RMSNorm's float32 normalised values. Counted with
+`stp.runtime.offload`'s census (every storage a forward keeps, once) on
+torch 2.13, per token of one microbatch on one TP rank (`w` the compute
+dtype's bytes, `k d` the key/value width one rank holds, `sp` = t with
+sequence parallelism, else 1):
+
+    F to B, per layer   R + w ((2h + 4f) / t + 2kd) + 4 (a / t + 2 / sp)
+                        R = 2wh + 8h at t = 1 (one graph per unit), 2wh + 16h
+                        when every W runs inside its B (autograd's weight
+                        gradients: the norms keep float32 values for them);
+                        R = w (2h + 4h/sp) + 8h/sp at t > 1 (two graphs, and the two
+                        partial outputs at full width)
+    B to W, per layer   w (2h/sp + 2h/t + 2h + 3f/t + 2kd) + 2 (4 + w) h / sp
+    embedding           9 (token ids, mask) + y h at t = 1, y = 4 (float32) or 6
+                        (bfloat16) with W inside B, 12 or 6 with W deferred (the
+                        first layer's input is the embedding's output);
+                        9 at t > 1;  W: (8 + w h) / t
+    loss head           w (3h + V) + 8 + x h at t = 1, x = 4 (float32) or 12
+                        (bfloat16) with W inside B, 12 or 8 with W deferred;
+                        w (2h + V/t) + 4h/sp + 4 + 4/sp at t > 1;
+                        W: w (h + V/t) + (4 + w) h / sp
+
+The end terms at t = 1 are tables, not a rule: what they count differs with
+the dtype and with who computes the weight gradients, and no simpler
+account was found. These reproduce the census to the byte, F to B, in
+float32 and bfloat16 at t = 1 and 2, and float32 with sequence parallelism
+at t = 2 (h 256, 4 heads, 2 kv heads, f 704, V 320, s 128, b 4; and h 64 at
+t = 1, tests/runtime/test_kept_census.py); the B-to-W terms within 1%.
+Recomputation is not in the census: `full` keeps the layer input (`w h /
+sp`), `selective` is taken to keep the same as none (the fused attention
+keeps no scores to drop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stp.costmodel.model import ModelSpec
+
+__all__ = ["Kept", "stp_kept"]
+
+
+@dataclass(frozen=True)
+class Kept:
+    """Bytes one microbatch keeps on one TP rank: per layer and at the two ends,
+    from F until B (`*_b`) and from B until W (`*_w`)."""
+
+    layer_b: float
+    layer_w: float
+    first_b: float
+    first_w: float
+    last_b: float
+    last_w: float
+
+
+def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False) -> Kept:
+    """The census formulas of the module doc for `spec` (its tp, sequence,
+    micro_batch, sequence_parallel and recompute) in a run of `dtype_bytes`.
+    `native_weights`: the schedule runs every W inside its B (1f1b, gpipe, ...), so
+    at t = 1 autograd computes the weight gradients and the norms keep float32
+    values for them; a schedule that defers W taps the linears instead."""
+    h, f, a, t, v = spec.hidden, spec.ffn, spec.heads, spec.tp, spec.vocab
+    w = dtype_bytes
+    sp = t if spec.sequence_parallel else 1
+    kd = max(spec.kv_heads // t, 1) * spec.head_dim
+    tokens = spec.sequence * spec.micro_batch
+    # t = 1: one graph per unit (stp.models.decoder.units), the norms' float32 values;
+    # t > 1: two graphs per unit, and the two partial outputs at full width
+    replicated = (w * 2 * h + 4 * (4 if native_weights else 2) * h if t == 1
+                  else w * (2 * h + 4 * h / sp) + 4 * 2 * h / sp)
+    layer_b = replicated + w * ((2 * h + 4 * f) / t + 2 * kd) + 4 * (a / t + 2 / sp)
+    layer_w = w * (2 * h / sp + 2 * h / t + 2 * h + 3 * f / t + 2 * kd) + 2 * (4 + w) * h / sp
+    if spec.recompute == "full":
+        layer_b = w * h / sp
+        layer_w = min(layer_w, layer_b)
+    if t == 1:  # bytes per h counted beside the ids and mask, and in the loss head
+        first_b = 9 + {(4, True): 4, (4, False): 12, (2, True): 6, (2, False): 6}[
+            w, native_weights] * h
+        extra = {(4, True): 4, (4, False): 12, (2, True): 12, (2, False): 8}[w, native_weights]
+        last_b = w * (3 * h + v) + 8 + extra * h
+    else:
+        first_b = 9.0
+        last_b = w * (2 * h + v / t) + 4 * h / sp + 4 + 4 / sp
+    first_w = (8 + w * h) / t
+    last_w = w * (h + v / t) + (4 + w) * h / sp
+    return Kept(*(x * tokens for x in (layer_b, layer_w, first_b, first_w, last_b, last_w)))

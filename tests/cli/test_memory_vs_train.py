@@ -1,0 +1,29 @@
+"""`stp memory` against what `stp train` measured (benchmarks/bench_memory.py's
+comparison on two of its configurations: STP braided at tp 1, and at tp 2 with
+sequence parallelism): the total within 10% on every pipeline rank."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_memory.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_memory", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["stp", "stp-tp2-sp"])
+def test_estimate_within_ten_percent_of_the_measurement(name):
+    bench = _bench()
+    row = bench.compare(bench.CONFIGS[name])
+    assert row["est_peak_rank"] == row["rank"]
+    for key in ("weights", "grads", "masters", "optimizer"):  # model states: exact
+        assert row["estimated"][key] == pytest.approx(row["measured"][key], rel=1e-3)
+    assert abs(row["error"]) <= bench.TARGET
+    assert abs(row["worst_rank_error"]) <= bench.TARGET
