@@ -56,7 +56,7 @@ from stp.sim.offload import plan_offload
 from stp.sim.result import SimResult
 
 __all__ = ["DTYPE_BYTES", "CATEGORIES", "Layout", "Features", "RankMemory", "MemoryEstimate",
-           "estimate", "format_bytes", "memory_of_run", "rank_parameters"]
+           "estimate", "estimate_run", "format_bytes", "memory_of_run", "rank_parameters"]
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 CATEGORIES = ("weights", "grads", "masters", "optimizer", "activations_peak", "buffers")
@@ -199,6 +199,13 @@ def estimate(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout: Lay
     cost-model spec or the `ModelConfig` a run builds (`stp.costmodel.configs`);
     its tp, sequence, micro_batch, sequence_parallel and recompute are taken
     from `layout` and `features`."""
+    return estimate_run(model, hardware, layout, features)[0]
+
+
+def estimate_run(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout: Layout,
+                 features: Features = Features()) -> tuple[MemoryEstimate, SimResult]:
+    """`estimate`, and the simulated step it read the activations from (the
+    planner, `stp.plan`, ranks by that step and explains it by its parts)."""
     if isinstance(model, ModelConfig):
         model = spec_from_config(model, seq_len=layout.seq_len)
     model = decoder_only(model, "a memory estimate")
@@ -217,7 +224,7 @@ def estimate(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout: Lay
     plan = plan_offload(sch, features.offload, derived.costs, derived.mem, oc, stages=table)
     res = simulate(sch, derived.costs, derived.mem, offload=plan if len(plan) else None,
                    offload_costs=oc, record_spans=False, stages=table)
-    return memory_of_run(spec, res, derived.bytes_per_unit, features, dp=layout.dp)
+    return memory_of_run(spec, res, derived.bytes_per_unit, features, dp=layout.dp), res
 
 
 def memory_of_run(spec: ModelSpec, res: SimResult, bytes_per_unit: float,
