@@ -34,11 +34,11 @@ from stp.costmodel.stages import layered_costs
 from stp.plan.needs import NoPlan, explain_no_fit, explain_no_mesh
 from stp.plan.price import Priced, memory_bound, price, spec_for, time_bound
 from stp.plan.request import PlanRequest
-from stp.plan.space import Config, levers_for, meshes, microbatchings, schedules_for
+from stp.plan.space import Config, Mesh, levers_for, meshes, microbatchings, schedules_for
 from stp.schedule.registry import generate
 from stp.search.partition import auto_partition, balanced_partition
 
-__all__ = ["PlanResult", "plan", "NoPlan"]
+__all__ = ["PlanResult", "plan", "priced_at", "NoPlan"]
 
 AUTO_PARTITION_WORK = 512
 """Stages x microbatches up to which the top plans also run `--partition auto`
@@ -170,3 +170,21 @@ def plan(request: PlanRequest) -> PlanResult:
     result.plans = sorted(fits, key=lambda p: p.step_s)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def priced_at(request: PlanRequest, mesh: Mesh, microbatch_size: int,
+              schedule: str) -> Priced | None:
+    """One configuration priced as the planner prices it: the first rung of
+    the lever ladder that fits the budget (None: none does). For checking a
+    published configuration against the planner's figures."""
+    ladder = levers_for(request, mesh)
+    per_replica = request.global_batch // mesh.dp
+    base = Config(mesh, microbatch_size, per_replica // microbatch_size, schedule, ladder[0][1])
+    rung = _first_rung(request, base, ladder, 0)
+    while rung is not None:
+        got = price(request.model, request.hardware, replace(base, features=ladder[rung][1]),
+                    request.seq_len)
+        if got.peak_bytes <= request.budget:
+            return got
+        rung = _first_rung(request, base, ladder, rung + 1)
+    return None
