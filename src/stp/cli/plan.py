@@ -22,7 +22,7 @@ import sys
 from stp.cli.common import EXIT_USAGE, int_in
 from stp.plan.request import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ_LEN
 
-__all__ = ["register", "run", "request_from_args"]
+__all__ = ["register", "run", "request_from_args", "local_hardware"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -80,16 +80,60 @@ def _schedules(text: str | None) -> tuple[str, ...] | None:
     return names
 
 
+_LOCAL_MODEL = {"layers": 4, "hidden": 64, "heads": 4, "seq_len": 64, "microbatches": 4}
+"""The model `--hardware local` trains for a few steps to measure this machine."""
+
+
+def local_hardware() -> object:
+    """This machine, measured: a traced 3-step run of a small decoder on
+    pp 2 x tp 2 local workers (`stp train --trace`), fitted by
+    `stp.plan.calibrate` (compute efficiency against a nominal 1e11 FLOP/s
+    peak, TP all-reduce and send latency); memory: the machine's RAM."""
+    import os
+    import subprocess
+    import tempfile
+
+    from stp.costmodel.decoder_costs import head_flops
+    from stp.costmodel.hardware import HardwareSpec
+    from stp.costmodel.model import ModelSpec, layer_flops
+    from stp.plan.calibrate import fit_traces
+
+    lm = _LOCAL_MODEL
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        cmd = [sys.executable, "-m", "stp", "train", "--pp", "2", "--tp", "2", "--schedule",
+               "1f1b", "--layers", str(lm["layers"]), "--hidden", str(lm["hidden"]),
+               "--heads", str(lm["heads"]), "--seq-len", str(lm["seq_len"]),
+               "--microbatch-size", "1", "-m", str(lm["microbatches"]), "--steps", "3",
+               "--trace", trace, "--out", os.path.join(tmp, "run"), "--timeout", "120"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise ValueError(f"--hardware local: the calibration run failed: {tail[:200]}")
+        spec = ModelSpec(layers=lm["layers"], hidden=lm["hidden"], heads=lm["heads"],
+                         kv_heads=lm["heads"], ffn=4 * lm["hidden"], vocab=256,
+                         sequence=lm["seq_len"], tp=2, flash_attention=True, dropout=False)
+        per_stage = lm["layers"] // 2 * sum(layer_flops(spec))
+        flops = [per_stage, per_stage + 3 * head_flops(spec)]
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        base = HardwareSpec(peak_flops=1e11, efficiency=0.5, tp_bandwidth=1e9,
+                            pp_bandwidth=1e9, host_bandwidth=1e9, name="local",
+                            memory=float(memory))
+        return fit_traces([trace], flops).apply(base)
+
+
 def _hardware(args: argparse.Namespace) -> object:
     from stp.costmodel import parse_hardware
-    from stp.plan.calibrate import calibrated, local_hardware
+    from stp.plan.calibrate import calibrated
 
     if args.hardware.split(",")[0].strip() == "local":
+        if args.hardware.strip() != "local":
+            raise ValueError("--hardware local takes no fields (it measures them)")
         base = local_hardware()
     else:
         base = parse_hardware(args.hardware)
     if args.calibrate:
-        base = calibrated(base, args.calibrate)
+        base = calibrated(base, args.calibrate)  # type: ignore[arg-type]
     return base
 
 
