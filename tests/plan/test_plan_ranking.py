@@ -158,3 +158,8 @@ def test_request_validates_itself():
         _request(gpus=0)
     with pytest.raises(ValueError, match="device memory"):
         _request(hardware=replace(HW, memory=0.0))
+
+
+def test_a_batch_too_large_to_cut_is_one_line():
+    with pytest.raises(NoPlan, match="raise --max-microbatch-size"):
+        plan(_request(gpus=1, global_batch=1 << 20, max_microbatch_size=1))

@@ -34,7 +34,15 @@ from stp.costmodel.stages import layered_costs
 from stp.plan.needs import NoPlan, explain_no_fit, explain_no_mesh
 from stp.plan.price import Priced, memory_bound, price, spec_for, time_bound
 from stp.plan.request import PlanRequest
-from stp.plan.space import Config, Mesh, levers_for, meshes, microbatchings, schedules_for
+from stp.plan.space import (
+    MAX_STAGE_MICROBATCHES,
+    Config,
+    Mesh,
+    levers_for,
+    meshes,
+    microbatchings,
+    schedules_for,
+)
 from stp.schedule.registry import generate
 from stp.search.partition import auto_partition, balanced_partition
 
@@ -163,6 +171,10 @@ def plan(request: PlanRequest) -> PlanResult:
     if next(iter(meshes(request)), None) is None:
         raise NoPlan(explain_no_mesh(request))
     fits = _search(request, result)
+    if result.considered == 0:
+        raise NoPlan(f"--global-batch {request.global_batch}: every mesh's share needs more "
+                     f"than {MAX_STAGE_MICROBATCHES} stages x microbatches at microbatch "
+                     f"sizes up to {request.max_microbatch_size}; raise --max-microbatch-size")
     if not fits:
         raise NoPlan(explain_no_fit(request, result, plan))
     if request.partition == "auto":
