@@ -98,9 +98,6 @@ def test_every_row_fits_by_stp_memory(capsys):
     # `stp memory` on each recommended configuration stays within the limit.
     out = _plan_json(capsys, "--memory-budget", "7GB", "--partition", "auto")
     for r in out["plans"]:
-        flags = [f for f in r["flags"] if f != "--dtype"]
-        flags = [f for i, f in enumerate(flags) if not (i and r["flags"][r["flags"].index(f) - 1]
-                                                       == "--dtype")]
         job = r["job"]
         argv = ["memory", "--model", MODEL_ARG, "--hardware", "a100-80g", "--pp",
                 str(job["pp"]), "--tp", str(job["tp"]), "--dp", str(job["dp"]), "-m",
