@@ -14,7 +14,8 @@
 2. Plan a small decoder (8 layers, hidden 64, 4 heads, 64 tokens; global
    batch 16) on 4 processes across every mesh, schedule and microbatching
    (`stp.plan`, float32, even partition: emulated stages take none).
-3. Run the planner's top 3 and 3 configurations spread over its bottom half
+3. Run the planner's top 3 (of distinct predicted steps: configurations it
+   prices the same are one choice) and 3 configurations spread over its bottom half
    with `stp train --emulate-compute` for `--rounds` rounds, alternating the
    order each round; a configuration's time is the median over rounds of
    its per-run median step (the first step left out).
@@ -111,7 +112,12 @@ def main() -> None:
                           seq_len=SEQ, gpus_per_node=GPUS, dtype="float32", top=1000,
                           partition="even", allow_sequence_parallel=False,
                           allow_offload=False, max_microbatch_size=4)
-    ranked = plan(request).plans
+    # Plans the planner prices the same (at pp 1, 1F1B, interleaved 1F1B and
+    # ZB-H1 are one computation) are one choice: keep the first of each price.
+    ranked = []
+    for p in plan(request).plans:
+        if not ranked or p.step_s > ranked[-1].step_s * (1 + 1e-6):
+            ranked.append(p)
     half = ranked[len(ranked) // 2:]
     picks = ranked[:3] + [half[i * (len(half) - 1) // 2] for i in range(3)]
     print(f"{len(ranked)} plans; running #1-3 and #"
