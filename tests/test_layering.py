@@ -20,7 +20,7 @@ import sys
 sys.modules['torch'] = None  # any 'import torch' now raises ImportError
 import importlib, pkgutil
 import stp.schedule, stp.sim, stp.shapes
-mods = ['stp.schedule', 'stp.sim', 'stp.shapes', 'stp.costmodel', 'stp.search']
+mods = ['stp.schedule', 'stp.sim', 'stp.shapes', 'stp.costmodel', 'stp.search', 'stp.plan']
 try:
     import stp.viz
     mods.append('stp.viz')
@@ -41,7 +41,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "stp"
 # Each layer and the stp layers (and torch) it may import; docs/architecture.md.
 # `stp.files` (atomic writes) and `stp.shapes` (the model families' configs), both
 # standard library only, may be used by every layer.
-PURE = {"schedule", "sim", "viz", "search", "costmodel"}
+PURE = {"schedule", "sim", "viz", "search", "costmodel", "plan"}
 UTIL = {"files", "shapes"}
 ALLOWED: dict[str, set[str]] = {
     "shapes": {"shapes"},
@@ -50,6 +50,7 @@ ALLOWED: dict[str, set[str]] = {
     "viz": {"schedule", "sim", "viz"},
     "costmodel": {"schedule", "sim", "costmodel"},
     "search": {"schedule", "sim", "search", "costmodel"},
+    "plan": {"schedule", "sim", "search", "costmodel", "plan"},
     "runtime": {"schedule", "sim", "viz", "runtime", "torch"},
     "models": {"schedule", "sim", "costmodel", "runtime", "models", "torch"},
     "train": PURE | {"runtime", "models", "train", "torch"},

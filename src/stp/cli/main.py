@@ -26,6 +26,7 @@ SUBCOMMANDS = (
     "stp.cli.search",
     "stp.cli.costs",
     "stp.cli.memory",
+    "stp.cli.plan",
     "stp.cli.train",
     "stp.cli.bench",
 )

@@ -264,6 +264,10 @@ def run_train(args: argparse.Namespace) -> int:
     from stp.train.schedules import with_schedule_file
 
     job = from_args(TrainJob, args)
+    if job.plan is not None:
+        from stp.train.plan_file import with_plan
+
+        job = with_plan(job)
     if in_torchrun():
         return _under_torchrun(job, args.json)
     # One run per --out until this process ends (stp.train.outlock). An existing one

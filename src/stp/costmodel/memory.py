@@ -72,7 +72,7 @@ from stp.sim.result import SimResult
 from stp.sim.stages import StageCosts
 
 __all__ = ["DTYPE_BYTES", "CATEGORIES", "Layout", "Features", "RankMemory", "MemoryEstimate",
-           "estimate", "format_bytes", "memory_of_run", "rank_parameters"]
+           "estimate", "estimate_run", "format_bytes", "memory_of_run", "rank_parameters"]
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 CATEGORIES = ("weights", "grads", "masters", "optimizer", "activations_peak", "buffers")
@@ -224,6 +224,14 @@ def estimate(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout: Lay
     its tp, sequence, micro_batch, sequence_parallel and recompute are taken
     from `layout` and `features`. `schedule`: the one to simulate (a schedule
     file's); None generates `layout.schedule` for `layout.pp` and `microbatches`."""
+    from `layout` and `features`."""
+    return estimate_run(model, hardware, layout, features)[0]
+
+
+def estimate_run(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout: Layout,
+                 features: Features = Features()) -> tuple[MemoryEstimate, SimResult]:
+    """`estimate`, and the simulated step it read the activations from (the
+    planner, `stp.plan`, ranks by that step and explains it by its parts)."""
     if isinstance(model, ModelConfig):
         model = spec_from_config(model, seq_len=layout.seq_len)
     model = decoder_only(model, "a memory estimate")
@@ -296,6 +304,7 @@ def _stp_table(spec: ModelSpec, hardware: HardwareSpec, pp: int, derived: Derive
                                       strict=True))
     mem = MemCosts(m_b=1.0, m_w=min(1.0, deferred.layer_w / deferred.layer_b))
     return replace(split, stages=stages), mem, unit
+    return memory_of_run(spec, res, derived.bytes_per_unit, features, dp=layout.dp), res
 
 
 def memory_of_run(spec: ModelSpec, res: SimResult, bytes_per_unit: float,

@@ -199,6 +199,10 @@ class TrainJob:
         None, "replace each unit's compute by a timed wait: milliseconds of F, B, W per "
         "microbatch per rank share, as `stp simulate --cost`; communication stays real "
         "(the loss is not computed)", flag="--emulate-compute", metavar="f=..,b=..,w=..")
+    plan: str | None = option(
+        None, "run plan #1 of `stp plan --out PLAN.json`: its mesh, schedule, partition, "
+        "microbatching, sequence length, dtype and memory levers (a flag given too must "
+        "agree with it)", metavar="PLAN.json")
 
     @property
     def world_size(self) -> int:

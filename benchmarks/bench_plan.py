@@ -1,0 +1,119 @@
+"""`stp plan` against published configurations, and how long planning takes.
+
+    PYTHONPATH=src python3 benchmarks/bench_plan.py [--skip-405b-plan]
+
+Prints, for each published setting, the planner's price of the published
+configuration (`stp.plan.planner.priced_at`: the memory levers turned on
+as the budget requires) and of its rivals, then what the planner itself
+picks. The figures go in `benchmarks/results/plan.md`.
+
+1. Llama 3 405B on 16,384 H100s ("The Llama 3 Herd of Models", arXiv
+   2407.21783, section 3.3.2 and Table 4: TP8, PP16, DP128, sequence 8192,
+   16M tokens a step = 2048 sequences, 41% BF16 MFU at this scale, 38-43%
+   over its rows): the MFU the `h100-80g` preset predicts at that mesh with
+   interleaved 1F1B, at the preset's efficiency 0.5 (an assumption) and at
+   0.47, the MFU Megatron-LM's README reports for GPT-3 175B on H100 (a
+   lower bound on what its matmuls achieve; not the measurement checked).
+2. torchtitan's Llama 3.1 405B on 512 H100s ("TorchTitan", arXiv 2410.06511,
+   Table 5: interleaved 1F1B 28% faster than 1F1B at FSDP8 x TP8 x PP8):
+   stp shards the optimizer, not the parameters, so dp8 with the sharded
+   optimizer; the global batch is assumed 128 sequences of 8192 (16
+   microbatches per replica).
+3. The STP paper's 12.1B setting (arXiv 2510.27257: qwen2-12.1b, TP8, PP2,
+   sequence 6144, A800): STP against 1F1B-I and ZB-V.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+
+from stp.costmodel import HARDWARE, MODELS
+from stp.plan import PlanRequest, plan
+from stp.plan.planner import PlanResult, priced_at
+from stp.plan.report import row_json, why
+from stp.plan.space import Mesh
+
+
+def _line(name: str, p, request: PlanRequest) -> str:
+    if p is None:
+        return f"  {name:20s} does not fit"
+    row = row_json(p, PlanResult([], request))
+    f = p.config.features
+    levers = [k for k, on in (("sp", f.sequence_parallel), ("zero1", f.shard_optimizer),
+                              (f"recompute={f.recompute}", f.recompute != "none"),
+                              (f"offload={f.offload}", f.offload != "none")) if on]
+    return (f"  {name:20s} step {row['step_time_s']:8.3f} s  MFU {row['mfu']:6.1%}  "
+            f"peak {p.peak_bytes / 2**30:6.1f} GiB  levers {','.join(levers) or '-'}")
+
+
+def llama3() -> None:
+    print("Llama 3 405B, 16384 x h100-80g, 2048 x 8192 tokens, pp16 tp8 dp128, b1 m16")
+    for eff in (0.5, 0.47):
+        req = PlanRequest(model=MODELS["llama3-405b"],
+                          hardware=replace(HARDWARE["h100-80g"], efficiency=eff),
+                          gpus=16384, global_batch=2048, seq_len=8192)
+        for name in ("1f1b-interleaved", "1f1b", "zb-v", "stp"):
+            p = priced_at(req, Mesh(16, 8, 128), 1, name)
+            print(_line(f"{name} eff={eff}", p, req))
+
+
+def llama3_plan() -> None:
+    req = PlanRequest(model=MODELS["llama3-405b"], hardware=HARDWARE["h100-80g"], gpus=16384,
+                      global_batch=2048, seq_len=8192, top=3)
+    cpu, wall = time.process_time(), time.perf_counter()
+    result = plan(req)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    print(f"stp plan llama3-405b on 16384 x h100-80g: {cpu:.1f} s CPU ({wall:.1f} s wall), "
+          f"{result.considered} configurations, {result.pruned_memory} ruled out by memory, "
+          f"{result.pruned_time} by time, {result.simulated} simulations")
+    for i, p in enumerate(result.plans, 1):
+        c = p.config
+        print(_line(f"#{i} pp{c.mesh.pp} tp{c.mesh.tp} dp{c.mesh.dp} {c.schedule} "
+                    f"b{c.microbatch_size}", p, req))
+    print("  why:", why(result.plans[0], result.plans[1]))
+
+
+def torchtitan() -> None:
+    print("torchtitan Llama 3.1 405B, 512 x h100-80g, 128 x 8192 tokens, pp8 tp8 dp8, b1 m16")
+    req = PlanRequest(model=MODELS["llama3-405b"], hardware=HARDWARE["h100-80g"], gpus=512,
+                      global_batch=128, seq_len=8192)
+    got = {name: priced_at(req, Mesh(8, 8, 8), 1, name) for name in ("1f1b", "1f1b-interleaved")}
+    for name, p in got.items():
+        print(_line(name, p, req))
+    a, b = got["1f1b"], got["1f1b-interleaved"]
+    if a is not None and b is not None:
+        print(f"  interleaved 1F1B over 1F1B: {a.step_s / b.step_s - 1:+.1%} throughput "
+              "(published: +28%)")
+
+
+def stp_paper() -> None:
+    print("STP paper: qwen2-12.1b, 16 x a800-80g, 32 x 6144 tokens, pp2 tp8 dp1, b1 m32")
+    req = PlanRequest(model=MODELS["qwen2-12.1b"], hardware=HARDWARE["a800-80g"], gpus=16,
+                      global_batch=32, seq_len=6144)
+    got = {n: priced_at(req, Mesh(2, 8, 1), 1, n) for n in ("stp", "1f1b-interleaved", "zb-v")}
+    for name, p in got.items():
+        print(_line(name, p, req))
+    s = got["stp"]
+    for rival in ("1f1b-interleaved", "zb-v"):
+        r = got[rival]
+        if s is not None and r is not None:
+            print(f"  stp over {rival}: {r.step_s / s.step_s - 1:+.1%} throughput "
+                  "(published: up to +12%)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--skip-405b-plan", action="store_true",
+                    help="leave out the full plan of 405B on 16384 GPUs (about 30 s of CPU)")
+    args = ap.parse_args()
+    llama3()
+    torchtitan()
+    stp_paper()
+    if not args.skip_405b_plan:
+        llama3_plan()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""`stp plan`: the fastest whole configuration of a model on a cluster.
+
+    stp plan --model llama3-405b --gpus 16384 --hardware h100-80g \\
+        --global-batch 2048 --seq-len 8192 --top 5
+    stp plan --model ~/models/Qwen2-0.5B --gpus 4 --gpus-per-node 4 --hardware a100-80g \\
+        --global-batch 64 --seq-len 1024 --out plan.json   # then: stp train --plan plan.json
+
+Enumerates meshes, microbatching, schedules, partitions and memory levers,
+prunes by memory and time bounds before simulating, ranks by simulated step
+time (`stp.plan`). Prints the top K with their `stp train` flags and why the
+best beats the runner-up; `--json` prints one object with a `plans` list;
+`--out PLAN.json` writes that object for `stp train --plan`. A request with
+no mesh, or none that fits, is one line saying what would be needed (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from stp.cli.common import EXIT_USAGE, int_in
+from stp.plan.request import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ_LEN
+
+__all__ = ["register", "run", "request_from_args", "local_hardware"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="the fastest mesh, schedule, partition, microbatching and "
+                       "memory levers for a model on a cluster")
+    p.add_argument("--model", required=True, metavar="PRESET|config.json",
+                   help="a decoder preset (qwen2-12.1b, qwen2-72b, llama3-405b, ...; with "
+                   ",key=val fields), key=val fields, or a Hugging Face config.json / directory")
+    p.add_argument("--gpus", required=True, type=int_in(1, MAX_GPUS), help="GPUs in the cluster")
+    p.add_argument("--hardware", default="h100-80g", metavar="NAME[,key=val..]|local",
+                   help="a100-80g, a800-80g or h100-80g (default), with fields; `local`: "
+                   "calibrate this machine with a short run; fields fitted by --calibrate "
+                   "replace the preset's")
+    p.add_argument("--global-batch", required=True, type=int_in(1, MAX_GLOBAL_BATCH),
+                   help="sequences per optimizer step over all replicas")
+    p.add_argument("--seq-len", required=True, type=int_in(1, MAX_SEQ_LEN),
+                   help="tokens per sequence")
+    p.add_argument("--gpus-per-node", type=int_in(1, 1024), default=8,
+                   help="GPUs per node: tensor parallelism stays within one (default 8)")
+    p.add_argument("--memory-budget", default=None, metavar="SIZE",
+                   help="bytes one GPU may hold (80GB, 80GiB; default: the hardware's memory)")
+    p.add_argument("--top", type=int_in(1, 1000), default=5, help="plans printed (default 5)")
+    p.add_argument("--schedules", default=None, metavar="a,b,..",
+                   help="only these schedules (default: all; braided ones only with tp > 1)")
+    p.add_argument("--partition", choices=("auto", "even"), default="auto",
+                   help="auto (default): the top plans also try the balanced and auto "
+                   "layer partitions; even: never")
+    p.add_argument("--max-microbatch-size", type=int_in(1, 1 << 16), default=8,
+                   help="largest microbatch size tried (default 8)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                   help="compute dtype of the runs (default bfloat16)")
+    p.add_argument("--no-offload", action="store_true",
+                   help="never turn on activation offload")
+    p.add_argument("--no-sequence-parallel", action="store_true",
+                   help="never turn on sequence parallelism")
+    p.add_argument("--calibrate", nargs="+", default=None, metavar="TRACE.json",
+                   help="fit the hardware's efficiency and links to traces of `stp train "
+                   "--trace` (stp.plan.calibrate)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--out", default=None, metavar="PLAN.json",
+                   help="write the plans for `stp train --plan PLAN.json`")
+    p.set_defaults(func=run)
+
+
+def _schedules(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    from stp.schedule.registry import get
+
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not names:
+        raise ValueError("--schedules: give schedule names separated by commas")
+    for name in names:
+        get(name)  # ValueError naming the schedules accepted
+    return names
+
+
+_LOCAL_MODEL = {"layers": 4, "hidden": 64, "heads": 4, "seq_len": 64, "microbatches": 4}
+"""The model `--hardware local` trains for a few steps to measure this machine."""
+
+
+def local_hardware() -> object:
+    """This machine, measured: a traced 3-step run of a small decoder on
+    pp 2 x tp 2 local workers (`stp train --trace`), fitted by
+    `stp.plan.calibrate` (compute efficiency against a nominal 1e11 FLOP/s
+    peak, TP all-reduce and send latency); memory: the machine's RAM."""
+    import os
+    import subprocess
+    import tempfile
+
+    from stp.costmodel.decoder_costs import head_flops
+    from stp.costmodel.hardware import HardwareSpec
+    from stp.costmodel.model import ModelSpec, layer_flops
+    from stp.plan.calibrate import fit_traces
+
+    lm = _LOCAL_MODEL
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        cmd = [sys.executable, "-m", "stp", "train", "--pp", "2", "--tp", "2", "--schedule",
+               "1f1b", "--layers", str(lm["layers"]), "--hidden", str(lm["hidden"]),
+               "--heads", str(lm["heads"]), "--seq-len", str(lm["seq_len"]),
+               "--microbatch-size", "1", "-m", str(lm["microbatches"]), "--steps", "3",
+               "--trace", trace, "--out", os.path.join(tmp, "run"), "--timeout", "120"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise ValueError(f"--hardware local: the calibration run failed: {tail[:200]}")
+        spec = ModelSpec(layers=lm["layers"], hidden=lm["hidden"], heads=lm["heads"],
+                         kv_heads=lm["heads"], ffn=4 * lm["hidden"], vocab=256,
+                         sequence=lm["seq_len"], tp=2, flash_attention=True, dropout=False)
+        per_stage = lm["layers"] // 2 * sum(layer_flops(spec))
+        flops = [per_stage, per_stage + 3 * head_flops(spec)]
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        base = HardwareSpec(peak_flops=1e11, efficiency=0.5, tp_bandwidth=1e9,
+                            pp_bandwidth=1e9, host_bandwidth=1e9, name="local",
+                            memory=float(memory))
+        return fit_traces([trace], flops).apply(base)
+
+
+def _hardware(args: argparse.Namespace) -> object:
+    from stp.costmodel import parse_hardware
+    from stp.plan.calibrate import calibrated
+
+    if args.hardware.split(",")[0].strip() == "local":
+        if args.hardware.strip() != "local":
+            raise ValueError("--hardware local takes no fields (it measures them)")
+        base = local_hardware()
+    else:
+        base = parse_hardware(args.hardware)
+    if args.calibrate:
+        base = calibrated(base, args.calibrate)  # type: ignore[arg-type]
+    return base
+
+
+def request_from_args(args: argparse.Namespace) -> object:
+    from dataclasses import replace
+
+    from stp.cli.memory import model_spec
+    from stp.costmodel.budget import parse_size
+    from stp.plan import PlanRequest
+
+    spec = model_spec(args.model)
+    budget = None if args.memory_budget is None else parse_size(args.memory_budget)
+    return PlanRequest(
+        model=replace(spec, tp=1), hardware=_hardware(args), gpus=args.gpus,  # type: ignore
+        global_batch=args.global_batch, seq_len=args.seq_len,
+        gpus_per_node=args.gpus_per_node, memory_budget=budget, top=args.top,
+        dtype=args.dtype, max_microbatch_size=args.max_microbatch_size,
+        schedules=_schedules(args.schedules), partition=args.partition,
+        allow_sequence_parallel=not args.no_sequence_parallel,
+        allow_offload=not args.no_offload)
+
+
+def run(args: argparse.Namespace) -> int:
+    from stp.plan import NoPlan, plan
+    from stp.plan.report import format_table, plan_json
+
+    request = request_from_args(args)
+    try:
+        result = plan(request)  # type: ignore[arg-type]
+    except NoPlan as e:
+        print(f"stp: error: plan: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    obj = plan_json(result)
+    if args.out is not None:
+        from stp.files import write_text_atomic
+
+        try:
+            write_text_atomic(args.out, json.dumps(obj, indent=1) + "\n")
+        except OSError as e:
+            raise ValueError(f"--out {args.out!r}: cannot write: {e.strerror or e}") from None
+    if args.json:
+        print(json.dumps(obj))
+    else:
+        for line in format_table(result):
+            print(line)
+        if args.out is not None:
+            print(f"wrote {args.out}: stp train --plan {args.out} runs plan #1")
+    return 0

@@ -1,0 +1,167 @@
+"""What one configuration costs: bounds before simulating, and the simulated price.
+
+Bounds (no schedule generated, no simulation; `stp.plan.planner` prunes by
+them before it simulates anything):
+
+    time    >= max over ranks of: the first microbatch's forward through
+               the layers of the stages before the rank's first stage (it
+               cannot start earlier), then m x (F + B + W) of its own layers
+               (one compute stream runs them one after another), with the
+               even split; + the DP gradient sync of the average rank. The
+               sends, exposed collectives, the embedding and the output
+               layer's work and any idle time only add to it.
+    memory  >= max over ranks of its model states (weights, fp32 gradients,
+               masters and AdamW moments, exactly as `stp.costmodel.memory`
+               counts them) + one microbatch's activations of its layers:
+               every rank holds a whole microbatch's activations between its
+               last F and first B (`stp.search.min_memory_limit`); with
+               offload, none are counted.
+
+The price is exactly `stp memory`'s estimate of the same configuration
+(`stp.costmodel.memory.estimate_run`: the simulated step and the bytes per
+rank), plus the DP gradient sync the simulator does not model: a ring
+all-reduce of the fp32 gradients of the rank with the most parameters, over
+`dp` replicas on the inter-node link (`pp_bandwidth`, `pp_latency`; with the
+sharded optimizer a reduce-scatter and an all-gather of the same volume),
+run after the pipeline drains, as stp's runtime runs it (`train.grad_sync`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from stp.costmodel.decoder_costs import derive_decoder
+from stp.costmodel.hardware import HardwareSpec, allreduce_time
+from stp.costmodel.memory import (
+    DTYPE_BYTES,
+    Layout,
+    MemoryEstimate,
+    estimate_run,
+    rank_parameters,
+)
+from stp.costmodel.model import ModelSpec, layer_flops, num_parameters
+from stp.costmodel.stages import head_flops
+from stp.plan.space import Config
+from stp.schedule.registry import generate
+from stp.sim.layered import even_partition
+from stp.sim.result import SimResult
+
+__all__ = ["Priced", "spec_for", "time_bound", "memory_bound", "price", "dp_sync_seconds",
+           "model_flops_per_sequence"]
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A simulated configuration: its step and its bytes."""
+
+    config: Config
+    estimate: MemoryEstimate
+    result: SimResult
+    dp_sync_s: float
+    partition: tuple[int, ...] | None = None
+    """Explicit layers per stage, or None (the even split)."""
+
+    @property
+    def pipeline_s(self) -> float:
+        return self.result.makespan / 1e3
+
+    @property
+    def step_s(self) -> float:
+        return self.pipeline_s + self.dp_sync_s
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.estimate.peak.total
+
+
+def spec_for(model: ModelSpec, config: Config, seq_len: int) -> ModelSpec:
+    """The model cut as `config` cuts it."""
+    f = config.features
+    return replace(model, tp=config.mesh.tp, sequence=seq_len,
+                   micro_batch=config.microbatch_size, sequence_parallel=f.sequence_parallel,
+                   recompute=f.recompute)
+
+
+def dp_sync_seconds(parameters: float, dp: int, hardware: HardwareSpec) -> float:
+    """Ring all-reduce of `parameters` fp32 gradients over `dp` replicas."""
+    return allreduce_time(4.0 * parameters, dp, hardware.pp_bandwidth, hardware.pp_latency)
+
+
+def _shard_parameters(spec: ModelSpec) -> float:
+    """Parameters of one TP rank's shard of the whole model (about 1/t)."""
+    return num_parameters(spec) / spec.tp
+
+
+@lru_cache(maxsize=4096)
+def _placement(schedule: str, pp: int, layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(rank of each global stage, layers of each stage in the even split)."""
+    sch = generate(schedule, pp, 1)
+    return sch.stage_to_rank, even_partition(layers, sch.num_stages)
+
+
+def _rank_layers(config: Config, layers: int) -> list[tuple[int, int]]:
+    """Per rank: (layers before its first stage, layers it holds), even split."""
+    owner, counts = _placement(config.schedule, config.mesh.pp, layers)
+    out = []
+    for rank in range(config.mesh.pp):
+        mine = [s for s, r in enumerate(owner) if r == rank]
+        out.append((sum(counts[:min(mine)]), sum(counts[s] for s in mine)))
+    return out
+
+
+def time_bound(model: ModelSpec, hardware: HardwareSpec, config: Config, seq_len: int) -> float:
+    """Seconds a step of `config` takes at least (module doc): per rank, the
+    first microbatch's forward through the layers before its first stage,
+    then its own F, B and W of every microbatch, one after another."""
+    spec = spec_for(model, config, seq_len)
+    pp = config.mesh.pp
+    c = derive_decoder(spec, hardware, pp).costs
+    per_layer = pp / spec.layers
+    f, fbw = c.f * per_layer, (c.f + c.b + c.w) * per_layer
+    busiest = max(before * f + config.microbatches * mine * fbw
+                  for before, mine in _rank_layers(config, spec.layers))
+    average = _shard_parameters(spec) / pp
+    return busiest / 1e3 + dp_sync_seconds(average, config.mesh.dp, hardware)
+
+
+def memory_bound(model: ModelSpec, hardware: HardwareSpec, config: Config,
+                 seq_len: int) -> float:
+    """Bytes the fullest rank of `config` holds at least (module doc): its
+    model states and one microbatch's activations of its layers."""
+    spec = spec_for(model, config, seq_len)
+    f, dp, pp = config.features, config.mesh.dp, config.mesh.pp
+    owner, counts = _placement(config.schedule, pp, spec.layers)
+    params = rank_parameters(spec, len(counts), owner, counts)
+    width = DTYPE_BYTES[f.dtype]
+    shard = dp if f.shard_optimizer else 1
+    grads = 4 if f.sixteen_bit else width
+    masters = 4 / shard if f.sixteen_bit else 0.0
+    moments = 2 * max(4, width) / shard
+    per_layer = derive_decoder(spec, hardware, pp).bytes_per_unit * pp / spec.layers
+    if f.offload != "none":
+        per_layer = 0.0  # offloaded activations may leave before the next arrive
+    return max(params[rank] * (width + grads + masters + moments)
+               + mine * per_layer * width / 2
+               for rank, (_, mine) in enumerate(_rank_layers(config, spec.layers)))
+
+
+def price(model: ModelSpec, hardware: HardwareSpec, config: Config, seq_len: int,
+          partition: tuple[int, ...] | None = None) -> Priced:
+    """Simulate `config` (module doc); ValueError when it cannot run."""
+    mesh = config.mesh
+    layout = Layout(pp=mesh.pp, tp=mesh.tp, dp=mesh.dp, microbatches=config.microbatches,
+                    microbatch_size=config.microbatch_size, seq_len=seq_len,
+                    schedule=config.schedule, partition=partition)
+    est, res = estimate_run(model, hardware, layout, config.features)
+    most = max(r.parameters for r in est.ranks)
+    return Priced(config, est, res, dp_sync_seconds(most, mesh.dp, hardware), partition)
+
+
+def model_flops_per_sequence(model: ModelSpec, seq_len: int) -> float:
+    """Training FLOPs of one sequence (F, B and W of every layer and the output
+    layer, no recomputation, unsharded): the numerator of MFU (Chowdhery et
+    al., PaLM, arXiv 2204.02311, appendix B: recomputed work is not counted)."""
+    spec = replace(model, tp=1, sequence=seq_len, micro_batch=1, recompute="none",
+                   sequence_parallel=False)
+    return model.layers * sum(layer_flops(spec)) + 3 * head_flops(spec)

@@ -1,0 +1,151 @@
+"""A ranked plan as a user reads it: figures, the `stp train` flags, and why.
+
+Each row carries the `stp train` flags that run it (`train_flags`) and the
+same settings as `TrainJob` field names (`job`), which `stp train --plan`
+reads. `why` compares the best with the runner-up part by part: the busiest
+rank's compute, its idle time (pipeline bubbles), the TP collectives it
+waits for, and the DP gradient sync.
+"""
+
+from __future__ import annotations
+
+from stp.costmodel.memory import format_bytes
+from stp.plan.planner import PlanResult
+from stp.plan.price import Priced, model_flops_per_sequence
+
+__all__ = ["row_json", "plan_json", "why", "format_table", "train_flags", "job_fields"]
+
+PLAN_FORMAT = 1
+"""Version of the `--out PLAN.json` layout `stp train --plan` reads."""
+
+
+def job_fields(p: Priced, seq_len: int) -> dict[str, object]:
+    """The `stp train` settings of a plan, as `TrainJob` field names. Levers
+    left off are left out, so a build without them still runs the plan."""
+    c, f = p.config, p.config.features
+    out: dict[str, object] = {
+        "pp": c.mesh.pp, "tp": c.mesh.tp, "dp": c.mesh.dp, "schedule": c.schedule,
+        "microbatches": c.microbatches, "microbatch_size": c.microbatch_size,
+        "seq_len": seq_len, "dtype": f.dtype,
+    }
+    if p.partition is not None:
+        out["partition"] = ",".join(map(str, p.partition))
+    if f.sequence_parallel:
+        out["sequence_parallel"] = True
+    if f.recompute != "none":
+        out["recompute"] = f.recompute
+    if f.shard_optimizer:
+        out["shard_optimizer"] = True
+    if f.offload != "none":
+        out["offload"] = f.offload
+    return out
+
+
+def train_flags(job: dict[str, object]) -> list[str]:
+    """`stp train` flags of `job_fields` (-m for microbatches, bare for on)."""
+    out: list[str] = []
+    for key, val in job.items():
+        flag = "-m" if key == "microbatches" else "--" + key.replace("_", "-")
+        out += [flag] if val is True else [flag, str(val)]
+    return out
+
+
+def _figures(p: Priced, result: PlanResult) -> dict[str, float]:
+    req = result.request
+    tokens = req.global_batch * req.seq_len
+    flops = req.global_batch * model_flops_per_sequence(req.model, req.seq_len)
+    return {
+        "step_time_s": p.step_s,
+        "tokens_per_s_per_gpu": tokens / p.step_s / req.gpus,
+        "mfu": flops / (p.step_s * req.gpus * req.hardware.peak_flops),
+    }
+
+
+def row_json(p: Priced, result: PlanResult) -> dict[str, object]:
+    c = p.config
+    job = job_fields(p, result.request.seq_len)
+    return {
+        "pp": c.mesh.pp, "tp": c.mesh.tp, "dp": c.mesh.dp, "schedule": c.schedule,
+        "microbatch_size": c.microbatch_size, "microbatches": c.microbatches,
+        **_figures(p, result),
+        "pipeline_s": p.pipeline_s, "dp_sync_s": p.dp_sync_s,
+        "peak_bytes": p.peak_bytes, "peak_rank": p.estimate.peak.rank,
+        "sequence_parallel": c.features.sequence_parallel,
+        "recompute": c.features.recompute, "shard_optimizer": c.features.shard_optimizer,
+        "offload": c.features.offload,
+        "partition": list(p.partition) if p.partition is not None else None,
+        "flags": train_flags(job), "job": job,
+    }
+
+
+def _parts(p: Priced) -> dict[str, float]:
+    """Seconds of the step by part, on the rank that ends last."""
+    crit = p.result.critical_rank
+    return {"compute": crit.compute / 1e3, "pipeline idle": crit.idle / 1e3,
+            "exposed TP communication": crit.exposed_tp / 1e3, "DP gradient sync": p.dp_sync_s}
+
+
+def _name(p: Priced) -> str:
+    c = p.config
+    return (f"pp{c.mesh.pp} tp{c.mesh.tp} dp{c.mesh.dp} {c.schedule} "
+            f"b{c.microbatch_size} m{c.microbatches}")
+
+
+def why(best: Priced, runner: Priced | None) -> str:
+    """One sentence: by how much the best beats the runner-up, and where."""
+    if runner is None:
+        return f"{_name(best)} is the only configuration that fits"
+    gap = runner.step_s - best.step_s
+    a, b = _parts(best), _parts(runner)
+    diffs = sorted(a, key=lambda k: a[k] - b[k])  # the most in the best's favour first
+    told = [f"{k} {a[k]:.4g} s vs {b[k]:.4g} s" for k in diffs[:2] if b[k] - a[k] > 1e-12]
+    where = "; ".join(told) if told else "the same parts, a shorter critical path"
+    return (f"{_name(best)} beats {_name(runner)} by {gap:.4g} s "
+            f"({gap / runner.step_s:.1%} of its step): {where}")
+
+
+def plan_json(result: PlanResult) -> dict[str, object]:
+    req = result.request
+    rows = [row_json(p, result) for p in result.plans]
+    return {
+        "format": PLAN_FORMAT,
+        "request": {"model": req.model.name, "gpus": req.gpus, "gpus_per_node": req.gpus_per_node,
+                    "global_batch": req.global_batch, "seq_len": req.seq_len,
+                    "hardware": req.hardware.name, "memory_budget": req.budget},
+        "plans": rows,
+        "why": why(result.plans[0], result.plans[1] if len(result.plans) > 1 else None),
+        "search": {"considered": result.considered, "pruned_memory": result.pruned_memory,
+                   "pruned_time": result.pruned_time, "simulated": result.simulated,
+                   "seconds": result.seconds},
+    }
+
+
+def format_table(result: PlanResult) -> list[str]:
+    """The top plans, one line each, then their flags and the comparison."""
+    header = ("#", "pp", "tp", "dp", "schedule", "b", "m", "levers", "step s", "tok/s/GPU",
+              "MFU", "peak", "rank")
+    rows = []
+    for i, p in enumerate(result.plans, 1):
+        c, f, fig = p.config, p.config.features, _figures(p, result)
+        levers = ",".join(x for x in (
+            "sp" if f.sequence_parallel else "", f"rc={f.recompute}" if f.recompute != "none"
+            else "", "zero1" if f.shard_optimizer else "",
+            f"off={f.offload}" if f.offload != "none" else "",
+            "part" if p.partition is not None else "") if x) or "-"
+        rows.append((str(i), str(c.mesh.pp), str(c.mesh.tp), str(c.mesh.dp), c.schedule,
+                     str(c.microbatch_size), str(c.microbatches), levers,
+                     f"{fig['step_time_s']:.4g}", f"{fig['tokens_per_s_per_gpu']:.4g}",
+                     f"{fig['mfu']:.1%}", format_bytes(p.peak_bytes), str(p.estimate.peak.rank)))
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    for i, p in enumerate(result.plans, 1):
+        lines.append(f"#{i}: stp train " + " ".join(train_flags(job_fields(
+            p, result.request.seq_len))))
+    lines.append("why: " + why(result.plans[0],
+                               result.plans[1] if len(result.plans) > 1 else None))
+    r = result
+    lines.append(f"searched {r.considered} configurations in {r.seconds:.1f} s: "
+                 f"{r.pruned_memory} ruled out by their memory bound, {r.pruned_time} by "
+                 f"their time bound, {r.simulated} simulated")
+    return lines

@@ -1,0 +1,156 @@
+"""The configurations `stp plan` considers: meshes, microbatching, schedules, levers.
+
+A configuration is a mesh (GPUs = pp x tp x dp), a microbatch size b and
+count m (global batch = dp x m x b), a schedule, and the memory levers a run
+may turn on (the sharded optimizer, sequence parallelism, selective or full
+recomputation, activation offload). A mesh is kept when
+
+* tp divides the node (`--gpus-per-node`: TP stays on the fast link), the
+  model's heads, and divides or is a multiple of its key/value heads (each
+  TP rank holds whole heads, `stp.costmodel.model.ModelSpec`);
+* dp divides the global batch (every replica gets whole sequences);
+* some schedule's stages fit in the model's layers (one layer per stage at
+  least).
+
+Levers are a ladder, cheapest first in step time (`LEVERS`): a run turns on
+the next one only when the previous does not fit the budget. The sharded
+optimizer and sequence parallelism cost no time in the cost model (a
+reduce-scatter and an all-gather move what the all-reduce they replace
+moved: Korthikanti et al., arXiv 2205.05198, section 4.2.2; ZeRO stage 1,
+arXiv 1910.02054, section 5.1); recomputation adds forward work to B;
+offload adds host copies that may not hide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+
+from stp.costmodel.memory import Features
+from stp.costmodel.model import ModelSpec
+from stp.plan.request import PlanRequest
+from stp.schedule.registry import SCHEDULES, generate
+
+__all__ = ["Mesh", "Config", "LEVERS", "BRAIDED", "meshes", "microbatchings", "schedules_for",
+           "levers_for", "stages_of", "MAX_STAGE_MICROBATCHES"]
+
+BRAIDED = ("stp", "dualpipev")
+"""Schedules whose blocks braid passes to hide TP collectives: considered
+only where TP > 1 (at tp 1 there is nothing to hide)."""
+
+MAX_STAGE_MICROBATCHES = 16384
+"""Stages x microbatches simulated at most per configuration (a 2-core machine
+simulates that in about a second); a microbatching past it is skipped in
+favour of larger microbatches."""
+
+LEVERS: tuple[tuple[str, dict[str, object]], ...] = (
+    ("none", {}),
+    ("shard-optimizer", {"shard_optimizer": True}),
+    ("sequence-parallel", {"shard_optimizer": True, "sequence_parallel": True}),
+    ("selective", {"shard_optimizer": True, "sequence_parallel": True,
+                   "recompute": "selective"}),
+    ("offload", {"shard_optimizer": True, "sequence_parallel": True,
+                 "recompute": "selective", "offload": "all"}),
+    ("full", {"shard_optimizer": True, "sequence_parallel": True, "recompute": "full"}),
+    ("full+offload", {"shard_optimizer": True, "sequence_parallel": True, "recompute": "full",
+                      "offload": "all"}),
+)
+"""The memory levers in the order a plan turns them on (module doc)."""
+
+
+@dataclass(frozen=True, order=True)
+class Mesh:
+    pp: int
+    tp: int
+    dp: int
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration to price: a mesh, a microbatching, a schedule, levers."""
+
+    mesh: Mesh
+    microbatch_size: int
+    microbatches: int
+    schedule: str
+    features: Features
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _tp_fits(model: ModelSpec, tp: int) -> bool:
+    return model.heads % tp == 0 and (model.kv_heads % tp == 0 or tp % model.kv_heads == 0)
+
+
+@lru_cache(maxsize=4096)
+def stages_of(schedule: str, pp: int) -> int:
+    """Global stages of `schedule` at `pp` ranks (0: it does not take pp)."""
+    if pp < SCHEDULES[schedule].min_ranks:
+        return 0
+    return generate(schedule, pp, 1).num_stages
+
+
+def schedules_for(request: PlanRequest, mesh: Mesh) -> list[str]:
+    """The schedules a mesh may run: registered (or asked for), taking its pp,
+    whose stages the model's layers fill; braided ones only with TP."""
+    names = request.schedules or tuple(SCHEDULES)
+    out = []
+    for name in names:
+        if name in BRAIDED and mesh.tp == 1 and request.schedules is None:
+            continue
+        stages = stages_of(name, mesh.pp)
+        if 0 < stages <= request.model.layers:
+            out.append(name)
+    return out
+
+
+def meshes(request: PlanRequest) -> Iterator[Mesh]:
+    """Every pp x tp x dp = gpus the model and the batch admit (module doc)."""
+    model = request.model
+    for tp in _divisors(request.gpus):
+        if request.gpus_per_node % tp or not _tp_fits(model, tp):
+            continue
+        for pp in _divisors(request.gpus // tp):
+            dp = request.gpus // (tp * pp)
+            if request.global_batch % dp or pp > model.layers:
+                continue
+            mesh = Mesh(pp, tp, dp)
+            if schedules_for(request, mesh):
+                yield mesh
+
+
+def microbatchings(request: PlanRequest, mesh: Mesh) -> list[tuple[int, int]]:
+    """(microbatch size b, microbatches m) with dp x m x b = the global batch,
+    b up to `max_microbatch_size`, stages x m within MAX_STAGE_MICROBATCHES."""
+    per_replica = request.global_batch // mesh.dp
+    out = []
+    for b in _divisors(per_replica):
+        m = per_replica // b
+        if b <= request.max_microbatch_size and 2 * mesh.pp * m <= MAX_STAGE_MICROBATCHES:
+            out.append((b, m))
+    return out
+
+
+def levers_for(request: PlanRequest, mesh: Mesh) -> list[tuple[str, Features]]:
+    """The ladder of `LEVERS` that changes something on this mesh: the sharded
+    optimizer only with dp > 1, sequence parallelism only with tp > 1 (and a
+    sequence that divides by tp)."""
+    out: list[tuple[str, Features]] = []
+    seen: set[Features] = set()
+    for name, raw in LEVERS:
+        kw = dict(raw)
+        if mesh.dp == 1:
+            kw.pop("shard_optimizer", None)
+        if mesh.tp == 1 or request.seq_len % mesh.tp or not request.allow_sequence_parallel:
+            kw.pop("sequence_parallel", None)
+        if not request.allow_offload and "offload" in kw:
+            continue
+        feats = Features(dtype=request.dtype, **kw)  # type: ignore[arg-type]
+        if feats not in seen:
+            seen.add(feats)
+            out.append((name, feats))
+    return out
