@@ -29,7 +29,7 @@ from stp.schedule.placement import partition_layers
 from stp.sim.layered import check_partition, parse_partition
 from stp.train.checkpoint import latest, read_info
 from stp.train.config import TrainJob
-from stp.train.families import TrainFamily, family_named
+from stp.train.families import TrainFamily, family_named, family_of
 from stp.train.resume import restore_settings, run_dir_of
 from stp.train.schedules import job_schedule
 from stp.train.tokens import Tokenizer, run_tokenizer
@@ -101,6 +101,8 @@ def resolve(job: TrainJob) -> Run:
     family.check_flags(job)
     tokenizer = run_tokenizer(job.tokenizer, job.init_from)
     config = family.config(job, tokenizer)
+    # an --init-from checkpoint's config.json decides the family (a Mixtral is an MoE)
+    family = family_of(config) or family
     family.check_run(job, config, schedule)
     partition = _partition(job, family, config, schedule)
     if partition is not None:
