@@ -7,6 +7,7 @@ Qwen2-MoE / Mixtral checkpoint (whose config.json picks this family without
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from stp.models.moe.family import MOE
@@ -21,17 +22,18 @@ from stp.train.tokens import Tokenizer
 
 __all__ = ["FAMILY", "MoEJob", "moe_config"]
 
-_FLAGS = {"MoEConfig.top_k": "--top-k", "MoEConfig.num_experts": "--experts",
-          "MoEConfig.moe_every": "--moe-every", "MoEConfig.expert_ffn": "--expert-ffn",
-          "MoEConfig.shared_expert_ffn": "--shared-expert-ffn", "MoEConfig.num_layers": "--layers",
-          "expert_ffn=": "--expert-ffn ", "shared_expert_ffn=": "--shared-expert-ffn "}
+_FLAGS = {"top_k": "--top-k", "num_experts": "--experts", "moe_every": "--moe-every",
+          "shared_expert_ffn": "--shared-expert-ffn", "expert_ffn": "--expert-ffn",
+          "num_layers": "--layers"}
+_FIELD = re.compile(r"\b(?:MoEConfig\.)?(" + "|".join(_FLAGS) + r")\b(=)?")
 
 
 def _in_flags(err: ValueError) -> ValueError:
-    text = str(in_flag_words(err))
-    for field, flag in _FLAGS.items():
-        text = text.replace(field + "=", flag + " ").replace(field, flag)
-    return ValueError(text)
+    """`err` with the MoE fields said as the flags (`--top-k 5`, `--experts 4`)."""
+    def flag(m: re.Match[str]) -> str:
+        return _FLAGS[m.group(1)] + (" " if m.group(2) else "")
+
+    return ValueError(_FIELD.sub(flag, str(in_flag_words(err))))
 
 
 def moe_config(job: TrainJob, tokenizer: Tokenizer | None) -> MoEConfig:
