@@ -108,3 +108,13 @@ def test_resume_is_exact_and_restores_the_experts(tmp_path: Path) -> None:
     assert [r["step"] for r in resumed] == [3]
     for key in ("loss", "aux_loss", "expert_load"):
         assert abs(resumed[0][key] - whole[2][key]) <= 1e-9 * abs(whole[2][key]), key
+
+
+def test_stp_memory_refuses_an_moe_config_it_cannot_price(
+    mixtral: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Priced as a decoder, one expert's intermediate_size would undercount the weights
+    E times: refused in one line until the cost model knows experts."""
+    code = main(["memory", "--model", str(mixtral / "config.json"), "--pp", "1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "num_local_experts=4" in err and len(err.splitlines()) == 1, err

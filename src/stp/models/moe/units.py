@@ -21,13 +21,16 @@ and the TP sum of the router's gradient add the shares up).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from stp.models.decoder.units import _ResidualUnit
 from stp.models.moe.routing import aux_loss, expert_counts, route
 from stp.models.tp.layers import linear
-from stp.models.tp.wgrad import WGradEntry
+from stp.models.tp.sequence import ToScatter
+from stp.models.tp.wgrad import ReadyGrad, WGradEntry
 from stp.models.unit import _ENGINE
 
 __all__ = ["Expert", "MoEUnit"]
@@ -90,7 +93,9 @@ class MoEUnit(_ResidualUnit):
                                                                               len(self.experts)))
         return out.view(b, s, d)  # partial over TP
 
-    def forward_partial(self, mb, x, targets=None):  # type: ignore[no-untyped-def]
+    def forward_partial(
+        self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor | ToScatter:
         out = super().forward_partial(mb, x, targets)
         assert self._fresh is not None
         aux, counts = self._fresh
@@ -109,7 +114,7 @@ class MoEUnit(_ResidualUnit):
         seed = torch.full((), self.aux_seed, dtype=aux.dtype, device=aux.device)
         native, taps = st.saved.pop("native", False), st.taps
         st.taps = None
-        extra: tuple = ()
+        extra: tuple[Any, ...] = ()
         if native:
             extra = tuple(w for w in self.weights() if w.requires_grad)
         elif taps is not None:
@@ -117,8 +122,6 @@ class MoEUnit(_ResidualUnit):
         grads = _ENGINE.run_backward((out, aux), (grad, seed), False, False, (inp, *extra),
                                      False, False)
         if native:
-            from stp.models.tp.wgrad import ReadyGrad
-
             st.sink.extend(ReadyGrad(w, g) for w, g in zip(extra, grads[1:], strict=True))
         elif taps is not None:
             taps.caught(grads[1:])
