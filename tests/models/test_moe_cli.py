@@ -83,6 +83,7 @@ def test_arch_moe_refuses_a_dense_checkpoint(checkpoints: dict[str, Path], tmp_p
     assert code == 2 and "is not a mixture of experts" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.slow  # three runs of stp train (about a minute on a loaded 2-core machine)
 def test_resume_is_exact_and_restores_the_experts(tmp_path: Path) -> None:
     """Two steps then one resumed (the MoE flags restored from run.json, on another
     mesh and schedule) give the third step of an uninterrupted run, float64."""
