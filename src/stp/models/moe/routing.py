@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["aux_loss", "route", "softmax_dtype"]
+__all__ = ["aux_loss", "expert_counts", "route", "softmax_dtype"]
 
 
 def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
