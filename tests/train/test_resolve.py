@@ -76,9 +76,12 @@ def test_auto_partition_prices_the_runs_own_tp(monkeypatch):
 
 
 def test_families_are_found_by_name_and_by_config():
+    from stp.shapes.moe import MoEConfig
+
     assert family_named("decoder").model.config_type is ModelConfig
     assert family_named("mllm").model.config_type is MLLMConfig
     assert family_of(ModelConfig()) is family_named("decoder")
     assert family_of(lambda *a, **k: None) is None
-    with pytest.raises(ValueError, match="--arch 'moe': choose one of decoder, mllm"):
-        family_named("moe")
+    assert family_of(MoEConfig()) is family_named("moe")
+    with pytest.raises(ValueError, match="--arch 'llava': choose one of decoder, mllm, moe"):
+        family_named("llava")

@@ -81,6 +81,7 @@ class _Progress:
                    "resident_activation_bytes": r.resident_activation_bytes}
             row.update({"skipped": True} if r.skipped else {})
             row.update({} if r.eval_loss is None else {"eval_loss": r.eval_loss})
+            row.update(getattr(r, "figures", None) or {})  # e.g. an MoE's aux_loss
             print(json.dumps(row), flush=True)
             return
         if r.skipped:

@@ -42,6 +42,10 @@ def spec_from_hf_json(obj: object, where: str) -> ModelSpec:
     any model with their field names); ValueError naming the file and field."""
     if not isinstance(obj, Mapping):
         raise ValueError(f"{where}: a config.json is a JSON object")
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if obj.get(key):  # its intermediate_size is one expert's: priced dense, it is wrong
+            raise ValueError(f"{where}: {key}={obj[key]!r}: the cost model has no formulas for "
+                             "mixture-of-experts models yet")
     vals: dict[str, int] = {}
     for key, field in (*_HF_FIELDS, ("num_key_value_heads", "kv_heads")):
         raw = obj.get(key, obj.get("num_attention_heads") if field == "kv_heads" else None)

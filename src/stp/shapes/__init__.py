@@ -8,6 +8,7 @@ copying its fields under other names.
 
 from stp.shapes.decoder import IGNORE_INDEX, ModelConfig, RopeScaling, default_ffn_hidden
 from stp.shapes.mllm import MLLMConfig, VisionConfig
+from stp.shapes.moe import MoEConfig
 
 __all__ = ["IGNORE_INDEX", "ModelConfig", "RopeScaling", "default_ffn_hidden", "MLLMConfig",
-           "VisionConfig"]
+           "MoEConfig", "VisionConfig"]

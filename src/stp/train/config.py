@@ -16,7 +16,7 @@ from typing import Any
 from stp.costmodel.model import RECOMPUTE_MODES
 from stp.train.families import MODULES as FAMILY_MODULES
 
-__all__ = ["ARCHS", "DTYPES", "LR_SCHEDULES", "TOY_SHAPE", "ModelShape", "TrainJob",
+__all__ = ["ARCHS", "DTYPES", "LR_SCHEDULES", "TOY_SHAPE", "MoEShape", "ModelShape", "TrainJob",
            "VisionShape", "option"]
 
 DTYPES = ("float32", "float64", "bfloat16")
@@ -87,6 +87,26 @@ class VisionShape:
 
 
 @dataclass(frozen=True)
+class MoEShape:
+    """The experts of `--arch moe` (stp.shapes.moe.MoEConfig; an --init-from Qwen2-MoE or
+    Mixtral checkpoint brings its own)."""
+
+    experts: int = option(4, "--arch moe: routed experts per MoE layer", minimum=1,
+                          maximum=1024)
+    top_k: int = option(2, "--arch moe: experts each token goes to (at most --experts)",
+                        minimum=1, maximum=1024)
+    expert_ffn: int | None = option(None, "--arch moe: inner width of one expert (default: "
+                                    "the dense MLP's / --top-k)", minimum=1, maximum=2**20)
+    shared_expert_ffn: int = option(0, "--arch moe: inner width of a shared expert with a "
+                                    "sigmoid gate (Qwen2-MoE); 0: none", minimum=0,
+                                    maximum=2**20)
+    moe_every: int = option(1, "--arch moe: every N-th layer routes its MLP (the others are "
+                            "dense)", minimum=1, maximum=1024)
+    aux_loss_coef: float = option(0.001, "--arch moe: weight of the load-balancing loss in "
+                                  "the objective", minimum=0, maximum=1000)
+
+
+@dataclass(frozen=True)
 class TrainJob:
     """Everything one training run needs; defaults are the `stp train` defaults."""
 
@@ -107,10 +127,12 @@ class TrainJob:
     the losses, the same for pp = 1, 2, 4."""
     microbatch_size: int = option(4, "sequences per microbatch", minimum=1, maximum=2**16)
     model: ModelShape = field(default_factory=ModelShape)
-    arch: str = option("decoder", "the model: decoder (text), or mllm (a vision encoder in "
+    arch: str = option("decoder", "the model: decoder (text), mllm (a vision encoder in "
                        "front of the decoder, trained on image captions; --seq-len is then "
-                       "the caption's tokens)", choices=ARCHS)
+                       "the caption's tokens), or moe (the decoder with routed experts); "
+                       "an --init-from checkpoint's config.json decides it", choices=ARCHS)
     vision: VisionShape = field(default_factory=VisionShape)
+    moe: MoEShape = field(default_factory=MoEShape)
     images: str | None = option(
         None, "--arch mllm: a directory of PNG/JPEG images with captions.txt ('FILE<TAB>"
         "caption' lines); default: coloured shapes drawn from --seed", metavar="DIR")

@@ -59,6 +59,8 @@ class StepReport:
     """Mean loss on the held-out data, on the steps that evaluate."""
     checkpoint: str | None = None
     """The sharded checkpoint this step wrote (None: none written)."""
+    figures: dict[str, float] | None = None
+    """Objective terms beside the loss (an MoE's `aux_loss`, `expert_load`)."""
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,7 @@ def run(resolved: Run,
         if mesh.rank == 0 and on_step is not None and update is not None:
             on_step(StepReport(step, loss, tokens_per_step / elapsed, elapsed, resident,
                                update.grad_norm, update.lr, update.skipped, eval_loss,
-                               saved))
+                               saved, trainer.last_figures or None))
     if job.trace is not None and losses:  # the last step, every rank
         trainer.write_trace(job.trace, {"braid": job.braid, "emulate": job.emulate,
                                         "tp": job.tp, "dp": job.dp,

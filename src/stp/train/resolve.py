@@ -29,7 +29,7 @@ from stp.schedule.placement import partition_layers
 from stp.sim.layered import check_partition, parse_partition
 from stp.train.checkpoint import latest, read_info
 from stp.train.config import TrainJob
-from stp.train.families import TrainFamily, family_named
+from stp.train.families import TrainFamily, family_named, family_of
 from stp.train.resume import restore_settings, run_dir_of
 from stp.train.schedules import job_schedule
 from stp.train.tokens import Tokenizer, run_tokenizer
@@ -104,6 +104,9 @@ def resolve(job: TrainJob, config: Any = None) -> Run:
     tokenizer = run_tokenizer(job.tokenizer, job.init_from)
     if config is None:
         config = family.config(job, tokenizer)
+    config = family.config(job, tokenizer)
+    # an --init-from checkpoint's config.json decides the family (a Mixtral is an MoE)
+    family = family_of(config) or family
     family.check_run(job, config, schedule)
     partition = _partition(job, family, config, schedule)
     if partition is not None:

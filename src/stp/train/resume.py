@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from stp.files import read_json, write_text_atomic
-from stp.train.config import ModelShape, TrainJob, VisionShape
+from stp.train.config import ModelShape, MoEShape, TrainJob, VisionShape
 
 __all__ = ["RUN_FILE", "MODEL_SETTINGS", "restore_settings", "run_dir_of", "write_settings"]
 
 RUN_FILE = "run.json"
 MODEL_SETTINGS = ("arch", "init_from", "tokenizer")
-"""Top-level TrainJob fields that define the model (with `model` and `vision`)."""
-_NESTED = {"model": ModelShape, "vision": VisionShape}
+"""Top-level TrainJob fields that define the model (with `model`, `vision` and `moe`)."""
+_NESTED = {"model": ModelShape, "vision": VisionShape, "moe": MoEShape}
 
 
 def run_dir_of(checkpoint: Path) -> Path:

@@ -56,6 +56,7 @@ from stp.runtime.offload import ActivationOffloader, StepMemory
 from stp.runtime.trace import gather_spans, write_trace
 from stp.schedule import Schedule
 from stp.train import checkpoint
+from stp.train.aux_losses import AuxLosses
 from stp.train.data import split_batch
 from stp.train.families import TrainFamily
 from stp.train.gather import gather_full_state
@@ -115,6 +116,11 @@ class Trainer:
                           else make_scheduler(self.optimizer, opts.lr_schedule))
         self.last_update: UpdateStats | None = None
         """Gradient norm, lr and whether the last `step` was skipped (inf/NaN)."""
+        self.aux = AuxLosses.of(self.parts.stages, self.parts.sync, self.parts.mesh,
+                                self.parts.device)
+        """Objective terms beside the loss (an MoE's load balancing); None: none."""
+        self.last_figures: dict[str, float] = {}
+        """The last step's figures of those terms (`aux_loss`, `expert_load`)."""
         self._evaluator: Any = None
         self._data: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = (
             iter(data) if data is not None else None
@@ -250,8 +256,12 @@ class Trainer:
         self.precision.zero_grad()
         # the mean over the valid (not ignored) targets of the whole global batch
         ratio = valid_token_ratio(targets)
+        if self.aux is not None:
+            self.aux.start(m)
         losses = self.executor.run(inputs, tgts, scale=ratio / m,
                                    boundary_shape=self.boundary_shape(tgts[0]))
+        if self.aux is not None:
+            self.last_figures = self.aux.collect(m)
         self.precision.fold()
         loss, norm = self.parts.sync.after_backward(losses, m, ratio)
         self.last_update = apply_update(self.precision, self.optimizer, self.scheduler, norm,

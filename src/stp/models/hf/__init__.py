@@ -9,6 +9,10 @@
 - `save_stages` (distributed, each pipeline rank writes its own files) and
   `save_state` (one process): a directory transformers loads.
 - `config_from_hf` / `config_to_hf`, `hf_name` / `stp_name`: the mappings.
+
+Qwen2-MoE and Mixtral checkpoints (stp.models.moe) go through the same calls:
+their config.json gives a MoEConfig (stp.models.hf.moe_config) and their keys
+keep transformers' per-expert layout (stp.models.hf.names).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from stp.models.hf.checkpoint import RUN_FIELDS, TOKENIZER_FILES, HFCheckpoint
 from stp.models.hf.config import SUPPORTED_TYPES, config_from_hf, config_to_hf, eos_token_id
 from stp.models.hf.names import hf_name, stp_name
 from stp.models.hf.save import DEFAULT_SHARD_BYTES, save_stages, save_state
+from stp.models.moe.reference import build_moe_reference
 from stp.shapes.decoder import ModelConfig
+from stp.shapes.moe import MoEConfig
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",
@@ -45,8 +51,11 @@ __all__ = [
 
 
 def load(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> ReferenceModel:
-    """The checkpoint at `path` as stp's single-process reference model."""
+    """The checkpoint at `path` as stp's single-process reference model (a MoEReference
+    for a Qwen2-MoE or Mixtral checkpoint)."""
     ckpt = HFCheckpoint.open(path)
+    if isinstance(ckpt.config, MoEConfig):
+        return build_moe_reference(ckpt.config, dtype, ckpt.full_tensors(dtype))
     return build_reference(ckpt.config, dtype, ckpt.full_tensors(dtype))
 
 

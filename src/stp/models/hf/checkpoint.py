@@ -28,8 +28,11 @@ from safetensors import safe_open
 from stp.files import read_json_object
 from stp.models.decoder.init import ParamSpec, pad_shard, parameter_specs, tp_slice
 from stp.models.hf.config import config_from_hf
+from stp.models.hf.moe_config import moe_config_from_hf
 from stp.models.hf.names import hf_name, stp_name
+from stp.models.moe.init import moe_parameter_specs
 from stp.shapes.decoder import ModelConfig
+from stp.shapes.moe import HF_MOE_TYPES, MoEConfig
 
 __all__ = ["HFCheckpoint", "RUN_FIELDS", "TOKENIZER_FILES", "same_weights"]
 
@@ -40,6 +43,26 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 _IGNORED_KEYS = (".rotary_emb.inv_freq",)  # buffers some old checkpoints stored
 RUN_FIELDS = ("max_seq_len", "seed", "init_std")
 """ModelConfig fields that describe a run, not the weights: free to differ from config.json."""
+
+
+def read_config(raw: dict[str, Any], where: str) -> ModelConfig:
+    """The config of a config.json: a MoEConfig for a mixture of experts (qwen2_moe,
+    mixtral), else the decoder's ModelConfig (Llama, Qwen2)."""
+    if isinstance(raw, dict) and raw.get("model_type") in HF_MOE_TYPES:
+        return moe_config_from_hf(raw, where)
+    return config_from_hf(raw, where)
+
+
+def layout_of(config: ModelConfig) -> str:
+    """The key layout of `config`'s checkpoint for stp.models.hf.names ("" for a decoder)."""
+    return config.hf_type if isinstance(config, MoEConfig) else ""
+
+
+def specs_of(config: ModelConfig) -> list[ParamSpec]:
+    """Every parameter of the model `config` describes."""
+    if isinstance(config, MoEConfig):
+        return moe_parameter_specs(config)
+    return parameter_specs(config)
 
 
 def same_weights(a: ModelConfig, b: ModelConfig) -> bool:
@@ -148,14 +171,14 @@ class HFCheckpoint:
             raise ValueError(f"{config_file} is missing: a Hugging Face checkpoint directory "
                              "holds config.json and *.safetensors")
         raw = read_json_object(config_file)  # a list, binary, not JSON: one line
-        ckpt = cls(root, raw, config_from_hf(raw, str(config_file)), _weight_files(root))
+        ckpt = cls(root, raw, read_config(raw, str(config_file)), _weight_files(root))
         ckpt.check_tensors()
         return ckpt
 
     def expected(self) -> list[ParamSpec]:
         """The specs of every tensor the checkpoint must hold (a tied head is the
         embedding, not stored)."""
-        return [s for s in parameter_specs(self.config) if s.tied_to is None]
+        return [s for s in specs_of(self.config) if s.tied_to is None]
 
     def check_tensors(self) -> None:
         """ValueError unless every expected tensor is there with the config's shape and
@@ -166,7 +189,8 @@ class HFCheckpoint:
             raise ValueError(f"{self.path}/config.json: num_hidden_layers="
                              f"{self.config.num_layers}, but the weights hold {len(stored)} "
                              "layers")
-        wanted = {hf_name(s.name): s for s in self.expected()}
+        layout = layout_of(self.config)
+        wanted = {hf_name(s.name, layout): s for s in self.expected()}
         missing = [k for k in wanted if k not in self.files]
         if missing:
             raise ValueError(f"{self.path}: tensor {missing[0]} is missing (config.json "
@@ -185,7 +209,7 @@ class HFCheckpoint:
         extra = sorted(k for k in self.files if k not in wanted and k != tied_head
                        and not k.endswith(_IGNORED_KEYS))
         if extra:
-            known = [k for k in extra if stp_name(k) is not None]
+            known = [k for k in extra if stp_name(k, layout) is not None]
             raise ValueError(f"{self.path}: tensors config.json does not describe: "
                              f"{', '.join((known or extra)[:4])}"
                              + (f" and {len(extra) - 4} more" if len(extra) > 4 else ""))
@@ -204,7 +228,7 @@ class HFCheckpoint:
         if not same_weights(config, self.config):
             raise ValueError(f"HFCheckpoint.read: the config describes other tensors than "
                              f"{self.path}/config.json")
-        key = hf_name(spec.tied_to or spec.name)
+        key = hf_name(spec.tied_to or spec.name, layout_of(self.config))
         where = tp_slice(config, spec, tp_size, tp_rank)
         with safe_open(self.files[key], "pt") as handle:
             part = handle.get_slice(key)

@@ -25,12 +25,14 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from stp.models.hf.checkpoint import INDEX, HFCheckpoint
+from stp.models.hf.checkpoint import INDEX, HFCheckpoint, layout_of
 from stp.models.hf.config import config_to_hf
+from stp.models.hf.moe_config import moe_config_to_hf
 from stp.models.hf.names import hf_name
 from stp.models.hf.stream import Entry as Tensor
 from stp.models.hf.stream import create, header, write_at
 from stp.shapes.decoder import ModelConfig
+from stp.shapes.moe import MoEConfig
 
 __all__ = ["DEFAULT_SHARD_BYTES", "save_state", "save_stages"]
 
@@ -80,15 +82,16 @@ def _write_metadata(
         total = sum(e[2] for group in files for e in group)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    raw = config_to_hf(config, str(dtype).removeprefix("torch."),
-                       None if source is None else source.raw_config)
+    to_hf = moe_config_to_hf if isinstance(config, MoEConfig) else config_to_hf
+    raw = to_hf(config, str(dtype).removeprefix("torch."),  # type: ignore[arg-type]
+                None if source is None else source.raw_config)
     (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
     for f in [] if source is None else source.tokenizer_files():
         shutil.copyfile(f, out / f.name)
 
 
 def _entries(named: list[tuple[str, torch.Tensor]], shapes: Mapping[str, tuple[int, ...]],
-             tied: set[str]) -> list[Entry]:
+             tied: set[str], layout: str = "") -> list[Entry]:
     out = []
     for name, t in named:
         if name in tied:
@@ -96,7 +99,7 @@ def _entries(named: list[tuple[str, torch.Tensor]], shapes: Mapping[str, tuple[i
         numel = 1
         for d in shapes[name]:
             numel *= d
-        out.append((name, hf_name(name), numel * t.element_size()))
+        out.append((name, hf_name(name, layout), numel * t.element_size()))
     return out
 
 
@@ -114,8 +117,8 @@ def save_state(
     _prepare_dir(out)
     tied = {"head.weight"} if config.tie_embeddings else set()
     named = list(state.items())
-    files = _chunk(_entries(named, {n: tuple(t.shape) for n, t in named}, tied),
-                   max_shard_bytes)
+    files = _chunk(_entries(named, {n: tuple(t.shape) for n, t in named}, tied,
+                            layout_of(config)), max_shard_bytes)
     for name, group in zip(_file_names(len(files)), files, strict=True):
         tensors = {key: state[n].detach().cpu().contiguous() for n, key, _ in group}
         save_file(tensors, out / name, metadata={"format": "pt"})
@@ -181,7 +184,8 @@ def save_stages(
     named = [(n, p) for s in sorted(stages) for n, p in stages[s].named_parameters()]
     shapes = {n: stages[s].specs[n].shape for s in stages for n in stages[s].specs}
     tied = {"head.weight"} if config.tie_embeddings else set()
-    mine = _chunk(_entries(named, shapes, tied), max_shard_bytes) if c.dp == 0 else []
+    mine = (_chunk(_entries(named, shapes, tied, layout_of(config)), max_shard_bytes)
+            if c.dp == 0 else [])
     plans: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(plans, mine if c.tp == 0 else [])
     files = [group for plan in plans for group in plan]

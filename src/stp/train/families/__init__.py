@@ -30,6 +30,7 @@ __all__ = ["MODULES", "TrainFamily", "family_named", "family_of"]
 MODULES: Mapping[str, str] = {
     "decoder": "stp.train.families.decoder",
     "mllm": "stp.train.families.mllm",
+    "moe": "stp.train.families.moe",
 }
 """`--arch` name -> the module whose `FAMILY` it is, one line per family."""
 

@@ -1,0 +1,3 @@
+"""The mixture-of-experts decoder (Qwen2-MoE / Mixtral): `MoEConfig` (stp.shapes.moe),
+its parameters (init), routing maths (routing), the routed MLP unit (units),
+stages (stage), the one-process reference (reference) and the family (family)."""

@@ -1,0 +1,90 @@
+"""The mixture-of-experts family (Qwen2-MoE / Mixtral style, `stp.shapes.MoEConfig`):
+its verbs for the layers above (stp.models.family).
+
+Experts are TP-sharded (each expert's SwiGLU split like the dense MLP), never
+whole on one TP rank; sequence parallelism is refused. The router and the
+shared expert's gate are replicated over TP; each rank's gradient of them is a
+partial sum (the routing weights scale TP partial outputs), so they are summed
+over the TP group with the other shared gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from stp.costmodel.configs import spec_from_config
+from stp.costmodel.model import ModelSpec
+from stp.models.decoder.shared_grads import SharedGrads
+from stp.models.decoder.stage import check_model
+from stp.models.family import StageBuilder, check_text_batch
+from stp.models.hf.save import save_stages
+from stp.models.moe.reference import build_moe_reference
+from stp.models.moe.stage import build_moe_stage, check_moe_tp
+from stp.schedule.placement import partition_layers
+from stp.shapes.moe import MoEConfig
+
+__all__ = ["MOE", "MoEFamily"]
+
+_TP_PARTIAL = (".moe.router.weight", ".moe.shared_gate.weight")
+"""Replicated parameters whose gradient each TP rank holds a part of."""
+
+
+class MoEFamily:
+    name = "moe"
+    config_type = MoEConfig
+
+    def check(self, config: MoEConfig, tp: int, num_stages: int) -> None:
+        check_model(config, tp, num_stages)
+        check_moe_tp(config, tp, 0)
+
+    def num_layers(self, config: MoEConfig) -> int:
+        return config.num_layers
+
+    def hidden(self, config: MoEConfig) -> int:
+        return config.hidden
+
+    def stage_builder(self, config: MoEConfig, num_stages: int, *,
+                      partition: tuple[int, ...] | None,
+                      weights: Callable[..., torch.Tensor] | None = None,
+                      sequence_parallel: bool = False) -> StageBuilder:
+        if sequence_parallel:
+            raise ValueError("--sequence-parallel: the MoE model has no sequence parallelism")
+        if partition is not None:
+            partition_layers(config.num_layers, num_stages, partition)  # ValueError
+        read = {} if weights is None else {"weights": weights}
+        return functools.partial(build_moe_stage, config, partition=partition, **read)
+
+    def check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        check_text_batch(tokens, targets)
+
+    def reference(self, config: MoEConfig, dtype: torch.dtype) -> torch.nn.Module:
+        return build_moe_reference(config, dtype)
+
+    def cost_spec(self, config: MoEConfig, *, sequence: int, micro_batch: int,
+                  tp: int) -> ModelSpec:
+        # priced as a decoder whose MLP is as wide as what a token computes: its top-k
+        # experts and the shared expert (the router and the all-to-all are not priced)
+        active = config.top_k * config.expert_ffn + config.shared_expert_ffn
+        return spec_from_config(dataclasses.replace(config, ffn_hidden=active),
+                                seq_len=sequence, microbatch_size=micro_batch, tp=tp)
+
+    def shared_grads(self, config: MoEConfig, stages: Mapping[int, Any], schedule: Any,
+                     mesh: Any) -> SharedGrads:
+        shared = SharedGrads.on_mesh(config, stages, schedule, mesh)
+        if mesh.dims.tp > 1:
+            shared.row_sums += [n for st in stages.values() for n in st.specs
+                                if n.endswith(_TP_PARTIAL)]
+        return shared
+
+    def save_hf(self, directory: Any, stages: Mapping[int, Any], mesh: Any,
+                config: MoEConfig, *, source: Any, max_shard_bytes: int) -> None:
+        save_stages(directory, stages, mesh, config, source=source,
+                    max_shard_bytes=max_shard_bytes)
+
+
+MOE = MoEFamily()

@@ -1,0 +1,156 @@
+"""One pipeline stage of the MoE decoder: the decoder's stage (stp.models.decoder.stage)
+with each MoE layer's MLP unit replaced by an MoEUnit (stp.models.moe.units).
+
+Layers are not fused into one unit at one TP rank (the decoder's LayerChunk):
+an MoE unit's backward walks two roots (its output and its load-balancing loss),
+so it stays a unit of its own. Sequence parallelism is refused (the family's
+check) and experts are TP-sharded (stp.models.moe.init).
+
+The stage also carries what the trainer reads beside the loss: the
+load-balancing loss of each microbatch it forwarded, and the routing counts
+(`take_aux`), and it learns the number of microbatches of a step
+(`set_num_microbatches`) to seed each microbatch's share of the objective.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stp.models.decoder.init import init_shard
+from stp.models.decoder.stage import ModelStage, check_tp
+from stp.models.decoder.stage_shards import ShardSource
+from stp.models.decoder.units import AttentionUnit, EmbedUnit, LossUnit, MLPUnit, RopeCache, Unit
+from stp.models.moe.init import moe_parameter_specs
+from stp.models.moe.units import Expert, MoEUnit
+from stp.models.tp.comm import make_allreduce
+from stp.schedule.placement import partition_layers
+from stp.shapes.moe import MoEConfig
+
+__all__ = ["MoEStage", "build_moe_stage"]
+
+
+class MoEStage(ModelStage):
+    """Layers `layer_ids` of the MoE decoder on one TP rank (a PipelineStage)."""
+
+    config: MoEConfig
+
+    def _make_units(self, p: dict[str, nn.Parameter]) -> list[Unit]:
+        c, tp_size, tp_rank = self.config, self.tp_size, self.tp_rank
+        vocab_part = c.padded_vocab(tp_size) // tp_size
+        one_graph = tp_size == 1  # no all-reduce between a unit's norm and its body
+        units: list[Unit] = []
+        if self.is_first:
+            units.append(EmbedUnit(p["embed.weight"], tp_rank * vocab_part, c.pad_token_id))
+        rope = RopeCache(c.head_dim, c.rope_theta, c.rope_scaling)
+        for i in self.layer_ids:
+            a = f"layers.{i}.attn"
+            biases = (p[f"{a}.wq.bias"], p[f"{a}.wk.bias"], p[f"{a}.wv.bias"]) if (
+                c.qkv_bias) else None
+            units.append(AttentionUnit(
+                i, p[f"layers.{i}.attn_norm.weight"], p[f"{a}.wq.weight"], p[f"{a}.wk.weight"],
+                p[f"{a}.wv.weight"], p[f"{a}.wo.weight"], head_dim=c.head_dim, eps=c.norm_eps,
+                rope=rope, biases=biases, one_graph=one_graph,
+            ))
+            units.append(self._mlp_unit(p, i, one_graph))
+        if self.is_last:
+            head = self._slices["head.weight"]
+            valid = vocab_part if head.dim is None else head.stop - head.start
+            units.append(LossUnit(
+                p["norm.weight"], p["head.weight"], eps=c.norm_eps,
+                vocab_start=tp_rank * vocab_part, tp_size=tp_size, tp_rank=tp_rank,
+                vocab_valid=valid, one_graph=one_graph,
+            ))
+        self.moe_units = tuple(u for u in units if isinstance(u, MoEUnit))
+        self.set_num_microbatches(1)
+        return units
+
+    def _mlp_unit(self, p: dict[str, nn.Parameter], i: int, one_graph: bool) -> Unit:
+        c, norm = self.config, p[f"layers.{i}.mlp_norm.weight"]
+        if not c.is_moe_layer(i):
+            m = f"layers.{i}.mlp"
+            return MLPUnit(i, norm, p[f"{m}.w1.weight"], p[f"{m}.w3.weight"],
+                           p[f"{m}.w2.weight"], eps=c.norm_eps, one_graph=one_graph)
+        m = f"layers.{i}.moe."
+
+        def swiglu(prefix: str) -> Expert:
+            return (p[prefix + "w1.weight"], p[prefix + "w3.weight"], p[prefix + "w2.weight"])
+
+        return MoEUnit(
+            i, norm, p[m + "router.weight"],
+            [swiglu(f"{m}experts.{e}.") for e in range(c.num_experts)],
+            top_k=c.top_k, norm_topk_prob=c.norm_topk_prob, eps=c.norm_eps,
+            shared=swiglu(m + "shared.") if c.shared_expert_ffn else None,
+            shared_gate=p.get(m + "shared_gate.weight"), one_graph=one_graph,
+        )
+
+    def set_num_microbatches(self, m: int) -> None:
+        """Seed each MoE unit's load-balancing loss with its share of the objective:
+        aux_loss_coef x the mean over MoE layers and over the step's m microbatches
+        (the DP average divides by the replicas), split over the TP ranks."""
+        c = self.config
+        seed = c.aux_loss_coef / (len(c.moe_layers) * m * self.tp_size)
+        for unit in self.moe_units:
+            unit.aux_seed = seed
+
+    def take_aux(self) -> tuple[float, torch.Tensor | None]:
+        """(sum of the load-balancing losses this stage computed since the last call,
+        over its MoE layers and microbatches; routing choices per expert, summed
+        likewise; None without MoE layers); forgets them."""
+        total, counts = 0.0, None
+        for unit in self.moe_units:
+            total += sum(float(a) for a in unit.aux.values())
+            for c in unit.counts.values():
+                counts = c.clone() if counts is None else counts + c
+            unit.aux.clear()
+            unit.counts.clear()
+        return total, counts
+
+
+def build_moe_stage(
+    config: MoEConfig,
+    stage: int,
+    num_stages: int,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    weights: ShardSource = init_shard,
+    partition: tuple[int, ...] | None = None,
+    sequence_parallel: bool = False,
+) -> MoEStage:
+    """Stage `stage` of `num_stages` of the MoE decoder on TP rank tp_rank of tp_size
+    (as stp.models.decoder.stage.build_stage; no sequence parallelism)."""
+    if not isinstance(config, MoEConfig):
+        raise ValueError(f"config must be a MoEConfig, got {type(config).__name__}")
+    if sequence_parallel and tp_size > 1:
+        raise ValueError("the MoE decoder has no sequence parallelism")
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
+        raise ValueError(f"stage must be an int in [0, num_stages={num_stages}), got {stage!r}")
+    check_moe_tp(config, tp_size, tp_rank)
+    if tp_size > 1 and not dist.is_initialized():
+        raise ValueError(f"tp_size={tp_size} needs torch.distributed initialised")
+    layers = partition_layers(config.num_layers, num_stages, partition)[stage]
+    specs = moe_parameter_specs(config, layers, first=stage == 0, last=stage == num_stages - 1)
+    tensors = {s.name: weights(config, s, tp_size, tp_rank, device=device, dtype=dtype)
+               for s in specs}
+    return MoEStage(
+        config, stage, num_stages, specs, tensors, tp_size=tp_size, tp_rank=tp_rank,
+        allreduce=make_allreduce(tp_group, tp_size), tp_group=tp_group, async_allreduce=True,
+        partition=partition, fuse_layers=False,
+    )
+
+
+def check_moe_tp(config: MoEConfig, tp_size: int, tp_rank: int) -> None:
+    """ValueError unless the heads, the dense MLP and every expert split over tp_size."""
+    check_tp(config, tp_size, tp_rank)
+    for field in ("expert_ffn", "shared_expert_ffn"):
+        value = getattr(config, field)
+        if value % tp_size:
+            raise ValueError(f"{field}={value} must be divisible by tp_size={tp_size} (experts "
+                             "are TP-sharded like the dense MLP)")
