@@ -219,19 +219,20 @@ def rank_parameters(spec: ModelSpec, num_stages: int, stage_to_rank: tuple[int, 
 def estimate(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout: Layout,
              features: Features = Features(), schedule: Schedule | None = None
              ) -> MemoryEstimate:
-    """Bytes per pipeline rank of a training step (module doc). `model` is a
+    """Bytes per pipeline rank of a training step (module doc). See `estimate_run`."""
+    return estimate_run(model, hardware, layout, features, schedule)[0]
+
+
+def estimate_run(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout: Layout,
+                 features: Features = Features(), schedule: Schedule | None = None
+                 ) -> tuple[MemoryEstimate, SimResult]:
+    """`estimate`, and the simulated step it read the activations from (the planner,
+    `stp.plan`, ranks by that step and explains it by its parts). Bytes per pipeline
+    rank of a training step (module doc). `model` is a
     cost-model spec or the `ModelConfig` a run builds (`stp.costmodel.configs`);
     its tp, sequence, micro_batch, sequence_parallel and recompute are taken
     from `layout` and `features`. `schedule`: the one to simulate (a schedule
     file's); None generates `layout.schedule` for `layout.pp` and `microbatches`."""
-    from `layout` and `features`."""
-    return estimate_run(model, hardware, layout, features)[0]
-
-
-def estimate_run(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout: Layout,
-                 features: Features = Features()) -> tuple[MemoryEstimate, SimResult]:
-    """`estimate`, and the simulated step it read the activations from (the
-    planner, `stp.plan`, ranks by that step and explains it by its parts)."""
     if isinstance(model, ModelConfig):
         model = spec_from_config(model, seq_len=layout.seq_len)
     model = decoder_only(model, "a memory estimate")
@@ -263,7 +264,7 @@ def estimate_run(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout:
                    offload_costs=oc, record_spans=False, stages=table)
     # memory_of_run takes a 16-bit unit and scales it by the dtype
     return memory_of_run(spec, res, unit * 2 / DTYPE_BYTES[features.dtype], features,
-                         dp=layout.dp)
+                         dp=layout.dp), res
 
 
 def _stp_table(spec: ModelSpec, hardware: HardwareSpec, pp: int, derived: Derived, dtype: str,
@@ -304,7 +305,6 @@ def _stp_table(spec: ModelSpec, hardware: HardwareSpec, pp: int, derived: Derive
                                       strict=True))
     mem = MemCosts(m_b=1.0, m_w=min(1.0, deferred.layer_w / deferred.layer_b))
     return replace(split, stages=stages), mem, unit
-    return memory_of_run(spec, res, derived.bytes_per_unit, features, dp=layout.dp), res
 
 
 def memory_of_run(spec: ModelSpec, res: SimResult, bytes_per_unit: float,

@@ -39,18 +39,6 @@ def check(job: TrainJob, world_size: int | None = None) -> Run:
     would be accepted."""
     run = check_plan(job, world_size)
     check_pretrained(job, run.config, run.tokenizer)
-    parse_policy(job.offload)  # ValueError naming the accepted policies
-    if job.emulate is not None:
-        parse_emulate(job.emulate)
-        if job.partition is not None:
-            raise ValueError("--emulate-compute times every stage's pass the same; drop "
-                             "--partition or --emulate-compute")
-        if job.offload != "none":
-            raise ValueError("--emulate-compute has no activations to offload; "
-                             "drop --offload or --emulate-compute")
-        if job.recompute != "none":
-            raise ValueError("--emulate-compute has no activations to recompute; "
-                             "drop --recompute or --emulate-compute")
     if job.trace is not None:
         check_output_file(job.trace, "--trace")
     if job.data is not None:
@@ -74,6 +62,8 @@ def _check_save_full(job: TrainJob) -> None:
         raise ValueError("--emulate-compute stages hold no model to save; drop --save-full "
                          "or --emulate-compute")
     check_output_file(job.save_full, "--save-full")  # type: ignore[arg-type]
+
+
 def check_plan(job: TrainJob, world_size: int | None = None, config: Any = None) -> Run:
     """The checks that read no data and write nothing (the mesh, the dtype, the
     resolved run, offload, emulation, sequence parallelism), and the run;
@@ -86,6 +76,7 @@ def check_plan(job: TrainJob, world_size: int | None = None, config: Any = None)
         raise ValueError(f"--dtype {job.dtype!r} not accepted; choose one of {', '.join(DTYPES)}")
     run = resolve(job, config)  # schedule, model (config.json checked), partition, tokenizer
     parse_policy(job.offload)  # ValueError naming the accepted policies
+    if job.emulate is not None:
         parse_emulate(job.emulate)
         if job.partition is not None:
             raise ValueError("--emulate-compute times every stage's pass the same; drop "
@@ -93,6 +84,9 @@ def check_plan(job: TrainJob, world_size: int | None = None, config: Any = None)
         if job.offload != "none":
             raise ValueError("--emulate-compute has no activations to offload; "
                              "drop --offload or --emulate-compute")
+        if job.recompute != "none":
+            raise ValueError("--emulate-compute has no activations to recompute; "
+                             "drop --recompute or --emulate-compute")
     if job.sequence_parallel and job.tp > 1:
         _check_sequence_parallel(job)
     return run

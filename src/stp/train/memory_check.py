@@ -88,20 +88,6 @@ def run_estimate(run: Any, hardware: HardwareSpec | None = None,
                     microbatches=run.schedule.num_microbatches,
                     microbatch_size=job.microbatch_size, seq_len=job.model.seq_len,
                     schedule=run.schedule.name, partition=run.partition)
-    features = Features(dtype=job.dtype, offload=job.offload,
-                        sequence_parallel=job.sequence_parallel and job.tp > 1,
-                        shard_optimizer=job.shard_optimizer)
-                        recompute=job.recompute)
-    if not _registry_schedule(run):
-        return None  # a schedule file: the estimate generates schedules by name
-    return estimate(spec, HARDWARE["a100-80g"], layout, features)
-
-
-def _registry_schedule(run: Any) -> bool:
-    from stp.schedule import registry
-
-    return run.schedule.name in registry.names() and not run.job.schedule.lower().endswith(
-        (".json", ".csv"))
     return estimate(spec, hardware or HARDWARE["a100-80g"], layout,
                     features or run_features(job), schedule=run.schedule)
 

@@ -104,7 +104,6 @@ def resolve(job: TrainJob, config: Any = None) -> Run:
     tokenizer = run_tokenizer(job.tokenizer, job.init_from)
     if config is None:
         config = family.config(job, tokenizer)
-    config = family.config(job, tokenizer)
     # an --init-from checkpoint's config.json decides the family (a Mixtral is an MoE)
     family = family_of(config) or family
     family.check_run(job, config, schedule)

@@ -20,11 +20,10 @@ import torch.distributed as dist
 from torch import nn
 
 from stp.models.decoder.init import ParamSpec, init_full, pad_shard, parameter_specs, tp_slice
-from stp.models.decoder.stage import ModelStage, _register, check_tp, set_recompute
+from stp.models.decoder.stage import ModelStage, _register, check_tp
 from stp.models.decoder.units import AttentionUnit, LossUnit, MLPUnit, RopeCache, Unit
 from stp.models.mllm.rows import check_mllm_sequence
 from stp.models.mllm.vision import InputUnit, MergerUnit, VisionAttentionUnit, VisionMLPUnit
-from stp.models.recompute import check_recompute
 from stp.models.tp.comm import make_allreduce
 from stp.models.tp.sequence import SequenceParallel
 from stp.schedule.placement import partition_layers
@@ -109,7 +108,6 @@ class MLLMStage(ModelStage):
     def __init__(self, cfg: MLLMConfig, stage: int, num_stages: int, specs: list[ParamSpec],
                  tensors: dict[str, torch.Tensor], *, tp_size: int, tp_rank: int,
                  tp_group: dist.ProcessGroup | None,
-                 partition: tuple[int, ...] | None = None, recompute: str = "none") -> None:
                  partition: tuple[int, ...] | None = None,
                  sequence_parallel: bool = False) -> None:
         nn.Module.__init__(self)
@@ -126,11 +124,6 @@ class MLLMStage(ModelStage):
         for spec in specs:
             _register(self, spec.name, nn.Parameter(tensors[spec.name]))
         self.units: tuple[Unit, ...] = tuple(self._mllm_units(dict(self.named_parameters())))
-        # no sequence parallelism for the multimodal model yet (refused by its family)
-        self.sequence_parallel = self.prepares_gathers = False
-        self.seq = None
-        # the input unit (patch and text embeddings) keeps its small inputs either way
-        self.recompute = set_recompute(self.units, recompute)
         # sequence parallelism (stp.models.mllm.rows): the identity at one TP rank
         self.sequence_parallel = self.prepares_gathers = sequence_parallel and tp_size > 1
         self.seq = SequenceParallel(tp_group, tp_size, tp_rank) if self.prepares_gathers else None
@@ -224,11 +217,8 @@ def build_mllm_stage(cfg: MLLMConfig, stage: int, num_stages: int, *,
                      tp_rank: int = 0, device: torch.device | str = "cpu",
                      dtype: torch.dtype = torch.float32,
                      partition: tuple[int, ...] | None = None,
-                     recompute: str = "none") -> MLLMStage:
-    """Materialise stage `stage` of `num_stages` of the multimodal model on TP rank
-    tp_rank of tp_size (a StageBuilder for stp.train.Trainer); `recompute`: activation
-    recomputation (stp.models.recompute)."""
                      sequence_parallel: bool = False) -> MLLMStage:
+    """Materialise stage `stage` of `num_stages` of the multimodal model on TP rank
     tp_rank of tp_size (a StageBuilder for stp.train.Trainer). `sequence_parallel`:
     shard the packed stream along the sequence (stp.models.mllm.rows; ignored at
     tp_size 1)."""
@@ -238,13 +228,11 @@ def build_mllm_stage(cfg: MLLMConfig, stage: int, num_stages: int, *,
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
         raise ValueError(f"stage must be an int in [0, num_stages={num_stages}), got {stage!r}")
     check_tp(cfg.decoder, tp_size, tp_rank)
-    check_recompute(recompute)
     layers = partition_layers(cfg.num_layers, num_stages, partition)[stage]
     specs = mllm_specs(cfg, layers, first=stage == 0, last=stage == num_stages - 1)
     tensors = {s.name: _shard(cfg, s, tp_size, tp_rank).to(device=device, dtype=dtype)
                for s in specs}
     return MLLMStage(cfg, stage, num_stages, specs, tensors, tp_size=tp_size, tp_rank=tp_rank,
-                     tp_group=tp_group, partition=partition, recompute=recompute)
                      tp_group=tp_group, partition=partition,
                      sequence_parallel=sequence_parallel)
 

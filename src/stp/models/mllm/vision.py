@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 
 from stp.models.decoder.units import Unit
-from stp.models.recompute import attention_core
 from stp.models.mllm.rows import gather_input, image_of, image_rows, local_image, spread
 from stp.models.tp.layers import linear, rms_norm, vocab_embedding_partial
 from stp.models.tp.sequence import ToScatter
@@ -178,11 +177,6 @@ class InputUnit(Unit):
         return None
 
 
-class _VisionResidual(Unit):
-    """image rows v -> v + f(RMSNorm(v)), f ending in a row-parallel matrix; text rows
-    pass through. Two autograd graphs (norm, body) with the all-reduce between, as the
-    decoder's residual units; with full recomputation (stp.models.recompute) the
-    forward keeps its packed input alone and B runs it again with the graphs."""
 class _ImageUnit(Unit):
     """What the encoder's residual units and the merger share: the unit starts with
     RMSNorm of the image rows (per patch; this rank's rows under sequence parallelism),
@@ -245,37 +239,16 @@ class _VisionResidual(_ImageUnit):
     def _body(self, h: torch.Tensor, sink: list[WGradEntry]) -> torch.Tensor:
         raise NotImplementedError
 
-    def _graph(self, st: _MbState, vis: torch.Tensor) -> torch.Tensor:
-        """The norm and the body on the image rows with their graphs, kept for B."""
     def forward_partial(self, mb: int, x: torch.Tensor,
                         targets: torch.Tensor | None = None) -> torch.Tensor | ToScatter:
         st, h_in = self._patches(mb, x)
         with torch.enable_grad():
             out = self._body(h_in, st.sink)
-        st.saved.update(v_in=v_in, h=h, h_in=h_in, out=out)
-        return out
-
-    def forward_partial(self, mb: int, x: torch.Tensor,
-                        targets: torch.Tensor | None = None) -> torch.Tensor:
-        st = self._enter(mb, None, "F-partial")
-        vis, text = unpack(x, self.cfg)
-        if self.recompute == "full":  # the same Functions without a graph: the same bits
-            st.saved["x"] = x
-            with torch.no_grad():
-                return self._body(rms_norm(vis, self.norm_w, self.cfg.vision.norm_eps, []), [])
-        st.saved.update(vis=vis, text=text)
-        return self._graph(st, vis).detach()
-
-    def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
-        st = self._enter(mb, "F-partial", "F")
-        if self.recompute == "full":
-            vis, text = unpack(st.saved["x"], self.cfg)
-        else:
-            vis, text = st.saved.pop("vis"), st.saved.pop("text")
-        return pack(vis + reduced, text, self.cfg)
         st.saved.update(h_in=h_in, out=out)
         return out.detach() if self.seq is None else self._spread(out.detach(), st)
 
+    def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
+        st = self._enter(mb, "F-partial", "F")
         vis = st.saved.pop("vis") + self._local(reduced, st)
         return pack(vis, st.saved.pop("text"), self.cfg)
 
@@ -287,10 +260,6 @@ class _VisionResidual(_ImageUnit):
 
     def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | ToScatter:
         st = self._enter(mb, "F", "B-partial")
-        if self.recompute == "full":
-            self._graph(st, unpack(st.saved.pop("x"), self.cfg)[0])
-        gvis, gtext = unpack(grad, self.cfg)
-        (grad_h,) = torch.autograd.grad(st.saved.pop("out"), st.saved.pop("h_in"), gvis)
         k = st.saved["rows"][0]
         gvis, gtext = unpack(grad, self.cfg, k)
         full = gvis
@@ -325,7 +294,7 @@ class VisionAttentionUnit(_VisionResidual):
         hd = self.cfg.vision.hidden // self.cfg.vision.num_heads
         q, k, v = (linear(h, w, sink).view(b, s, -1, hd).transpose(1, 2)
                    for w in (self.wq, self.wk, self.wv))
-        o = attention_core(q, k, v, causal=False, recompute=self.recompute)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=False)
         return linear(o.transpose(1, 2).reshape(b, s, -1), self.wo, sink)
 
 
@@ -344,7 +313,6 @@ class VisionMLPUnit(_VisionResidual):
 class MergerUnit(_ImageUnit):
     """RMSNorm per patch, each merge window's patches concatenated, a 2-layer MLP into
     the decoder width; the image rows become image tokens, text rows pass through.
-    Full recomputation: as the encoder's residual units."""
     Under SP its backward gathers the image tokens' gradient at the decoder's width
     (the default prepare_backward: the whole output gradient)."""
 
@@ -353,37 +321,7 @@ class MergerUnit(_ImageUnit):
         super().__init__("vision.merger", cfg, norm_w)
         self.fc1, self.fc2 = fc1, fc2
 
-    def _mlp(self, h: torch.Tensor, sink: list[WGradEntry]) -> torch.Tensor:
-        vc = self.cfg.vision
-        merged = h.reshape(h.shape[0], vc.image_tokens, vc.merged_width)
-        a = F.gelu(linear(merged, self.fc1, sink), approximate="tanh")
-        return linear(a, self.fc2, sink)  # [b, image_tokens, hidden], partial over TP
-
-    def _graph(self, st: _MbState, vis: torch.Tensor) -> torch.Tensor:
-        with torch.enable_grad():
-            v_in = vis.detach().requires_grad_(True)
-            h = rms_norm(v_in, self.norm_w, self.cfg.vision.norm_eps, st.sink)
-            h_in = h.detach().requires_grad_(True)
-            out = self._mlp(h_in, st.sink)
-        st.saved.update(v_in=v_in, h=h, h_in=h_in, out=out)
-        return out
-
     def forward_partial(self, mb: int, x: torch.Tensor,
-                        targets: torch.Tensor | None = None) -> torch.Tensor:
-        st = self._enter(mb, None, "F-partial")
-        vis, text = unpack(x, self.cfg)
-        if self.recompute == "full":
-            st.saved["x"] = x
-            with torch.no_grad():
-                return self._mlp(rms_norm(vis, self.norm_w, self.cfg.vision.norm_eps, []), [])
-        st.saved["text"] = text
-        return self._graph(st, vis).detach()
-
-    def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
-        st = self._enter(mb, "F-partial", "F")
-        text = (unpack(st.saved["x"], self.cfg)[1] if self.recompute == "full"
-                else st.saved.pop("text"))
-        return torch.cat([reduced, text], dim=1)
                         targets: torch.Tensor | None = None) -> torch.Tensor | ToScatter:
         st, h_in = self._patches(mb, x)
         vc = self.cfg.vision
@@ -395,13 +333,13 @@ class MergerUnit(_ImageUnit):
         st.saved.pop("vis")
         return out.detach() if self.seq is None else self._spread(out.detach(), st)
 
+    def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
+        st = self._enter(mb, "F-partial", "F")
         k = st.saved["rows"][0]
         return torch.cat([reduced[:, :k], st.saved.pop("text")], dim=1)
 
     def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | ToScatter:
         st = self._enter(mb, "F", "B-partial")
-        if self.recompute == "full":
-            self._graph(st, unpack(st.saved.pop("x"), self.cfg)[0])
         k = st.saved["rows"][0]
         full = grad
         if self.seq is not None:

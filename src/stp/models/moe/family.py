@@ -51,7 +51,11 @@ class MoEFamily:
     def stage_builder(self, config: MoEConfig, num_stages: int, *,
                       partition: tuple[int, ...] | None,
                       weights: Callable[..., torch.Tensor] | None = None,
-                      sequence_parallel: bool = False) -> StageBuilder:
+                      sequence_parallel: bool = False,
+                      recompute: str = "none") -> StageBuilder:
+        if recompute != "none":
+            raise ValueError(f"recompute={recompute!r}: the mixture-of-experts stages "
+                             "do not recompute yet; use recompute='none'")
         if sequence_parallel:
             raise ValueError("--sequence-parallel: the MoE model has no sequence parallelism")
         if partition is not None:

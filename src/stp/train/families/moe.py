@@ -56,6 +56,9 @@ class MoEJob:
         DECODER_JOB.check_flags(job)
         if job.sequence_parallel:
             raise ValueError("--sequence-parallel: --arch moe has no sequence parallelism")
+        if job.recompute != "none":
+            raise ValueError(f"--recompute {job.recompute}: --arch moe does not recompute "
+                             "yet; drop --recompute")
 
     def config(self, job: TrainJob, tokenizer: Tokenizer | None) -> MoEConfig:
         if job.init_from is not None:
