@@ -62,6 +62,12 @@ class Kept:
     last_w: float
 
 
+def _measured(table: dict[tuple[int, bool], int], w: int, native: bool) -> float:
+    """A measured bytes-per-h entry; a dtype not measured (float64) scales float32's
+    by its width (these bytes are activations of the run's dtype)."""
+    return table.get((w, native), table[4, native] * w / 4)
+
+
 def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False) -> Kept:
     """The census formulas of the module doc for `spec` (its tp, sequence,
     micro_batch, sequence_parallel and recompute) in a run of `dtype_bytes`.
@@ -83,9 +89,10 @@ def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False) ->
         layer_b = w * h / sp
         layer_w = min(layer_w, layer_b)
     if t == 1:  # bytes per h counted beside the ids and mask, and in the loss head
-        first_b = 9 + {(4, True): 4, (4, False): 12, (2, True): 6, (2, False): 6}[
-            w, native_weights] * h
-        extra = {(4, True): 4, (4, False): 12, (2, True): 12, (2, False): 8}[w, native_weights]
+        first_b = 9 + _measured({(4, True): 4, (4, False): 12, (2, True): 6, (2, False): 6},
+                                w, native_weights) * h
+        extra = _measured({(4, True): 4, (4, False): 12, (2, True): 12, (2, False): 8},
+                          w, native_weights)
         last_b = w * (3 * h + v) + 8 + extra * h
     else:
         first_b = 9.0
