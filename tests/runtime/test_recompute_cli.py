@@ -59,4 +59,5 @@ def test_the_pre_launch_memory_estimate_prices_the_recompute_mode() -> None:
         dataclasses.replace(job, recompute=mode))).ranks]
         for mode in ("none", "selective", "full")}
     for none, sel, full in zip(peaks["none"], peaks["selective"], peaks["full"], strict=True):
-        assert full < sel < none, peaks  # the estimate keeps the s x s scores (no flash)
+        # the runtime's attention is a flash kernel: it keeps no scores for selective to drop
+        assert full < sel <= none, peaks
