@@ -129,11 +129,12 @@ def test_interrupt_stops_every_rank_with_one_line(tmp_path, target, sig, status)
         os.killpg(run.proc.pid, sig)
     else:
         os.kill(run.proc.pid, sig)
-    code, lines, elapsed = run.finish(within=30)
+    code, lines, elapsed = run.finish(within=90)
     assert code == status, lines
     assert len(lines) == 1 and lines[0].startswith("stp: interrupted at step "), lines
     assert "no checkpoint yet" in lines[0] or "last checkpoint: " in lines[0]
-    assert elapsed < 10, elapsed
+    # promptly, not after the 120 s collective timeout (a bound a loaded 2-core CI keeps)
+    assert elapsed < 60, elapsed
     assert run.leftovers() == []
 
 
@@ -141,7 +142,7 @@ def test_killed_worker_is_named_with_its_signal(tmp_path) -> None:
     run = _Train("--pp", "2", tmp=tmp_path)
     workers = run.wait_for_step()
     os.kill(workers[1], signal.SIGKILL)
-    code, lines, elapsed = run.finish(within=30)
+    code, lines, elapsed = run.finish(within=90)
     assert code == 1
     assert lines[-1] == ("stp: error: training stopped: rank 1 (pp 1, tp 0, dp 0) was killed "
                          "by SIGKILL; the other ranks were stopped"), lines
@@ -150,7 +151,8 @@ def test_killed_worker_is_named_with_its_signal(tmp_path) -> None:
     # a closed connection, said as such, with the time actually waited (not "120 s")
     assert "pipeline rank 1 (global rank 1, stage 1) closed the connection after" in survivor[0]
     assert "waited more than" not in survivor[0] and "Traceback" not in "".join(lines)
-    assert elapsed < 10, elapsed
+    # promptly, not after the 120 s collective timeout (a bound a loaded 2-core CI keeps)
+    assert elapsed < 60, elapsed
     assert run.leftovers() == []
 
 
