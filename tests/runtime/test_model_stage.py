@@ -360,7 +360,10 @@ def test_bad_build_stage_arguments_raise(cfg: ModelConfig, args: dict, needle: s
         build_stage(cfg, stage, num_stages, allreduce=lambda a: a, **args)
 
 
-def test_tp_without_a_process_group_is_refused():
+def test_tp_without_a_process_group_is_refused(monkeypatch):
+    # An in-process trainer earlier in the session leaves its world-1 group up (torn
+    # down at exit), so stand in for a process that never initialised one.
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
     with pytest.raises(ValueError, match="tp_size=2 needs torch.distributed"):
         build_stage(CFG, 0, 1, tp_size=2)
 
