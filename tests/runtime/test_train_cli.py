@@ -92,21 +92,22 @@ def test_single_process_run_prints_progress_and_summary(tmp_path: Path) -> None:
     ],
 )
 def test_bad_input_is_one_line_and_status_2(capsys, argv, message) -> None:
-    start = time.monotonic()
+    start = time.process_time()
     code = main(["train", *argv])
     err = capsys.readouterr().err
     assert code == 2
     assert message in err and err.count("\n") == 1, err
-    assert time.monotonic() - start < 30
+    # refused before any training: CPU seconds, which a loaded machine does not stretch
+    assert time.process_time() - start < 10
 
 
 def test_world_size_mismatch_under_torchrun_env() -> None:
     env = {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}
-    out, elapsed = _stp("train", "--pp", "2", env=env)
+    out, _ = _stp("train", "--pp", "2", env=env, timeout=60)  # a hang fails here
     assert out.returncode == 2
     assert "world size 3 does not match pp x tp x dp = 2 x 1 x 1 = 2" in out.stderr
-    assert out.stderr.count("\n") == 1 and elapsed < 30
+    assert out.stderr.count("\n") == 1
 
 
 @pytest.mark.slow
