@@ -120,7 +120,8 @@ def add_cost_args(p: argparse.ArgumentParser, *, recompute_auto: bool = False) -
     p.add_argument(
         "--cost", default=None, metavar="f=..,b=..,w=..,ar=..,comm=..",
         help="times of one microbatch through one rank's share (default f=b=w=1, ar=comm=0; "
-        f"each a number 0..{MAX_VALUE:g})",
+        "ag/rs: sequence parallelism's collectives, a2a: expert parallelism's all-to-alls, "
+        f"of one F or B pass; each a number 0..{MAX_VALUE:g})",
     )
     p.add_argument(
         "--mem", default=None, metavar="b=..,w=..",
