@@ -106,7 +106,8 @@ def _parse_kv(text: str, allowed: tuple[str, ...], what: str) -> dict[str, float
 
 def parse_costs(text: str | None, base: Costs | None = None) -> Costs:
     """`"f=1,b=1,w=1,ar=0.2,comm=0"` (or `ag=0.1,rs=0.1` for sequence
-    parallelism; `a2a=0.3` for expert parallelism's all-to-alls) -> Costs; missing keys keep `base`'s values."""
+    parallelism; `a2a=0.3` for expert parallelism's all-to-alls) -> Costs;
+    missing keys keep `base`'s values."""
     base = base or Costs()
     if not text:
         return base
