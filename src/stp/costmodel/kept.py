@@ -35,6 +35,12 @@ account was found. These reproduce the census to the byte, F to B, in
 float32 and bfloat16 at t = 1 and 2, and float32 with sequence parallelism
 at t = 2 (h 256, 4 heads, 2 kv heads, f 704, V 320, s 128, b 4; and h 64 at
 t = 1, tests/runtime/test_kept_census.py); the B-to-W terms within 1%.
+A mixture of experts (`stp.costmodel.moe`) reads `f` as the width a token
+computes and adds, per routed copy, `2 w h + 8` F to B (the gathered input,
+the expert output before its routing weight, the token index) and `2 w h`
+B to W, and the router's `routing_bytes`: estimated from what
+`stp.models.moe.units` keeps, checked against a measured run in
+`benchmarks/results/memory.md`.
 Recomputation is not in the census: `full` keeps the layer input (`w h /
 sp`), `selective` is taken to keep the same as none (the fused attention
 keeps no scores to drop).
@@ -74,7 +80,8 @@ def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False) ->
     `native_weights`: the schedule runs every W inside its B (1f1b, gpipe, ...), so
     at t = 1 autograd computes the weight gradients and the norms keep float32
     values for them; a schedule that defers W taps the linears instead."""
-    h, f, a, t, v = spec.hidden, spec.ffn, spec.heads, spec.tp, spec.vocab
+    # f: the width a token computes (a mixture of experts: its top-k and shared experts)
+    h, f, a, t, v = spec.hidden, spec.mlp_width, spec.heads, spec.tp, spec.vocab
     w = dtype_bytes
     sp = t if spec.sequence_parallel else 1
     kd = max(spec.kv_heads // t, 1) * spec.head_dim
@@ -85,6 +92,12 @@ def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False) ->
                   else w * (2 * h + 4 * h / sp) + 4 * 2 * h / sp)
     layer_b = replicated + w * ((2 * h + 4 * f) / t + 2 * kd) + 4 * (a / t + 2 / sp)
     layer_w = w * (2 * h / sp + 2 * h / t + 2 * h + 3 * f / t + 2 * kd) + 2 * (4 + w) * h / sp
+    # a mixture of experts (stp.models.moe.units): per routed copy the gathered input and
+    # the expert's output before its routing weight (h each) and the token index (8), and
+    # the router's logits and softmax; W reads each copy's input and output gradient
+    copies = spec.routed_copies
+    layer_b += copies * (2 * w * h + 8) + spec.routing_bytes
+    layer_w += copies * 2 * w * h
     if spec.recompute == "full":
         layer_b = w * h / sp
         layer_w = min(layer_w, layer_b)
