@@ -80,12 +80,12 @@ def test_one_expert_of_full_width_is_the_dense_layer():
 
 
 def test_bad_moe_fields_are_refused_in_one_line():
-    for fields, said in (({"ep": 3}, "ep=3 must divide experts=4"),
+    for changed, said in (({"ep": 3}, "ep=3 must divide experts=4"),
                          ({"top_k": 5}, "top_k=5 must be <= experts=4"),
                          ({"moe_every": 9}, "moe_every=9 must be <= layers=4"),
                          ({"shared_expert_ffn": -1}, "must be an integer >= 0")):
         with pytest.raises(ValueError, match=said):
-            replace(TINY, **fields)
+            replace(TINY, **changed)
 
 
 def test_expert_states_shard_over_the_expert_data_parallel_group():
