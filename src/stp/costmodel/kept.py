@@ -36,11 +36,15 @@ float32 and bfloat16 at t = 1 and 2, and float32 with sequence parallelism
 at t = 2 (h 256, 4 heads, 2 kv heads, f 704, V 320, s 128, b 4; and h 64 at
 t = 1, tests/runtime/test_kept_census.py); the B-to-W terms within 1%.
 A mixture of experts (`stp.costmodel.moe`) reads `f` as the width a token
-computes and adds, per routed copy, `2 w h + 8` F to B (the gathered input,
-the expert output before its routing weight, the token index) and `2 w h`
-B to W, and the router's `routing_bytes`: estimated from what
-`stp.models.moe.units` keeps, checked against a measured run in
-`benchmarks/results/memory.md`.
+computes and adds, per routed copy, `3 w h + 8` F to B (the gathered input,
+the expert output before and after its routing weight, the token index)
+and `2 w h` B to W, and the router's `routing_bytes`; the census of
+`stp.models.moe.units` (h 64 and 128, E 4 and 8, k 1 and 2, with and
+without a shared expert, float32 and bfloat16, t = 1) finds 4 w h + 28
+bytes more per token and MoE layer, w h more with a shared expert, and at
+t = 1 in float32 with W inside B not the dense unit's 8 h of norm values
+(`_moe_unit_extra`): fitted to the census, not derived; with them every
+case measured agrees within 11 bytes a token (0.3%).
 Recomputation is not in the census: `full` keeps the layer input (`w h /
 sp`), `selective` is taken to keep the same as none (the fused attention
 keeps no scores to drop).
@@ -74,6 +78,22 @@ def _measured(table: dict[tuple[int, bool], int], w: int, native: bool) -> float
     return table.get((w, native), table[4, native] * w / 4)
 
 
+def _moe_unit_extra(spec: ModelSpec, w: int, t: int, native_weights: bool) -> float:
+    """What the census finds an MoE unit keeping per token beside the dense MLP unit's
+    count at the same width, its routed copies and its router (measured, module doc):
+    4 w h + 28 bytes (the routed sum's h-wide tensors), w h more with a shared expert
+    (its output, kept by the gate's product); at t = 1 in float32 with W inside B,
+    none of the 8 h float32 norm values the dense unit keeps for autograd's W."""
+    moe = getattr(spec, "moe_fraction", 0.0)
+    if not moe:
+        return 0.0
+    h = spec.hidden
+    extra = 4 * w * h + 28 + (w * h if getattr(spec, "shared_expert_ffn", 0) else 0)
+    if t == 1 and native_weights and w == 4:
+        extra -= 8 * h
+    return moe * extra
+
+
 def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False) -> Kept:
     """The census formulas of the module doc for `spec` (its tp, sequence,
     micro_batch, sequence_parallel and recompute) in a run of `dtype_bytes`.
@@ -96,7 +116,8 @@ def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False) ->
     # the expert's output before its routing weight (h each) and the token index (8), and
     # the router's logits and softmax; W reads each copy's input and output gradient
     copies = spec.routed_copies
-    layer_b += copies * (2 * w * h + 8) + spec.routing_bytes
+    layer_b += copies * (3 * w * h + 8) + spec.routing_bytes + _moe_unit_extra(spec, w, t,
+                                                                               native_weights)
     layer_w += copies * 2 * w * h
     if spec.recompute == "full":
         layer_b = w * h / sp
