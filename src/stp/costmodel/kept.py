@@ -44,7 +44,9 @@ without a shared expert, float32 and bfloat16, t = 1) finds 4 w h + 28
 bytes more per token and MoE layer, w h more with a shared expert, and at
 t = 1 in float32 with W inside B not the dense unit's 8 h of norm values
 (`_moe_unit_extra`): fitted to the census, not derived; with them every
-case measured agrees within 11 bytes a token (0.3%).
+case measured agrees within 11 bytes a token (0.3%). At t = 2 the dense
+count already holds the 4 w h + 28 (one measured run, the `moe-stp-tp2`
+row of `benchmarks/results/memory.md`; no census at t > 1 yet).
 Recomputation is not in the census: `full` keeps the layer input (`w h /
 sp`), `selective` is taken to keep the same as none (the fused attention
 keeps no scores to drop).
@@ -83,14 +85,16 @@ def _moe_unit_extra(spec: ModelSpec, w: int, t: int, native_weights: bool) -> fl
     count at the same width, its routed copies and its router (measured, module doc):
     4 w h + 28 bytes (the routed sum's h-wide tensors), w h more with a shared expert
     (its output, kept by the gate's product); at t = 1 in float32 with W inside B,
-    none of the 8 h float32 norm values the dense unit keeps for autograd's W."""
+    none of the 8 h float32 norm values the dense unit keeps for autograd's W. At
+    t > 1 the dense count (two graphs, full-width partial outputs) already holds the
+    4 w h + 28: fitted to one measured run (`benchmarks/bench_memory.py`, moe-stp-tp2)."""
     moe = getattr(spec, "moe_fraction", 0.0)
     if not moe:
         return 0.0
     h = spec.hidden
-    extra = 4 * w * h + 28 + (w * h if getattr(spec, "shared_expert_ffn", 0) else 0)
-    if t == 1 and native_weights and w == 4:
-        extra -= 8 * h
+    extra = w * h if getattr(spec, "shared_expert_ffn", 0) else 0
+    if t == 1:  # at t > 1 the dense unit's two graphs and full-width partials hold them
+        extra += 4 * w * h + 28 - (8 * h if native_weights and w == 4 else 0)
     return moe * extra
 
 

@@ -68,7 +68,7 @@ from stp.costmodel.decoder_costs import Derived, derive_decoder, edge_costs
 from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.kept import Kept, stp_kept
 from stp.costmodel.model import RECOMPUTE_MODES, ModelSpec, decoder_only
-from stp.costmodel.moe import MoESpec
+from stp.costmodel.moe import MoESpec, router_parameters
 from stp.costmodel.stages import layered_costs
 from stp.schedule.ir import Kind, Schedule, passes_of
 from stp.schedule.offload import parse_policy
@@ -217,7 +217,9 @@ def _layer_parameters(spec: ModelSpec) -> float:
     h, t, d = spec.hidden, spec.tp, spec.head_dim
     kv_per_rank = max(spec.kv_heads // t, 1) * d
     dense, _ = spec.mlp_parameters()
-    return 2 * h * h / t + 2 * h * kv_per_rank + dense / t + _layer_experts(spec) + 2 * h
+    router = router_parameters(spec)  # whole on every TP rank
+    return (2 * h * h / t + 2 * h * kv_per_rank + (dense - router) / t + router
+            + _layer_experts(spec) + 2 * h)
 
 
 def _layer_experts(spec: ModelSpec) -> float:

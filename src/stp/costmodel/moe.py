@@ -28,7 +28,8 @@ of a layer at these shapes).
 Parameters: the experts (E x 3 h expert_ffn per MoE layer) are split over
 `ep` expert-parallel ranks (and over t, as stp shards each expert); the
 router, the shared expert, its gate and attention are not
-(`ModelSpec.mlp_parameters`).
+(`ModelSpec.mlp_parameters`); the router and the gate are whole on every TP
+rank (`router_parameters`).
 
 The all-to-all (expert parallelism, "GShard", arXiv 2006.16668; the
 DeepSeek-V3 report, arXiv 2412.19437, section 3.2): two per MoE layer in F,
@@ -62,7 +63,8 @@ from typing import ClassVar
 from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.model import ModelSpec
 
-__all__ = ["MoESpec", "a2a_bytes", "a2a_time", "active_parameters", "layer_a2a_time"]
+__all__ = ["MoESpec", "a2a_bytes", "a2a_time", "active_parameters", "layer_a2a_time",
+           "router_parameters"]
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,15 @@ class MoESpec(ModelSpec):
         moe_dense = h * self.experts + 3 * h * self.shared_expert_ffn + gate
         dense = (1 - x) * 3 * h * self.ffn + x * moe_dense
         return dense, x * self.experts * 3 * h * self.expert_ffn
+
+
+def router_parameters(spec: ModelSpec) -> float:
+    """A layer's router and shared-expert gate (a mean over layers): weights every TP
+    rank holds whole (stp.models.moe: replicated over TP); 0 for a dense model."""
+    if not isinstance(spec, MoESpec):
+        return 0.0
+    gate = spec.hidden if spec.shared_expert_ffn else 0
+    return spec.moe_fraction * (spec.hidden * spec.experts + gate)
 
 
 def active_parameters(spec: MoESpec, *, tied_embeddings: bool = False) -> int:
