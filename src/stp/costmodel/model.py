@@ -209,8 +209,8 @@ def layer_activation_bytes(spec: ModelSpec) -> tuple[float, float]:
     m_w = 2 * s * b * (
         (h / sp + (h + 2 * kd) / t)  # QKV: input, output gradient
         + (h / t + h / sp)  # attention output projection
-        + (h / sp + h * x + (g - 1) * f / t)  # MLP up (and gate); routed copies
-        + (f / t + h / sp + h * x)  # MLP down
+        + (h / sp + h * x / sp + (g - 1) * f / t)  # MLP up (and gate); routed copies
+        + (f / t + h / sp + h * x / sp)  # MLP down
     )
     if spec.recompute == "full":
         m_b = 2 * s * b * h / sp  # the layer input only
