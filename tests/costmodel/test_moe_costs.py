@@ -159,3 +159,18 @@ def test_cli_simulates_and_prices_the_presets(capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert said in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen2-57b-a14b"])
+def test_what_w_keeps_never_exceeds_what_b_keeps(name: str):
+    """The simulator needs M_W <= M_B (B frees, W frees the rest): every TP size the
+    heads allow, with and without sequence parallelism and recomputation."""
+    for tp in (1, 2, 4, 8):
+        for sp in (False, True):
+            for mode in ("none", "selective", "full"):
+                try:
+                    spec = replace(MODELS[name], tp=tp, sequence_parallel=sp, recompute=mode)
+                except ValueError:
+                    continue  # tp does not divide the heads
+                m_b, m_w = layer_activation_bytes(spec)
+                assert 0 < m_w <= m_b, (tp, sp, mode)
