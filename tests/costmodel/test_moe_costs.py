@@ -174,3 +174,12 @@ def test_what_w_keeps_never_exceeds_what_b_keeps(name: str):
                     continue  # tp does not divide the heads
                 m_b, m_w = layer_activation_bytes(spec)
                 assert 0 < m_w <= m_b, (tp, sp, mode)
+
+
+def test_draw_shows_the_all_to_alls(tmp_path, capsys):
+    out = tmp_path / "moe.svg"
+    assert main(["draw", "--model", "mixtral-8x7b,tp=2", "--pp", "2", "-m", "4", "--schedule",
+                 "stp", "--out", str(out)]) == 0
+    capsys.readouterr()
+    svg = out.read_text()
+    assert "expert all-to-all (A2A)" in svg and "A2A of " in svg
