@@ -33,6 +33,11 @@ from typing import Any
 MODEL = ["--layers", "4", "--hidden", "256", "--heads", "4", "--seq-len", "128"]
 """A model that trains in seconds on a laptop; activations dominate its bytes."""
 
+MOE = ["--arch", "moe", "--experts", "4", "--top-k", "2", "--expert-ffn", "256",
+       "--shared-expert-ffn", "128"]
+"""The mixture of experts on the same attention (ep 1: the runtime had no --ep when
+its rows were measured)."""
+
 CONFIGS: dict[str, list[str]] = {
     "1f1b": ["--pp", "2", "--schedule", "1f1b"],
     "zb-v": ["--pp", "2", "--schedule", "zb-v"],
@@ -48,6 +53,9 @@ CONFIGS: dict[str, list[str]] = {
     "stp-recompute-full": ["--pp", "2", "--schedule", "stp", "--recompute", "full"],
     "1f1b-dp2-shard-optimizer": ["--pp", "2", "--dp", "2", "--schedule", "1f1b",
                                  "--dtype", "bfloat16", "--shard-optimizer"],
+    "moe-1f1b": ["--pp", "2", "--schedule", "1f1b", *MOE],
+    "moe-stp": ["--pp", "2", "--schedule", "stp", *MOE],
+    "moe-stp-tp2": ["--pp", "2", "--tp", "2", "--schedule", "stp", *MOE],
 }
 NEEDS = {"--recompute": "recompute", "--shard-optimizer": "shard_optimizer"}
 """Flags other work adds to `stp train`, and the TrainJob field that shows it has."""

@@ -168,3 +168,15 @@ def test_search_and_compare_and_draw_take_partitions(capsys, tmp_path):
     assert main(["draw", "--schedule", "zb-v", "--pp", "4", "-m", "8", *model,
                  "--partition", "auto", "--out", str(svg)]) == 0
     assert "per-stage costs" in svg.read_text()
+
+
+def test_measured_costs_read_the_all_to_alls_apart_from_the_all_reduces():
+    """A2A spans (expert parallelism) of a trace become each stage's `a2a`, not its
+    all-reduce."""
+    sch = generate("1f1b", 2, 6)
+    model = LayeredCosts(StageCost(1.0, 1.5, 0.5, ar=0.2, mem_b=0.5, a2a=0.3), comm=0.25)
+    counts = (2,) * sch.num_stages
+    res = simulate(sch, stages=model.table(counts))
+    got = measured_stage_costs(_measured_doc(res, 6, list(counts)))
+    for want, have in zip(model.table(counts).stages, got.stages, strict=True):
+        assert (have.ar, have.a2a) == pytest.approx((want.ar, want.a2a), rel=1e-6)

@@ -111,11 +111,14 @@ def test_resume_is_exact_and_restores_the_experts(tmp_path: Path) -> None:
         assert abs(resumed[0][key] - whole[2][key]) <= 1e-9 * abs(whole[2][key]), key
 
 
-def test_stp_memory_refuses_an_moe_config_it_cannot_price(
+def test_stp_memory_prices_an_moe_config_with_every_expert(
     mixtral: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Priced as a decoder, one expert's intermediate_size would undercount the weights
-    E times: refused in one line until the cost model knows experts."""
-    code = main(["memory", "--model", str(mixtral / "config.json"), "--pp", "1"])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and "num_local_experts=4" in err and len(err.splitlines()) == 1, err
+    """A Mixtral config.json is priced as a mixture of experts (stp.costmodel.moe):
+    at pp 1 the weights counted are every weight transformers builds, each expert's."""
+    code = main(["memory", "--model", str(mixtral / "config.json"), "--pp", "1", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0
+    counted = json.loads(out)["ranks"][0]["parameters"]
+    theirs = _hf_moe.load_moe(mixtral)
+    assert counted == sum(p.numel() for p in theirs.parameters())

@@ -120,7 +120,8 @@ def add_cost_args(p: argparse.ArgumentParser, *, recompute_auto: bool = False) -
     p.add_argument(
         "--cost", default=None, metavar="f=..,b=..,w=..,ar=..,comm=..",
         help="times of one microbatch through one rank's share (default f=b=w=1, ar=comm=0; "
-        f"each a number 0..{MAX_VALUE:g})",
+        "ag/rs: sequence parallelism's collectives, a2a: expert parallelism's all-to-alls, "
+        f"of one F or B pass; each a number 0..{MAX_VALUE:g})",
     )
     p.add_argument(
         "--mem", default=None, metavar="b=..,w=..",
@@ -136,14 +137,15 @@ def add_cost_args(p: argparse.ArgumentParser, *, recompute_auto: bool = False) -
         "--model", default=None, metavar="NAME[,key=val..]",
         help="derive costs and memory from a model: a preset (zb-1.5b, zb-6.2b, zb-14.6b, "
         "zb-28.3b, qwen2-12.1b, qwen2-26.3b; multimodal: mllm-qwen2vl-7b with images, "
-        "resolution, ...) and/or fields (layers, hidden, heads, kv_heads, ffn, vocab, "
+        "resolution, ...; mixture of experts: mixtral-8x7b, qwen2-57b-a14b with ep, "
+        "experts, top_k, ...) and/or fields (layers, hidden, heads, kv_heads, ffn, vocab, "
         "sequence, micro_batch, tp, ...); --cost/--mem keys override the result",
     )
     p.add_argument(
         "--hardware", default=None, metavar="NAME[,key=val..]",
         help="hardware for --model: a100-80g (default), a800-80g or h100-80g, and/or fields "
         "(peak_flops, efficiency, tp_bandwidth, tp_latency, pp_bandwidth, pp_latency, "
-        "host_bandwidth, memory)",
+        "host_bandwidth, memory, node_gpus)",
     )
     p.add_argument(
         "--recompute", default=None,

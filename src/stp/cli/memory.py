@@ -67,7 +67,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "`stp train` command line (its flags and defaults), or --model with "
                        "the mesh flags.")
     p.add_argument("--model", default=None, metavar="PRESET|config.json",
-                   help="a decoder preset (qwen2-12.1b, qwen2-72b, llama3-405b, ...; with "
+                   help="a decoder preset (qwen2-12.1b, qwen2-72b, llama3-405b, ...; mixture "
+                   "of experts: mixtral-8x7b, qwen2-57b-a14b, with ep=N; with "
                    ",key=val fields) or a Hugging Face config.json; default: the model "
                    "`stp train`'s flags describe")
     p.add_argument("--hardware", default="a100-80g", metavar="NAME[,key=val..]",
@@ -134,9 +135,12 @@ def _model_estimate(args: argparse.Namespace) -> MemoryEstimate:
     spec = model_spec(args.model)
     m = args.microbatches or max(8, 2 * args.pp)
     seq = args.seq_len or (spec.sequence if spec.sequence > 1 else 4096)
+    # --ep where stp train has it; left at 1, a preset's own ep (`mixtral-8x7b,ep=8`)
+    # is priced where it divides --dp (stp.costmodel.memory.Layout.ep)
+    ep = getattr(args, "ep", None)
     layout = Layout(pp=args.pp, tp=args.tp, dp=args.dp, microbatches=m,
                     microbatch_size=args.microbatch_size or _OWN_DEFAULTS["microbatch_size"],
-                    seq_len=seq, schedule=args.schedule)
+                    seq_len=seq, schedule=args.schedule, ep=None if ep in (None, 1) else ep)
     feats = Features(dtype=args.dtype or _OWN_DEFAULTS["dtype"],
                      sequence_parallel=bool(args.sequence_parallel),
                      recompute=args.recompute or "none",
@@ -243,7 +247,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _print(est: MemoryEstimate, name: str) -> None:
     lay, f = est.layout, est.features
-    print(f"{name}: pp={lay.pp} tp={lay.tp} dp={lay.dp} m={lay.microbatches}"
+    ep = f" ep={lay.ep}" if lay.ep is not None else ""
+    print(f"{name}: pp={lay.pp} tp={lay.tp} dp={lay.dp}{ep} m={lay.microbatches}"
           f" microbatch {lay.microbatch_size} x {lay.seq_len} tokens, {lay.schedule}, {f.dtype}"
           f", sp={'on' if f.sequence_parallel else 'off'} recompute={f.recompute} "
           f"shard-optimizer={'on' if f.shard_optimizer else 'off'} offload={f.offload}")

@@ -103,11 +103,16 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(line)
     print(f"makespan {_fmt(res.makespan)}  bubble_rate {res.bubble_rate:.2%}  "
           f"pp_bubble {_fmt(res.pp_bubble)}  tp_bubble {_fmt(res.tp_bubble)}  "
-          f"(critical rank {res.critical_rank.rank})")
+          + (f"a2a_bubble {_fmt(res.a2a_bubble)}  " if res.costs.a2a else "")
+          + f"(critical rank {res.critical_rank.rank})")
     header = ["rank", "span", "compute", "tp_total", "exposed_tp", "hidden_tp", "idle",
               "peak_act"]
     rows = [[str(r.rank), _fmt(r.span), _fmt(r.compute), _fmt(r.tp_total), _fmt(r.exposed_tp),
              _fmt(r.hidden_tp), _fmt(r.idle), _fmt(r.peak_activation)] for r in res.ranks]
+    if any(r.a2a_total for r in res.ranks):  # expert parallelism's all-to-alls
+        header[6:6] = ["a2a_total", "exposed_a2a", "hidden_a2a"]
+        for row, r in zip(rows, res.ranks, strict=True):
+            row[6:6] = [_fmt(r.a2a_total), _fmt(r.exposed_a2a), _fmt(r.hidden_a2a)]
     if plan is not None:
         base = simulate(sch, costs, mem, layers=args.layers, record_spans=False,
                         stages=stages)
@@ -124,6 +129,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 def _costs_text(res: SimResult) -> str:
     c = res.costs
     sp = f" ag={c.ag:g} rs={c.rs:g}" if c.ag or c.rs else ""
+    sp += f" a2a={c.a2a:g}" if c.a2a else ""
     return (f"f={c.f:g} b={c.b:g} w={c.w:g} ar={c.ar:g}{sp} comm={c.comm:g}; "
             f"mem b={res.mem.m_b:g} w={res.mem.m_w:g}")
 
@@ -214,6 +220,10 @@ def run_compare(args: argparse.Namespace) -> int:
         rows = [[r.schedule.name, _fmt(r.makespan), f"{slowest / r.makespan:.3f}x",
                  f"{r.bubble_rate:.1%}", _fmt(r.pp_bubble), _fmt(r.tp_bubble),
                  _fmt(max(r.peak_activation))] for r in results]
+        if results[0].costs.a2a:  # expert parallelism: the exposed all-to-all beside TP's
+            header.insert(6, "a2a_bubble")
+            for row, r in zip(rows, results, strict=True):
+                row.insert(6, _fmt(r.a2a_bubble))
         if any(r.stages is not None and r.stages.partition for r in results):
             header.append("partition")
             for row, r in zip(rows, results, strict=True):

@@ -6,10 +6,12 @@ torch-side reader that builds the model itself).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from stp.costmodel.model import ModelSpec
-from stp.shapes import ModelConfig
+from stp.costmodel.moe import MoESpec
+from stp.shapes import ModelConfig, MoEConfig
 
 __all__ = ["spec_from_config", "spec_from_hf_json", "HF_MAX_BYTES"]
 
@@ -31,10 +33,43 @@ def spec_from_config(config: ModelConfig, *, seq_len: int, microbatch_size: int 
     # A config.json `head_dim` other than hidden / heads (Llama 3.2 1B, Gemma) makes the
     # attention's width differ from the residual stream's; the spec has one width, the
     # residual's, so such a model's attention is priced as if head_dim = hidden / heads.
-    return ModelSpec(layers=config.num_layers, hidden=config.hidden, heads=config.num_heads,
+    spec = ModelSpec(layers=config.num_layers, hidden=config.hidden, heads=config.num_heads,
                      kv_heads=config.num_kv_heads, ffn=config.ffn, vocab=config.vocab_size,
                      sequence=seq_len, micro_batch=microbatch_size, tp=tp, gated_mlp=True,
                      flash_attention=flash_attention, dropout=False, name="config")
+    if isinstance(config, MoEConfig):
+        return MoESpec(**_fields(spec), experts=config.num_experts, top_k=config.top_k,
+                       expert_ffn=config.expert_ffn,
+                       shared_expert_ffn=config.shared_expert_ffn, moe_every=config.moe_every)
+    return spec
+
+
+def _fields(spec: ModelSpec) -> dict[str, object]:
+    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(ModelSpec)}
+
+
+def _moe_json(obj: Mapping, base: ModelSpec, where: str) -> MoESpec:
+    """A mixture of experts' fields of a Qwen2-MoE or Mixtral config.json on top of
+    the decoder fields `base` read (transformers' names)."""
+    mixtral = obj.get("model_type") == "mixtral"
+    names = ((("num_local_experts", "experts"), ("num_experts_per_tok", "top_k"),
+              ("intermediate_size", "expert_ffn")) if mixtral else
+             (("num_experts", "experts"), ("num_experts_per_tok", "top_k"),
+              ("moe_intermediate_size", "expert_ffn"),
+              ("shared_expert_intermediate_size", "shared_expert_ffn"),
+              ("decoder_sparse_step", "moe_every")))
+    vals: dict[str, int] = {}
+    for key, field in names:
+        raw = obj.get(key, 0 if field == "shared_expert_ffn" else 1 if field == "moe_every"
+                      else None)
+        low = 0 if field == "shared_expert_ffn" else 1
+        if isinstance(raw, bool) or not isinstance(raw, int) or not low <= raw <= 1 << 24:
+            raise ValueError(f"{where}: {key}={raw!r}; expected an integer {low}..{1 << 24}")
+        vals[field] = raw
+    if obj.get("mlp_only_layers"):
+        raise ValueError(f"{where}: mlp_only_layers={obj['mlp_only_layers']!r}: the cost "
+                         "model prices MoE layers every decoder_sparse_step layers only")
+    return MoESpec(**_fields(base), **vals)
 
 
 def spec_from_hf_json(obj: object, where: str) -> ModelSpec:
@@ -42,10 +77,11 @@ def spec_from_hf_json(obj: object, where: str) -> ModelSpec:
     any model with their field names); ValueError naming the file and field."""
     if not isinstance(obj, Mapping):
         raise ValueError(f"{where}: a config.json is a JSON object")
+    moe = obj.get("model_type") in ("qwen2_moe", "mixtral")
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if obj.get(key):  # its intermediate_size is one expert's: priced dense, it is wrong
-            raise ValueError(f"{where}: {key}={obj[key]!r}: the cost model has no formulas for "
-                             "mixture-of-experts models yet")
+        if obj.get(key) and not moe:  # its intermediate_size is one expert's: wrong dense
+            raise ValueError(f"{where}: {key}={obj[key]!r}: the cost model prices the "
+                             "mixture-of-experts layouts of qwen2_moe and mixtral only")
     vals: dict[str, int] = {}
     for key, field in (*_HF_FIELDS, ("num_key_value_heads", "kv_heads")):
         raw = obj.get(key, obj.get("num_attention_heads") if field == "kv_heads" else None)
@@ -59,7 +95,8 @@ def spec_from_hf_json(obj: object, where: str) -> ModelSpec:
     act = obj.get("hidden_act", "silu")
     name = str(obj.get("model_type", "config.json"))[:40]
     try:
-        return ModelSpec(**vals, sequence=1, gated_mlp=act in ("silu", "swiglu"),
+        spec = ModelSpec(**vals, sequence=1, gated_mlp=act in ("silu", "swiglu"),
                          flash_attention=True, dropout=False, name=name)
+        return _moe_json(obj, spec, where) if moe else spec
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None

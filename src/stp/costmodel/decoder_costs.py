@@ -13,6 +13,8 @@ One rank's share (`derive_decoder`): what one rank does for one microbatch
     ag, rs    with sequence parallelism, instead of `ar`: L x 2 all-gathers and
               L x 2 reduce-scatters of the same s b h values (ring: each moves
               (t-1)/t of the bytes, half an all-reduce's traffic)
+    a2a       a mixture of experts with ep > 1: L x 2 all-to-alls per MoE layer
+              (dispatch, combine; `stp.costmodel.moe` for bytes and links)
     comm      one send of the stage output, s b h 16-bit values (1/t of it per
               TP rank with sequence parallelism, Korthikanti et al. 2023)
     mem       M_B = 1 unit = L x M_B bytes of a layer; M_W as a fraction of it
@@ -68,6 +70,7 @@ from stp.costmodel.hardware import (
     reduce_scatter_time,
 )
 from stp.costmodel.model import ModelSpec, layer_activation_bytes, layer_flops
+from stp.costmodel.moe import layer_a2a_time
 from stp.schedule.memory import MemCosts
 from stp.sim.costs import Costs
 from stp.sim.layered import LayeredCosts
@@ -99,7 +102,7 @@ class Derived:
         c = self.costs
         return {
             "costs_ms": {"f": c.f, "b": c.b, "w": c.w, "ar": c.ar, "comm": c.comm,
-                         "ag": c.ag, "rs": c.rs},
+                         "ag": c.ag, "rs": c.rs, "a2a": c.a2a},
             "mem": {"b": self.mem.m_b, "w": self.mem.m_w},
             "bytes_per_unit": self.bytes_per_unit,
             "layers_per_rank": self.layers_per_rank,
@@ -134,8 +137,9 @@ def derive_decoder(model: ModelSpec, hardware: HardwareSpec, pp: int) -> Derived
     comm = p2p_time(sent, hardware.pp_bandwidth, hardware.pp_latency)
     m_b, m_w = layer_activation_bytes(model)
     unit = m_b * per_rank
+    a2a = per_rank * layer_a2a_time(model, hardware)  # expert parallelism (costmodel.moe)
     costs = Costs(f=f_fl * ms, b=b_fl * ms, w=w_fl * ms, ar=ar * 1e3, comm=comm * 1e3,
-                  ag=gather * 1e3, rs=scatter * 1e3)
+                  ag=gather * 1e3, rs=scatter * 1e3, a2a=a2a * 1e3)
     lm_head = 2.0 * s * b * h * model.vocab / t * ms
     compute = costs.f + costs.b + costs.w
     offload = (unit / hardware.host_bandwidth * 1e3) / compute

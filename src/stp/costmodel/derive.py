@@ -58,6 +58,7 @@ def _parse(text: str, presets: dict, cls: type, what: str) -> object:
         if name not in presets:
             raise ValueError(f"unknown {what} preset {name!r}; choose one of: {', '.join(presets)}")
         base = presets[name]
+        cls = type(base)  # a preset's own fields (a mixture of experts': experts, ep, ..)
     vals: dict[str, object] = {}
     for item in items:
         key, sep, raw = item.partition("=")

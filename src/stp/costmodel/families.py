@@ -18,6 +18,7 @@ from stp.costmodel.decoder_costs import decoder_layered_costs, derive_decoder
 from stp.costmodel.mllm import MLLMSpec
 from stp.costmodel.mllm_costs import check_mllm_partition, derive_mllm, mllm_layered_costs
 from stp.costmodel.model import ModelSpec
+from stp.costmodel.moe import MoESpec
 
 __all__ = ["SpecCosts", "costs_of"]
 
@@ -42,6 +43,9 @@ def _any_partition(spec: ModelSpec, counts: tuple[int, ...]) -> None:
 
 _BY_SPEC: dict[type, SpecCosts] = {
     ModelSpec: SpecCosts(derive_decoder, decoder_layered_costs, _any_partition),
+    # a mixture of experts is a decoder whose MLP hooks and all-to-all (costmodel.moe)
+    # the decoder's functions read
+    MoESpec: SpecCosts(derive_decoder, decoder_layered_costs, _any_partition),
     MLLMSpec: SpecCosts(derive_mllm, mllm_layered_costs, check_mllm_partition),
 }
 

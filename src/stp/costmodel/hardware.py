@@ -48,6 +48,10 @@ class HardwareSpec:
     memory: float = 0.0
     """Bytes of device memory one GPU offers (what nvidia-smi reports as total);
     0: not known (a custom spec that does not say)."""
+    node_gpus: int = 8
+    """GPUs of one node, linked at `tp_bandwidth` (NVLink); a collective whose group
+    spans more runs its inter-node share at `pp_bandwidth` (expert parallelism's
+    all-to-all, `stp.costmodel.moe`)."""
 
     def __post_init__(self) -> None:
         for fl in fields(self):
@@ -59,6 +63,8 @@ class HardwareSpec:
         for key in ("peak_flops", "tp_bandwidth", "pp_bandwidth", "host_bandwidth"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"hardware {key}={getattr(self, key)!r} must be > 0")
+        if isinstance(self.node_gpus, float) or self.node_gpus < 1:
+            raise ValueError(f"hardware node_gpus={self.node_gpus!r} must be an integer >= 1")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"hardware efficiency={self.efficiency!r} must be in (0, 1]")
 

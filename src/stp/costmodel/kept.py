@@ -35,6 +35,18 @@ account was found. These reproduce the census to the byte, F to B, in
 float32 and bfloat16 at t = 1 and 2, and float32 with sequence parallelism
 at t = 2 (h 256, 4 heads, 2 kv heads, f 704, V 320, s 128, b 4; and h 64 at
 t = 1, tests/runtime/test_kept_census.py); the B-to-W terms within 1%.
+A mixture of experts (`stp.costmodel.moe`) reads `f` as the width a token
+computes and adds, per routed copy, `3 w h + 8` F to B (the gathered input,
+the expert output before and after its routing weight, the token index)
+and `2 w h` B to W, and the router's `routing_bytes`; the census of
+`stp.models.moe.units` (h 64 and 128, E 4 and 8, k 1 and 2, with and
+without a shared expert, float32 and bfloat16, t = 1) finds 4 w h + 28
+bytes more per token and MoE layer, w h more with a shared expert, and at
+t = 1 in float32 with W inside B not the dense unit's 8 h of norm values
+(`_moe_unit_extra`): fitted to the census, not derived; with them every
+case measured agrees within 11 bytes a token (0.3%). At t = 2 the dense
+count already holds the 4 w h + 28 (one measured run, the `moe-stp-tp2`
+row of `benchmarks/results/memory.md`; no census at t > 1 yet).
 Recomputation is not in the census: `full` keeps the layer input (`w h /
 sp`), `selective` is taken to keep the same as none (the fused attention
 keeps no scores to drop).
@@ -68,13 +80,32 @@ def _measured(table: dict[tuple[int, bool], int], w: int, native: bool) -> float
     return table.get((w, native), table[4, native] * w / 4)
 
 
+def _moe_unit_extra(spec: ModelSpec, w: int, t: int, native_weights: bool) -> float:
+    """What the census finds an MoE unit keeping per token beside the dense MLP unit's
+    count at the same width, its routed copies and its router (measured, module doc):
+    4 w h + 28 bytes (the routed sum's h-wide tensors), w h more with a shared expert
+    (its output, kept by the gate's product); at t = 1 in float32 with W inside B,
+    none of the 8 h float32 norm values the dense unit keeps for autograd's W. At
+    t > 1 the dense count (two graphs, full-width partial outputs) already holds the
+    4 w h + 28: fitted to one measured run (`benchmarks/bench_memory.py`, moe-stp-tp2)."""
+    moe = getattr(spec, "moe_fraction", 0.0)
+    if not moe:
+        return 0.0
+    h = spec.hidden
+    extra = w * h if getattr(spec, "shared_expert_ffn", 0) else 0
+    if t == 1:  # at t > 1 the dense unit's two graphs and full-width partials hold them
+        extra += 4 * w * h + 28 - (8 * h if native_weights and w == 4 else 0)
+    return moe * extra
+
+
 def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False) -> Kept:
     """The census formulas of the module doc for `spec` (its tp, sequence,
     micro_batch, sequence_parallel and recompute) in a run of `dtype_bytes`.
     `native_weights`: the schedule runs every W inside its B (1f1b, gpipe, ...), so
     at t = 1 autograd computes the weight gradients and the norms keep float32
     values for them; a schedule that defers W taps the linears instead."""
-    h, f, a, t, v = spec.hidden, spec.ffn, spec.heads, spec.tp, spec.vocab
+    # f: the width a token computes (a mixture of experts: its top-k and shared experts)
+    h, f, a, t, v = spec.hidden, spec.mlp_width, spec.heads, spec.tp, spec.vocab
     w = dtype_bytes
     sp = t if spec.sequence_parallel else 1
     kd = max(spec.kv_heads // t, 1) * spec.head_dim
@@ -85,6 +116,13 @@ def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False) ->
                   else w * (2 * h + 4 * h / sp) + 4 * 2 * h / sp)
     layer_b = replicated + w * ((2 * h + 4 * f) / t + 2 * kd) + 4 * (a / t + 2 / sp)
     layer_w = w * (2 * h / sp + 2 * h / t + 2 * h + 3 * f / t + 2 * kd) + 2 * (4 + w) * h / sp
+    # a mixture of experts (stp.models.moe.units): per routed copy the gathered input and
+    # the expert's output before its routing weight (h each) and the token index (8), and
+    # the router's logits and softmax; W reads each copy's input and output gradient
+    copies = spec.routed_copies
+    layer_b += copies * (3 * w * h + 8) + spec.routing_bytes + _moe_unit_extra(spec, w, t,
+                                                                               native_weights)
+    layer_w += copies * 2 * w * h
     if spec.recompute == "full":
         layer_b = w * h / sp
         layer_w = min(layer_w, layer_b)

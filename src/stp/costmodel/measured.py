@@ -17,6 +17,8 @@ over the ranks that run it (TP and DP replicas):
                 between actions, the rank waiting for a core); the mean, not
                 a median, so that the step's total comes out right.
     ar, ar_b    the all-reduce lane's occupancy after F and after B units
+    a2a         expert parallelism's all-to-all spans (kind A2A) of F and B
+                together, halved: one pass's
     units       compute spans of one forward pass
     comm        the mean time from a remote input's producing action's end
                 to the start of an action that waited for it, less the mean
@@ -97,6 +99,8 @@ class _Trace:
             elif cat == "tp":
                 letter = _PASS.match(str(ev["name"]))
                 key = "ar" if letter is not None and letter[2] == "F" else "ar_b"
+                if str(a.get("kind")) == "A2A":  # expert parallelism's, F's and B's together
+                    key = "a2a"
                 self.ar[(rank, int(a["stage"]))][key] += float(ev["dur"])
         for acts in self.actions.values():
             acts.sort(key=lambda e: float(e["ts"]))
@@ -175,11 +179,12 @@ def measured_stage_costs(doc: object, where: str = "the trace") -> StageCosts:
         vals = {k: statistics.fmean(times[(r, s)][k] for r in ranks) / m / 1e3
                 for k in ("f", "b", "w")}
         ars = {k: statistics.fmean(tr.ar[(r, s)][k] for r in ranks) / m / 1e3
-               for k in ("ar", "ar_b")}
+               for k in ("ar", "ar_b", "a2a")}
         f_units = [c for (r, name), c in tr.f_units.items() if _stage_of(name) == s and c]
         rows.append(StageCost(vals["f"], vals["b"], vals["w"], ars["ar"], ars["ar_b"],
                               mem_b=counts[s] * share, mem_w=0.0,
-                              units=max(1, min(128, max(f_units, default=2)))))
+                              units=max(1, min(128, max(f_units, default=2))),
+                              a2a=ars["a2a"] / 2))  # one F's or one B's
     return StageCosts(tuple(rows), tr.latency(n) / 1e3,
                       tuple(counts) if part is not None else None)
 

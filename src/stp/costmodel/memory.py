@@ -19,6 +19,13 @@ on the first stage, the final norm and output layer on the last):
     1910.02054, section 5.1: `4 Psi + 12 Psi / N_d` with 16-bit gradients;
     masters too, as Megatron-LM's distributed optimizer) masters and
     optimizer are divided by dp.
+    experts      a mixture of experts (`stp.costmodel.moe`) with `ep`
+                 expert-parallel ranks (carved from the dp ranks: ep divides
+                 dp): each rank holds 1/ep of every MoE layer's experts
+                 (`P_e`, in P above), replicated over the dp/ep ranks of its
+                 expert-data-parallel group, so the sharded optimizer divides
+                 their masters and moments by dp/ep, not dp (the rest of P by
+                 dp).
     activations  the simulator's peak of resident activations on the rank
                  (`stp.sim.simulate` under the model's per-stage costs, so
                  the schedule, offload, recomputation and sequence
@@ -31,8 +38,10 @@ on the first stage, the final norm and output layer on the last):
                  a unit with sequence parallelism, `s b h`, for each of the
                  two passes a braided block runs at once; with a sharded
                  optimizer, the reduce-scattered fp32 gradient shard `4 P /
-                 dp`. All-reduces run in place and are not counted, nor is
-                 the allocator's fragmentation or the CUDA context.
+                 dp` (experts' over dp/ep); with ep > 1, one all-to-all's send
+                 and receive buffers, `s b k h` each, for each of two passes.
+                 All-reduces run in place and are not counted, nor is the
+                 allocator's fragmentation or the CUDA context.
 
 Whose activations (`Features.runtime`): `megatron`, Korthikanti's counting
 (`stp.costmodel.model`; `stp memory --model`), or `stp`, what stp's own
@@ -59,6 +68,7 @@ from stp.costmodel.decoder_costs import Derived, derive_decoder, edge_costs
 from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.kept import Kept, stp_kept
 from stp.costmodel.model import RECOMPUTE_MODES, ModelSpec, decoder_only
+from stp.costmodel.moe import MoESpec, router_parameters
 from stp.costmodel.stages import layered_costs
 from stp.schedule.ir import Kind, Schedule, passes_of
 from stp.schedule.offload import parse_policy
@@ -92,8 +102,17 @@ class Layout:
     schedule: str = "stp"
     partition: tuple[int, ...] | None = None
     """Layers per global stage (None: the even split, `stp.sim.layered`)."""
+    ep: int | None = None
+    """Expert-parallel ranks of a mixture of experts, carved from the dp ranks (ep
+    divides dp). None: the model spec's own `ep` where it divides dp, else 1 (noted)."""
 
     def __post_init__(self) -> None:
+        if self.ep is not None:
+            if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+                raise ValueError(f"ep={self.ep!r} must be an integer >= 1")
+            if self.dp % self.ep:
+                raise ValueError(f"ep={self.ep} must divide dp={self.dp} (the expert-parallel "
+                                 "group is carved from the data-parallel ranks)")
         for key in ("pp", "tp", "dp", "microbatches", "microbatch_size", "seq_len"):
             val = getattr(self, key)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
@@ -193,21 +212,34 @@ class MemoryEstimate:
 def _layer_parameters(spec: ModelSpec) -> float:
     """One TP rank's share of a layer: Q and O split by t; K and V split by t,
     or one kv head per rank when there are fewer kv heads than ranks (each is
-    replicated); the MLP split by t; the two norms replicated."""
+    replicated); the MLP split by t (a mixture of experts' experts by ep too);
+    the two norms replicated."""
     h, t, d = spec.hidden, spec.tp, spec.head_dim
     kv_per_rank = max(spec.kv_heads // t, 1) * d
-    return 2 * h * h / t + 2 * h * kv_per_rank + spec.mlp_matrices * h * spec.ffn / t + 2 * h
+    dense, _ = spec.mlp_parameters()
+    router = router_parameters(spec)  # whole on every TP rank
+    return (2 * h * h / t + 2 * h * kv_per_rank + (dense - router) / t + router
+            + _layer_experts(spec) + 2 * h)
+
+
+def _layer_experts(spec: ModelSpec) -> float:
+    """One rank's share of a layer's expert weights: 1/ep of the experts, each split by t."""
+    return spec.mlp_parameters()[1] / spec.tp / (spec.ep if isinstance(spec, MoESpec) else 1)
 
 
 def rank_parameters(spec: ModelSpec, num_stages: int, stage_to_rank: tuple[int, ...],
-                    counts: tuple[int, ...]) -> list[int]:
+                    counts: tuple[int, ...], *, experts_only: bool = False) -> list[int]:
     """Parameters each pipeline rank holds (one TP shard): its stages' layers, the
     vocab-parallel embedding on stage 0, the final norm and output layer on the
-    last stage (both padded to a multiple of t, as the runtime pads them)."""
+    last stage (both padded to a multiple of t, as the runtime pads them).
+    `experts_only`: of those, a mixture of experts' routed experts (1/ep of them)."""
     vocab_rows = -(-spec.vocab // spec.tp)
     out = [0.0] * (max(stage_to_rank) + 1)
     for stage in range(num_stages):
         rank = stage_to_rank[stage]
+        if experts_only:
+            out[rank] += counts[stage] * _layer_experts(spec)
+            continue
         out[rank] += counts[stage] * _layer_parameters(spec)
         if stage == 0:
             out[rank] += vocab_rows * spec.hidden
@@ -236,6 +268,7 @@ def estimate_run(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout:
     if isinstance(model, ModelConfig):
         model = spec_from_config(model, seq_len=layout.seq_len)
     model = decoder_only(model, "a memory estimate")
+    model, ep_note = _with_ep(model, layout)
     spec = replace(model, tp=layout.tp, sequence=layout.seq_len,
                    micro_batch=layout.microbatch_size,
                    sequence_parallel=features.sequence_parallel, recompute=features.recompute)
@@ -263,8 +296,30 @@ def estimate_run(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout:
     res = simulate(sch, derived.costs, mem, offload=plan if len(plan) else None,
                    offload_costs=oc, record_spans=False, stages=table)
     # memory_of_run takes a 16-bit unit and scales it by the dtype
-    return memory_of_run(spec, res, unit * 2 / DTYPE_BYTES[features.dtype], features,
-                         dp=layout.dp), res
+    est = memory_of_run(spec, res, unit * 2 / DTYPE_BYTES[features.dtype], features,
+                        dp=layout.dp)
+    if isinstance(spec, MoESpec):
+        est = replace(est, layout=replace(est.layout, ep=spec.ep))
+    return (replace(est, notes=(*est.notes, ep_note)) if ep_note else est), res
+
+
+def _with_ep(model: ModelSpec, layout: Layout) -> tuple[ModelSpec, str | None]:
+    """`model` at the layout's expert parallelism (`Layout.ep`), and a note when a
+    spec's own ep was set aside for not dividing dp."""
+    if not isinstance(model, MoESpec):
+        if layout.ep not in (None, 1):
+            raise ValueError(f"ep={layout.ep}: expert parallelism needs a mixture-of-experts "
+                             f"model; {model.name} has no experts")
+        return model, None
+    if layout.ep is not None:
+        if model.experts % layout.ep:
+            raise ValueError(f"ep={layout.ep} must divide the model's {model.experts} experts")
+        return replace(model, ep=layout.ep), None
+    if layout.dp % model.ep == 0:
+        return model, None
+    return replace(model, ep=1), (f"{model.name}'s ep={model.ep} does not divide dp="
+                                  f"{layout.dp}: priced at ep=1 (give dp a multiple of "
+                                  f"{model.ep}, or ep)")
 
 
 def _stp_table(spec: ModelSpec, hardware: HardwareSpec, pp: int, derived: Derived, dtype: str,
@@ -320,8 +375,10 @@ def memory_of_run(spec: ModelSpec, res: SimResult, bytes_per_unit: float,
                     partition=tuple(counts))
     act_scale = bytes_per_unit * DTYPE_BYTES[features.dtype] / 2
     params = rank_parameters(spec, sch.num_stages, sch.stage_to_rank, tuple(counts))
+    experts = rank_parameters(spec, sch.num_stages, sch.stage_to_rank, tuple(counts),
+                              experts_only=True)
     ranks = tuple(_rank(r, n, res.ranks[r].peak_activation * act_scale, spec, sch.chunks,
-                        layout, features)
+                        layout, features, experts[r])
                   for r, n in enumerate(params))
     notes = []
     splits = any(p.kind is Kind.W for acts in sch.actions for a in acts for p in passes_of(a))
@@ -332,19 +389,26 @@ def memory_of_run(spec: ModelSpec, res: SimResult, bytes_per_unit: float,
 
 
 def _rank(rank: int, params: int, activations: float, spec: ModelSpec, chunks: int,
-          layout: Layout, f: Features) -> RankMemory:
+          layout: Layout, f: Features, experts: int = 0) -> RankMemory:
     width = DTYPE_BYTES[f.dtype]
+    ep = spec.ep if isinstance(spec, MoESpec) else 1
     shard = layout.dp if f.shard_optimizer else 1
+    # the sharded optimizer splits dense states over dp, expert states over the dp / ep
+    # ranks that hold the same experts (the expert-data-parallel group): counted here as
+    # `states` parameters split dp ways
+    states = params + experts * (min(ep, layout.dp) - 1) if f.shard_optimizer else params
     grad_bytes = 4 if f.sixteen_bit else width
-    masters = 4 * params / shard if f.sixteen_bit else 0.0
-    moments = 2 * max(4, width) * params / shard
+    masters = 4 * states / shard if f.sixteen_bit else 0.0
+    moments = 2 * max(4, width) * states / shard
     values = spec.sequence * spec.micro_batch * spec.hidden * width  # one s b h tensor
     p2p = 2 * chunks * values / (spec.tp if spec.sequence_parallel else 1)
     gathered = 2 * values if spec.sequence_parallel and spec.tp > 1 else 0.0
-    grad_shard = 4 * params / shard if f.shard_optimizer and layout.dp > 1 else 0.0
+    grad_shard = 4 * states / shard if f.shard_optimizer and layout.dp > 1 else 0.0
+    # two passes' all-to-all in flight, a send and a receive buffer of s b k h each
+    a2a = 2 * 2 * values * spec.top_k if isinstance(spec, MoESpec) and ep > 1 else 0.0
     return RankMemory(rank, params, float(params * width), float(params * grad_bytes),
                       float(masters), float(moments), float(activations),
-                      float(p2p + gathered + grad_shard))
+                      float(p2p + gathered + grad_shard + a2a))
 
 
 def format_bytes(n: float) -> str:

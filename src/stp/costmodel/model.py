@@ -31,6 +31,11 @@ Models" (MLSys 2023), section 4.1, generalised to GQA and gated MLPs:
     M_W = 2sb [ (2h + (h + 2kd)/t) + (h/t + h) + (h + (g-1)f/t) + (f/t + h) ]
           (what W needs: each linear layer's input and its output gradient)
 
+A mixture of experts (`stp.costmodel.moe`) reads `f` as the width a token
+computes (its top-k experts and the shared expert) and adds its routed
+copies and router state (`ModelSpec.mlp_width`, `routed_copies`,
+`routing_bytes`, overridden there).
+
 For GPT (t = 1) these are Zero Bubble's `M_B = sb(34h + 5as)` and
 `M_W = 32sbh` (Table 1). With sequence parallelism the replicated terms are
 split too (Korthikanti eq. 5); flash attention keeps no s^2 terms.
@@ -57,6 +62,7 @@ Activation recomputation (`recompute`; Korthikanti et al., section 5):
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 __all__ = ["RECOMPUTE_MODES", "ModelSpec", "decoder_only", "layer_flops", "layer_activation_bytes",
            "num_parameters"]
@@ -103,11 +109,16 @@ class ModelSpec:
     decoder, Llama and Qwen2 train without dropout: specs made from their
     configs (`stp.costmodel.configs`) set False, and those bytes go."""
 
+    _ZERO_OK: ClassVar[tuple[str, ...]] = ()
+    """Integer fields that may be 0 (a subclass's optional parts)."""
+
     def __post_init__(self) -> None:
         for fl in fields(self):
             val = getattr(self, fl.name)
-            if fl.type == "int" and (not isinstance(val, int) or isinstance(val, bool) or val < 1):
-                raise ValueError(f"model {fl.name}={val!r} must be an integer >= 1")
+            low = 0 if fl.name in self._ZERO_OK else 1
+            if fl.type == "int" and (not isinstance(val, int) or isinstance(val, bool)
+                                     or val < low):
+                raise ValueError(f"model {fl.name}={val!r} must be an integer >= {low}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"model recompute={self.recompute!r}: choose one of "
                              f"{', '.join(RECOMPUTE_MODES)}")
@@ -133,10 +144,37 @@ class ModelSpec:
     def mlp_matrices(self) -> int:
         return 3 if self.gated_mlp else 2
 
+    # What a layer's MLP is, as the formulas below read it. A dense MLP: one
+    # input of h values per token, a hidden layer of f. A mixture of experts
+    # (stp.costmodel.moe.MoESpec) overrides these with its routed copies.
+
+    @property
+    def mlp_width(self) -> float:
+        """Hidden width a token's MLP computes (a layer's mean)."""
+        return float(self.ffn)
+
+    @property
+    def routed_copies(self) -> float:
+        """Extra h-wide copies of each token the MLP makes (a layer's mean): a
+        mixture of experts' dispatched inputs, one per chosen expert, each with
+        its expert's h-wide output kept for the routing weight's gradient."""
+        return 0.0
+
+    @property
+    def routing_bytes(self) -> float:
+        """Bytes per token a layer's router keeps from F to B (a layer's mean)."""
+        return 0.0
+
+    def mlp_parameters(self) -> tuple[float, float]:
+        """(dense, expert) MLP weights of a layer (a layer's mean, whole model): the
+        expert ones are split over expert-parallel ranks, the dense ones are not."""
+        return float(self.mlp_matrices * self.hidden * self.ffn), 0.0
+
 
 def layer_flops(spec: ModelSpec) -> tuple[float, float, float]:
     """(F, B, W) FLOPs of one transformer layer for one microbatch, one TP rank."""
-    s, b, h, f = spec.sequence, spec.micro_batch, spec.hidden, spec.ffn
+    # f: the width a token's MLP computes (a mixture of experts: its top-k and shared)
+    s, b, h, f = spec.sequence, spec.micro_batch, spec.hidden, spec.mlp_width
     kd = spec.kv_heads * spec.head_dim
     linear = 2 * s * b * (h * (h + 2 * kd) + h * h + spec.mlp_matrices * h * f)
     attn = 4 * s * s * b * h
@@ -151,10 +189,14 @@ def layer_flops(spec: ModelSpec) -> tuple[float, float, float]:
 
 def layer_activation_bytes(spec: ModelSpec) -> tuple[float, float]:
     """(M_B, M_W) bytes of one transformer layer for one microbatch, one TP rank."""
-    s, b, h, f, t = spec.sequence, spec.micro_batch, spec.hidden, spec.ffn, spec.tp
+    s, b, h, f, t = spec.sequence, spec.micro_batch, spec.hidden, spec.mlp_width, spec.tp
     kd = spec.kv_heads * spec.head_dim
     g = spec.mlp_matrices
     replicated = 10 * h if spec.dropout else 8 * h  # less the two 1-byte dropout masks
+    # routed copies: each extra h-wide input the experts read, and each h-wide expert
+    # output kept for the routing weights' gradient, 2 bytes a value; the router's own
+    x = spec.routed_copies
+    replicated += 4 * h * x + spec.routing_bytes
     split = 2 * h + 4 * kd + 2 * h + 2 * (g - 1) * f + 2 * f
     if spec.sequence_parallel:
         m_b = s * b * (replicated + split) / t
@@ -167,8 +209,8 @@ def layer_activation_bytes(spec: ModelSpec) -> tuple[float, float]:
     m_w = 2 * s * b * (
         (h / sp + (h + 2 * kd) / t)  # QKV: input, output gradient
         + (h / t + h / sp)  # attention output projection
-        + (h / sp + (g - 1) * f / t)  # MLP up (and gate)
-        + (f / t + h / sp)  # MLP down
+        + (h / sp + h * x / sp + (g - 1) * f / t)  # MLP up (and gate); routed copies
+        + (f / t + h / sp + h * x / sp)  # MLP down
     )
     if spec.recompute == "full":
         m_b = 2 * s * b * h / sp  # the layer input only
@@ -178,9 +220,9 @@ def layer_activation_bytes(spec: ModelSpec) -> tuple[float, float]:
 
 def num_parameters(spec: ModelSpec, *, tied_embeddings: bool = False) -> int:
     """Weights of the whole model (biases and norms left out: under 0.1%)."""
-    h, f = spec.hidden, spec.ffn
+    h = spec.hidden
     kd = spec.kv_heads * spec.head_dim
-    per_layer = h * (h + 2 * kd) + h * h + spec.mlp_matrices * h * f
+    per_layer = h * (h + 2 * kd) + h * h + sum(spec.mlp_parameters())
     embed = spec.vocab * h * (1 if tied_embeddings else 2)
     return spec.layers * per_layer + embed
 

@@ -22,6 +22,19 @@ Models
     16384, FFN dimension 53248, 128 attention / 8 key-value heads,
     vocabulary 128000 (128256 in the released config.json, used here);
     pre-training sequence 8192, tp 8 (section 3.3.2).
+  * `mixtral-8x7b`: Mixtral 8x7B as published (Jiang et al., "Mixtral of
+    Experts", arXiv 2401.04088, Table 1, and its released config.json: 32
+    layers, dim 4096, 32 query / 8 key-value heads, 8 experts of SwiGLU
+    width 14336, top-2 routing, vocabulary 32000, untied head): 46.7B
+    parameters, 12.9B active (`costmodel.moe.active_parameters`); sequence
+    4096, tp 1 and ep 8 by default.
+  * `qwen2-57b-a14b`: Qwen2-57B-A14B as published (Yang et al., "Qwen2
+    Technical Report", arXiv 2407.10671, Table 1, and its released
+    config.json: 28 layers, hidden 3584, 28 query / 4 key-value heads, 64
+    experts of SwiGLU width 2560, top-8 routing without renormalisation, a
+    shared expert of width 20480 with its sigmoid gate, vocabulary 151936,
+    untied head): 57.4B parameters, 14.2B active; sequence 4096, tp 1 and
+    ep 8 by default.
   * `mllm-qwen2vl-7b`: a multimodal model (Qwen2-VL-7B's shapes), in
     `stp.costmodel.mllm.MLLM_MODELS`.
 
@@ -43,6 +56,7 @@ from __future__ import annotations
 
 from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.model import ModelSpec
+from stp.costmodel.moe import MoESpec
 
 __all__ = [
     "MODELS",
@@ -75,6 +89,22 @@ def _llama3(name: str, layers: int, hidden: int, heads: int, ffn: int) -> ModelS
     )
 
 
+def _mixtral_8x7b() -> MoESpec:
+    return MoESpec(
+        layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000, sequence=4096,
+        micro_batch=1, tp=1, gated_mlp=True, flash_attention=True, name="mixtral-8x7b",
+        experts=8, top_k=2, expert_ffn=14336, ep=8,
+    )
+
+
+def _qwen2_57b_a14b() -> MoESpec:
+    return MoESpec(
+        layers=28, hidden=3584, heads=28, kv_heads=4, ffn=18944, vocab=151936, sequence=4096,
+        micro_batch=1, tp=1, gated_mlp=True, flash_attention=True, name="qwen2-57b-a14b",
+        experts=64, top_k=8, expert_ffn=2560, shared_expert_ffn=20480, ep=8,
+    )
+
+
 _MIB = 1 << 20
 
 MODELS: dict[str, ModelSpec] = {
@@ -88,6 +118,8 @@ MODELS: dict[str, ModelSpec] = {
         _qwen2("qwen2-26.3b", 46, 7168, 56, 18944),
         _qwen2("qwen2-72b", 80, 8192, 64, 29568),
         _llama3("llama3-405b", 126, 16384, 128, 53248),
+        _mixtral_8x7b(),
+        _qwen2_57b_a14b(),
     ]
 }
 

@@ -89,8 +89,11 @@ def dp_sync_seconds(parameters: float, dp: int, hardware: HardwareSpec) -> float
 
 
 def _shard_parameters(spec: ModelSpec) -> float:
-    """Parameters of one TP rank's shard of the whole model (about 1/t)."""
-    return num_parameters(spec) / spec.tp
+    """Parameters of one TP rank's shard of the whole model (about 1/t; a mixture of
+    experts' routed experts 1/ep of that again, stp.costmodel.moe)."""
+    ep = getattr(spec, "ep", 1)
+    experts = spec.layers * spec.mlp_parameters()[1] * (1 - 1 / ep)
+    return (num_parameters(spec) - experts) / spec.tp
 
 
 @lru_cache(maxsize=4096)

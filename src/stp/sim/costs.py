@@ -34,6 +34,11 @@ class Costs:
     rs: float = 0.0
     """Sequence parallelism: reduce-scatter time of one F (or one B) pass, all units
     together; each F/B unit ends with one (after its row-parallel linears)."""
+    a2a: float = 0.0
+    """Expert parallelism: all-to-all time of one F (or one B) pass, all units
+    together. An MoE layer runs two in F (dispatch the tokens to their experts'
+    ranks, combine the results back) and their two duals in B; each F/B unit
+    ends with one, after its TP collective (`stp.sim.engine`)."""
 
     def __post_init__(self) -> None:
         for fl in fields(self):
@@ -45,10 +50,11 @@ class Costs:
 
     @property
     def tp_time(self) -> float:
-        """All TP collective time of one F (or B) pass: the all-reduces, or with
-        sequence parallelism the all-gathers and reduce-scatters (a ring all-reduce
-        is exactly one reduce-scatter and one all-gather of the same bytes)."""
-        return self.ar + self.ag + self.rs
+        """All collective time of one F (or B) pass that a braid can hide: the TP
+        all-reduces, or with sequence parallelism the all-gathers and
+        reduce-scatters (a ring all-reduce is exactly one reduce-scatter and one
+        all-gather of the same bytes), and the expert all-to-alls."""
+        return self.ar + self.ag + self.rs + self.a2a
 
 
 @dataclass(frozen=True)
@@ -100,7 +106,8 @@ def _parse_kv(text: str, allowed: tuple[str, ...], what: str) -> dict[str, float
 
 def parse_costs(text: str | None, base: Costs | None = None) -> Costs:
     """`"f=1,b=1,w=1,ar=0.2,comm=0"` (or `ag=0.1,rs=0.1` for sequence
-    parallelism) -> Costs; missing keys keep `base`'s values."""
+    parallelism; `a2a=0.3` for expert parallelism's all-to-alls) -> Costs;
+    missing keys keep `base`'s values."""
     base = base or Costs()
     if not text:
         return base

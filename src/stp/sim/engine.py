@@ -34,6 +34,19 @@ Model (one rank; every rank of a TP group does the same, so one stands for all):
   Megatron-LM gathers a column-parallel linear's input once more in the
   backward for its weight gradient (it keeps only the s/t shard); that
   all-gather is not charged.
+* expert parallelism (`a2a` > 0): an MoE layer runs two all-to-alls in F
+  (dispatch each token to its top-k experts' ranks, combine the results
+  back) and their duals in B, so each F or B unit ends with one, `a2a / v /
+  U`, on the same lane after the unit's TP collective (the router between
+  the attention all-reduce and the dispatch is folded into the unit). The
+  next unit of the pass waits for it, so the braid rule hides it exactly as
+  it hides the all-reduce ("DeepSeek-V3 Technical Report", arXiv 2412.19437,
+  section 3.2.1: DualPipe overlaps one microbatch's all-to-alls with
+  another's compute); a pass on its own exposes it. In B the real layer
+  runs the combine's dual before its expert unit, not after the previous
+  unit: the same count and bytes per pass, one unit earlier. A wait that
+  ends inside an all-to-all counts as exposed all-to-all time, the rest of
+  it as exposed TP time.
 * sends: a pass's output leaves when its last all-reduce ends and arrives
   `comm` later on another rank; same-rank hand-offs (the V tip) are free.
 * memory: an action allocates its forwards' activations when it starts and
@@ -45,7 +58,8 @@ Model (one rank; every rank of a TP group does the same, so one stands for all):
   out has ended) and counts from its start; the backward waits for it.
 
 Accounting per rank: `exposed_tp` is compute-lane time spent waiting on an
-all-reduce beyond any wait for pipeline data; `idle` (the PP bubble) is the
+all-reduce beyond any wait for pipeline data, `exposed_a2a` on an
+all-to-all; `idle` (the PP bubble) is the
 rest of the span not spent computing.
 """
 
@@ -134,6 +148,7 @@ class _Rank:
         """Offload copy lanes free."""
         self.first_f = float("inf")
         self.last_end = self.busy = self.tp_wait = self.off_wait = self.tp_total = 0.0
+        self.a2a_wait = self.a2a_total = 0.0
         self.mem_events: list[MemEvent] = []
         self.waiting: Done | None = None
         """A result the next action needs that was missing when last checked."""
@@ -150,6 +165,8 @@ class _Rank:
             peak_activation=peak,
             exposed_offload=self.off_wait,
             tp_total=self.tp_total,
+            exposed_a2a=self.a2a_wait,
+            a2a_total=self.a2a_total,
         )
 
 
@@ -262,14 +279,16 @@ class _Simulation:
         its output is final (its last unit and last all-reduce ended)."""
         chain_ar = [0.0] * len(passes)  # end of the chain's last all-reduce
         chain_end = [0.0] * len(passes)
+        chain_a2a = [0.0] * len(passes)  # start of the all-to-all ending that collective
         sink = self.sink
         table = self.table
         unit_times = [table.unit_time[p.stage] for p in passes]
         ar_times = [table.ar_time[p.stage] for p in passes]
         ag_times = [table.ag_time[p.stage] for p in passes]
         rs_times = [table.rs_time[p.stage] for p in passes]
+        a2a_times = [table.a2a_time[p.stage] for p in passes]
         last_unit = [table.units[p.stage] - 1 if p.kind is _F else 0 for p in passes]
-        t, tp, busy, tp_wait = rank.lane, rank.tp, rank.busy, rank.tp_wait
+        t, tp, busy, tp_wait, a2a_wait = rank.lane, rank.tp, rank.busy, rank.tp_wait, 0.0
         start = -1.0
         for it in items:
             c = it.chain
@@ -282,8 +301,15 @@ class _Simulation:
                     sink.allreduce(it, ready[c], ready[c] + lead, "AG")
             else:
                 base = t
-            s = max(base, chain_ar[c]) if it.waits_ar else base
-            tp_wait += s - base
+            if it.waits_ar:
+                s = max(base, chain_ar[c])
+                in_a2a = s - max(base, chain_a2a[c])  # > 0: the wait ended in an all-to-all
+                if in_a2a > 0:
+                    a2a_wait += in_a2a
+                    tp_wait -= in_a2a
+                tp_wait += s - base
+            else:
+                s = base
             if start < 0:
                 start = s
             e = s + unit_times[c][it.kind]
@@ -294,21 +320,31 @@ class _Simulation:
                 rs = rs_times[c][kind]
                 ag = ag_times[c][kind] if it.unit != last_unit[c] else 0.0
                 trail = ar_times[c][kind] + rs + ag
-                if trail > 0:
+                a2a = a2a_times[c][kind]
+                if trail > 0 or a2a > 0:
                     rank.tp_total += trail
+                    rank.a2a_total += a2a
                     a0 = max(e, tp)
-                    tp = chain_ar[c] = a0 + trail
-                    sink.allreduce(it, a0, tp, "RS+AG" if ag > 0 else "RS" if rs > 0 else "AR")
+                    chain_a2a[c] = a0 + trail
+                    tp = chain_ar[c] = a0 + trail + a2a
+                    if trail > 0:
+                        sink.allreduce(it, a0, a0 + trail,
+                                       "RS+AG" if ag > 0 else "RS" if rs > 0 else "AR")
+                    if a2a > 0:
+                        sink.allreduce(it, chain_a2a[c], tp, "A2A")
                 else:
-                    chain_ar[c] = e
+                    chain_ar[c] = chain_a2a[c] = e
             chain_end[c] = max(e, chain_ar[c])
             t = e
         if len(passes) == 1:
             # plain TP code: the pass's last all-reduce is synchronous
             end = max(t, chain_ar[0])
-            tp_wait += end - t
+            in_a2a = max(0.0, end - max(t, chain_a2a[0]))
+            a2a_wait += in_a2a
+            tp_wait += end - t - in_a2a
             t = end
         rank.lane, rank.tp, rank.busy, rank.tp_wait = t, tp, busy, tp_wait
+        rank.a2a_wait += a2a_wait
         return start, chain_end
 
     def _chain_start(self, rank: _Rank, p: Pass, t: float, arrival: float,

@@ -76,13 +76,14 @@ def check_partition(counts: Sequence[int], num_stages: int, num_layers: int | No
 def _add(a: StageCost, b: StageCost, units: int) -> StageCost:
     ar_b = None if a.ar_b is None and b.ar_b is None else a.ar_backward + b.ar_backward
     return StageCost(a.f + b.f, a.b + b.b, a.w + b.w, a.ar + b.ar, ar_b,
-                     a.mem_b + b.mem_b, a.mem_w + b.mem_w, units, a.ag + b.ag, a.rs + b.rs)
+                     a.mem_b + b.mem_b, a.mem_w + b.mem_w, units, a.ag + b.ag, a.rs + b.rs,
+                     a.a2a + b.a2a)
 
 
 def _scale(c: StageCost, k: int) -> StageCost:
     ar_b = None if c.ar_b is None else c.ar_b * k
     return StageCost(c.f * k, c.b * k, c.w * k, c.ar * k, ar_b, c.mem_b * k, c.mem_w * k,
-                     c.units, c.ag * k, c.rs * k)
+                     c.units, c.ag * k, c.rs * k, c.a2a * k)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ class LayeredCosts:
         k = num_ranks / num_layers
         ar = costs.ar * k
         layer = StageCost(costs.f * k, costs.b * k, costs.w * k, ar, None, mem.m_b * k,
-                          mem.m_w * k, 2, costs.ag * k, costs.rs * k)
+                          mem.m_w * k, 2, costs.ag * k, costs.rs * k, costs.a2a * k)
         return cls(layer, first, last, costs.comm, 2 * layers,
                    num_layers if known_layers else None)
 
@@ -123,7 +124,7 @@ class LayeredCosts:
         if index == num_stages - 1:
             out = _add(out, self.last, self.units)
         return StageCost(out.f, out.b, out.w, out.ar, out.ar_b, out.mem_b, out.mem_w,
-                         self.units, out.ag, out.rs)
+                         self.units, out.ag, out.rs, out.a2a)
 
     def table(self, counts: Sequence[int]) -> StageCosts:
         """The cost table of the partition `counts` (layers per global stage)."""

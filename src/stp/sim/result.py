@@ -32,7 +32,8 @@ class Span:
     name: str
     """Action string of the pass it belongs to, e.g. '7F3'."""
     kind: str
-    """F, B, W (compute lane); AR, or RS and AG under sequence parallelism (tp lane);
+    """F, B, W (compute lane); AR, or RS and AG under sequence parallelism, and A2A
+    (expert parallelism's all-to-all) (tp lane);
     SEND (send lane); D2H/H2D (copies)."""
     stage: int
     mb: int
@@ -66,6 +67,10 @@ class RankStats:
     tp_total: float = 0.0
     """Time of every TP collective the rank runs (all-reduces, or with sequence
     parallelism all-gathers and reduce-scatters); what is not exposed is hidden."""
+    exposed_a2a: float = 0.0
+    """Compute-lane time spent waiting on expert-parallel all-to-alls."""
+    a2a_total: float = 0.0
+    """Time of every all-to-all the rank runs (two per MoE layer and pass)."""
 
     @property
     def hidden_tp(self) -> float:
@@ -73,14 +78,20 @@ class RankStats:
         return max(0.0, self.tp_total - self.exposed_tp)
 
     @property
+    def hidden_a2a(self) -> float:
+        """All-to-all time that ran under compute (never below 0)."""
+        return max(0.0, self.a2a_total - self.exposed_a2a)
+
+    @property
     def span(self) -> float:
         return self.end - self.start
 
     @property
     def idle(self) -> float:
-        """Pipeline bubble of this rank: span not spent computing, waiting on TP
-        or waiting on a reload."""
-        return self.span - self.compute - self.exposed_tp - self.exposed_offload
+        """Pipeline bubble of this rank: span not spent computing, waiting on TP,
+        on an all-to-all or on a reload."""
+        return (self.span - self.compute - self.exposed_tp - self.exposed_a2a
+                - self.exposed_offload)
 
 
 @dataclass
@@ -119,6 +130,11 @@ class SimResult:
         return self.critical_rank.exposed_tp
 
     @property
+    def a2a_bubble(self) -> float:
+        """Exposed all-to-all time of the longest-span rank."""
+        return self.critical_rank.exposed_a2a
+
+    @property
     def peak_activation(self) -> list[float]:
         return [r.peak_activation for r in self.ranks]
 
@@ -136,6 +152,7 @@ class SimResult:
             "bubble_rate": self.bubble_rate,
             "pp_bubble": self.pp_bubble,
             "tp_bubble": self.tp_bubble,
+            "a2a_bubble": self.a2a_bubble,
             "peak_activation": self.peak_activation,
             "offload": self.offload.policy if self.offload else "none",
             "offloaded_passes": len(self.offload) if self.offload else 0,
@@ -150,6 +167,9 @@ class SimResult:
                     "exposed_tp": r.exposed_tp,
                     "tp_total": r.tp_total,
                     "hidden_tp": r.hidden_tp,
+                    "exposed_a2a": r.exposed_a2a,
+                    "a2a_total": r.a2a_total,
+                    "hidden_a2a": r.hidden_a2a,
                     "exposed_offload": r.exposed_offload,
                     "idle": r.idle,
                     "peak_activation": r.peak_activation,

@@ -23,9 +23,10 @@ File format (`stp simulate --stage-costs FILE.json`, what `stp costs` writes):
 one object per global stage in stage order; `f`, `b`, `w` are required,
 `ar` (TP all-reduce time of the F pass), `ar_b` (of the B pass; default
 `ar`), `mem_b`, `mem_w` (default 0), `units` (pieces of the pass, each
-F/B unit ending in an all-reduce; default 2) and, with sequence
-parallelism, `ag` / `rs` (all-gather / reduce-scatter time of one F or B
-pass; default 0) optional. `comm` (point-to-point
+F/B unit ending in an all-reduce; default 2), with sequence
+parallelism `ag` / `rs` (all-gather / reduce-scatter time of one F or B
+pass; default 0) and with expert parallelism `a2a` (the all-to-alls of one
+F or B pass; default 0) optional. `comm` (point-to-point
 latency) and `partition` (layers per stage, for reports) are optional.
 """
 
@@ -46,7 +47,7 @@ MAX_TABLE_BYTES = 4 << 20
 """Largest stage-cost file read (4 MiB: far more than 1024 stages need)."""
 _MAX_UNITS = 128
 _MAX_VALUE = 1e12
-_KEYS = ("f", "b", "w", "ar", "ar_b", "mem_b", "mem_w", "units", "ag", "rs")
+_KEYS = ("f", "b", "w", "ar", "ar_b", "mem_b", "mem_w", "units", "ag", "rs", "a2a")
 _NUMBER_KEYS = tuple(k for k in _KEYS if k != "units")
 
 
@@ -88,9 +89,12 @@ class StageCost:
     rs: float = 0.0
     """Sequence parallelism: reduce-scatter time of one F or B pass (each F/B
     unit ends with one)."""
+    a2a: float = 0.0
+    """Expert parallelism: all-to-all time of one F or B pass (dispatch and
+    combine of every MoE layer; each F/B unit ends with one, `stp.sim.engine`)."""
 
     def __post_init__(self) -> None:
-        for key in ("f", "b", "w", "ar", "mem_b", "mem_w", "ag", "rs"):
+        for key in ("f", "b", "w", "ar", "mem_b", "mem_w", "ag", "rs", "a2a"):
             _number(getattr(self, key), key)
         if self.ar_b is not None:
             _number(self.ar_b, "ar_b")
@@ -115,6 +119,8 @@ class StageCost:
         out.update(mem_b=self.mem_b, mem_w=self.mem_w, units=self.units)
         if self.ag or self.rs:
             out.update(ag=self.ag, rs=self.rs)
+        if self.a2a:
+            out["a2a"] = self.a2a
         return out
 
     @classmethod
@@ -171,7 +177,8 @@ class StageCosts:
         rank share's costs and keeps 1/`chunks` of its memory."""
         v = chunks
         one = StageCost(costs.f / v, costs.b / v, costs.w / v, costs.ar / v, None,
-                        mem.m_b / v, mem.m_w / v, 2 * layers, costs.ag / v, costs.rs / v)
+                        mem.m_b / v, mem.m_w / v, 2 * layers, costs.ag / v, costs.rs / v,
+                        costs.a2a / v)
         return cls((one,) * num_stages, costs.comm)
 
     def check_fits(self, num_stages: int, where: str = "the stage cost table") -> None:
@@ -203,6 +210,7 @@ class StageCosts:
             w=sum(s.w for s in self.stages) / n,
             ar=sum((s.ar + s.ar_backward) / 2 for s in self.stages) / n, comm=self.comm,
             ag=sum(s.ag for s in self.stages) / n, rs=sum(s.rs for s in self.stages) / n,
+            a2a=sum(s.a2a for s in self.stages) / n,
         )
 
     def mean_mem(self, num_ranks: int) -> MemCosts:

@@ -1,5 +1,5 @@
 """What the simulator looks up per global stage: unit times, all-reduce
-times, unit counts, memory changes and offload copy times.
+(and all-to-all) times, unit counts, memory changes and offload copy times.
 
 Built once per run from the uniform `Costs` shorthand or a `StageCosts`
 table. The uniform path computes every figure with the same expressions as
@@ -32,6 +32,8 @@ class StageTable:
     """Sequence parallelism: all-gather before one F or B unit."""
     rs_time: list[dict[UnitKind, float]]
     """Sequence parallelism: reduce-scatter after one F or B unit."""
+    a2a_time: list[dict[UnitKind, float]]
+    """Expert parallelism: all-to-all after one F or B unit (after its TP collective)."""
     units: list[int]
     """Units of one pass."""
     delta: list[dict[Kind, float]]
@@ -50,10 +52,11 @@ def _uniform(num_stages: int, chunks: int, costs: Costs, mem: MemCosts, layers: 
     ars = {UnitKind.F: ar, UnitKind.B: ar, UnitKind.W: 0.0}
     ags = _f_and_b(costs.ag / v / n)
     rss = _f_and_b(costs.rs / v / n)
+    a2as = _f_and_b(costs.a2a / v / n)
     delta = {k: pass_memory_delta(Pass(0, k, 0), v, mem) for k in Kind}
     act = mem.m_b / v
     return StageTable([unit] * num_stages, [ars] * num_stages, [ags] * num_stages,
-                      [rss] * num_stages, [n] * num_stages,
+                      [rss] * num_stages, [a2as] * num_stages, [n] * num_stages,
                       [delta] * num_stages, [act] * num_stages,
                       [oc.copy_time(act)] * num_stages)
 
@@ -65,7 +68,7 @@ def _f_and_b(per_unit: float) -> dict[UnitKind, float]:
 
 
 def _per_stage(stages: StageCosts, oc: OffloadCosts) -> StageTable:
-    units, times, ars, ags, rss, deltas, acts = [], [], [], [], [], [], []
+    units, times, ars, ags, rss, a2as, deltas, acts = [], [], [], [], [], [], [], []
     for st in stages.stages:
         n = st.units
         units.append(n)
@@ -73,10 +76,11 @@ def _per_stage(stages: StageCosts, oc: OffloadCosts) -> StageTable:
         ars.append({UnitKind.F: st.ar / n, UnitKind.B: st.ar_backward / n, UnitKind.W: 0.0})
         ags.append(_f_and_b(st.ag / n))
         rss.append(_f_and_b(st.rs / n))
+        a2as.append(_f_and_b(st.a2a / n))
         deltas.append({Kind.F: st.mem_b, Kind.B: -(st.mem_b - st.mem_w), Kind.W: -st.mem_w,
                        Kind.BW: -st.mem_b})
         acts.append(st.mem_b)
-    return StageTable(times, ars, ags, rss, units, deltas, acts,
+    return StageTable(times, ars, ags, rss, a2as, units, deltas, acts,
                       [oc.copy_time(a) for a in acts])
 
 

@@ -14,7 +14,9 @@ function `stp train` and `stp memory` (given a train command line) both call.
   refused in one line instead of allocating until the kernel kills it.
 
 Families without a byte estimate (the multimodal model today) and emulated
-stages are not checked.
+stages are not checked; a mixture of experts is priced with its routed
+copies and router (`stp.costmodel.moe`) at the job's `ep` (1 where
+`stp train` has no `--ep`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from stp.costmodel.budget import parse_size
 from stp.costmodel.configs import spec_from_config
 from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.memory import Features, Layout, MemoryEstimate, estimate, format_bytes
-from stp.shapes import ModelConfig
+from stp.shapes import ModelConfig, MoEConfig
 
 __all__ = ["available_host_bytes", "check_memory", "no_estimate_reason", "run_estimate",
            "run_features"]
@@ -50,9 +52,9 @@ def no_estimate_reason(run: Any) -> str | None:
     job = run.job
     if job.emulate is not None:
         return "--emulate-compute stages wait instead of computing: they hold no model"
-    if type(run.config) is not ModelConfig:
-        return (f"--arch {job.arch}: the byte model prices the decoder only "
-                "(stp.costmodel.memory)")
+    if type(run.config) not in (ModelConfig, MoEConfig):
+        return (f"--arch {job.arch}: the byte model prices the decoder and the mixture of "
+                "experts only (stp.costmodel.memory)")
     return None
 
 
@@ -87,7 +89,8 @@ def run_estimate(run: Any, hardware: HardwareSpec | None = None,
     layout = Layout(pp=job.pp, tp=job.tp, dp=job.dp,
                     microbatches=run.schedule.num_microbatches,
                     microbatch_size=job.microbatch_size, seq_len=job.model.seq_len,
-                    schedule=run.schedule.name, partition=run.partition)
+                    schedule=run.schedule.name, partition=run.partition,
+                    ep=getattr(job, "ep", 1))  # expert parallelism, where stp train has it
     return estimate(spec, hardware or HARDWARE["a100-80g"], layout,
                     features or run_features(job), schedule=run.schedule)
 
