@@ -152,6 +152,7 @@ def _options(run: Run) -> TrainerOptions:
         partition=run.built_partition, sequence_parallel=job.sequence_parallel,
         shard_optimizer=job.shard_optimizer,
         recompute=job.recompute,
+        compile=job.compile,
     )
 
 

@@ -72,6 +72,9 @@ class TrainerOptions:
     recompute: str = "none"
     """Activation recomputation (stp.models.recompute): none, selective (the attention
     core again in B) or full (each unit's forward again in B, from its kept input)."""
+    compile: bool = False
+    """torch.compile the units' pieces between their linears (stp.models.compile): the
+    split backward, braiding, offload and recomputation unchanged."""
 
     def __post_init__(self) -> None:
         check_recompute(self.recompute)
