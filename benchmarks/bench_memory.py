@@ -48,8 +48,11 @@ CONFIGS: dict[str, list[str]] = {
     "stp-recompute-full": ["--pp", "2", "--schedule", "stp", "--recompute", "full"],
     "1f1b-dp2-shard-optimizer": ["--pp", "2", "--dp", "2", "--schedule", "1f1b",
                                  "--dtype", "bfloat16", "--shard-optimizer"],
+    "zb-v-compile": ["--pp", "2", "--schedule", "zb-v", "--compile"],
+    "stp-tp2-compile": ["--pp", "2", "--tp", "2", "--schedule", "stp", "--compile"],
 }
-NEEDS = {"--recompute": "recompute", "--shard-optimizer": "shard_optimizer"}
+NEEDS = {"--recompute": "recompute", "--shard-optimizer": "shard_optimizer",
+         "--compile": "compile"}
 """Flags other work adds to `stp train`, and the TrainJob field that shows it has."""
 
 INSTANT_HOST = ["--hardware", "a100-80g,host_bandwidth=1e15"]
