@@ -100,6 +100,10 @@ def test_compiled_units_really_run_compiled_kernels() -> None:
     assert compile_stats().graphs >= 8  # norm, rotary, SwiGLU and loss, each way
 
 
-def test_a_stage_without_units_is_refused_in_one_line() -> None:
+def test_a_stage_without_units_and_a_non_bool_are_refused_in_one_line() -> None:
+    from stp.train.trainer import TrainerOptions
+
     with pytest.raises(ValueError, match=r"^compile=True: stage object has no stp units"):
         compile_stages([object()])
+    with pytest.raises(ValueError, match=r"^compile must be True or False, got 'yes'$"):
+        TrainerOptions(compile="yes")

@@ -78,6 +78,8 @@ class TrainerOptions:
 
     def __post_init__(self) -> None:
         check_recompute(self.recompute)
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be True or False, got {self.compile!r}")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
         if self.clip_grad is not None and not self.clip_grad > 0:
