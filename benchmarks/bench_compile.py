@@ -6,8 +6,9 @@ compiled one of the same model, runs the compiled one's first step (the
 compile, reported apart as `compile s`) and one warm-up step of each, then
 alternates timed steps eager / compiled for --rounds rounds, so that a load
 the machine takes on or sheds meets both alike. Printed per size: the median
-step (min-max) of each, rank 0's wall, and eager / compiled (above 1:
-compiled is faster). A markdown table goes to --out.
+step (min-max) of each, rank 0's wall and rank 0's CPU time (the process's,
+its communication threads included: on a loaded machine the steadier figure),
+and eager / compiled of each (above 1: compiled is faster). A markdown table goes to --out.
 
     PYTHONPATH=src python3 benchmarks/bench_compile.py \
         [--sizes 256x4x128,512x4x256] [--pp 2] [--tp 1] [--schedule zb-v] [-m 8] \
@@ -70,13 +71,16 @@ def _measure(args: argparse.Namespace, size: tuple[int, int, int]) -> dict:
     trainers[False].step(batch)  # warm-up
     trainers[True].step(batch)
     steps: dict[bool, list[float]] = {False: [], True: []}
+    cpu: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(args.rounds):
         for compiled in (False, True):
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             trainers[compiled].step(batch)
             steps[compiled].append(time.perf_counter() - start)
-    return {"eager": steps[False], "compiled": steps[True], "compile_s": compile_s,
+            cpu[compiled].append(time.process_time() - start_cpu)
+    return {"eager": steps[False], "compiled": steps[True], "eager_cpu": cpu[False],
+            "compiled_cpu": cpu[True], "compile_s": compile_s,
             "first_s": first, "graphs": compile_stats().graphs - before.graphs}
 
 
@@ -97,8 +101,12 @@ def _row(size: str, r: dict, slowest_compile: float) -> str:
     def fmt(xs: list[float]) -> str:
         return f"{1000 * statistics.median(xs):.0f} ({1000 * min(xs):.0f}-{1000 * max(xs):.0f})"
 
-    ratio = statistics.median(r["eager"]) / statistics.median(r["compiled"])
-    return (f"| {size} | {fmt(r['eager'])} | {fmt(r['compiled'])} | {ratio:.2f} | "
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(r[a]) / statistics.median(r[b])
+
+    return (f"| {size} | {fmt(r['eager'])} | {fmt(r['compiled'])} | "
+            f"{ratio('eager', 'compiled'):.2f} | {fmt(r['eager_cpu'])} | "
+            f"{fmt(r['compiled_cpu'])} | {ratio('eager_cpu', 'compiled_cpu'):.2f} | "
             f"{slowest_compile:.1f} |")
 
 
@@ -130,9 +138,10 @@ def main() -> None:
              f"microbatches of 1 sequence, {args.dtype}, {args.rounds} alternating rounds, "
              "one thread per rank, gloo on the CPU",
              "",
-             "| size (hidden x layers x seq) | eager ms/step, median (min-max) | "
-             "compiled ms/step | eager / compiled | compile s (slowest rank) |",
-             "|---|---|---|---|---|"]
+             "| size (hidden x layers x seq) | eager wall ms/step, median (min-max) | "
+             "compiled wall ms/step | eager / compiled | eager CPU ms/step (rank 0) | "
+             "compiled CPU ms/step | eager / compiled (CPU) | compile s (slowest rank) |",
+             "|---|---|---|---|---|---|---|---|"]
     for i, size in enumerate(args.sizes.split(",")):
         slowest = max(results[r][i]["compile_s"] for r in results)
         lines.append(_row(size, results[0][i], slowest))
