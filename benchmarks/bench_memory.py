@@ -75,6 +75,9 @@ def missing_flag(flags: list[str]) -> str | None:
 def _stp(argv: list[str], cwd: str) -> dict[str, Any]:
     """The last JSON object `stp ARGV` prints on stdout."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if env.get("PYTHONPATH"):  # the runs start in a temporary directory: `src` must still resolve
+        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p
+                                            for p in env["PYTHONPATH"].split(os.pathsep))
     done = subprocess.run([sys.executable, "-m", "stp", *argv], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=900)
     if done.returncode:
