@@ -56,8 +56,11 @@ CONFIGS: dict[str, list[str]] = {
     "moe-1f1b": ["--pp", "2", "--schedule", "1f1b", *MOE],
     "moe-stp": ["--pp", "2", "--schedule", "stp", *MOE],
     "moe-stp-tp2": ["--pp", "2", "--tp", "2", "--schedule", "stp", *MOE],
+    "zb-v-compile": ["--pp", "2", "--schedule", "zb-v", "--compile"],
+    "stp-tp2-compile": ["--pp", "2", "--tp", "2", "--schedule", "stp", "--compile"],
 }
-NEEDS = {"--recompute": "recompute", "--shard-optimizer": "shard_optimizer"}
+NEEDS = {"--recompute": "recompute", "--shard-optimizer": "shard_optimizer",
+         "--compile": "compile"}
 """Flags other work adds to `stp train`, and the TrainJob field that shows it has."""
 
 INSTANT_HOST = ["--hardware", "a100-80g,host_bandwidth=1e15"]
@@ -80,6 +83,9 @@ def missing_flag(flags: list[str]) -> str | None:
 def _stp(argv: list[str], cwd: str) -> dict[str, Any]:
     """The last JSON object `stp ARGV` prints on stdout."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if env.get("PYTHONPATH"):  # the runs start in a temporary directory: `src` must still resolve
+        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p
+                                            for p in env["PYTHONPATH"].split(os.pathsep))
     done = subprocess.run([sys.executable, "-m", "stp", *argv], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=900)
     if done.returncode:

@@ -414,14 +414,14 @@ def test_passes_out_of_order_raise_and_state_is_freed():
 
 
 def _eps_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
-    import stp.models.decoder.units as decoder
+    import stp.models.decoder.kernels as decoder  # the units' eager kernels call it
 
     plain = decoder.rms_norm
     monkeypatch.setattr(decoder, "rms_norm", lambda x, w, eps, sink: plain(x, w, 0.0, sink))
 
 
 def _rope_turned_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    import stp.models.decoder.units as decoder
+    import stp.models.decoder.kernels as decoder  # the units' eager kernels call it
 
     def backwards(x, cos, sin):
         x1, x2 = x.chunk(2, dim=-1)

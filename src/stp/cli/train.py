@@ -81,6 +81,7 @@ class _Progress:
                    "resident_activation_bytes": r.resident_activation_bytes}
             row.update({"skipped": True} if r.skipped else {})
             row.update({} if r.eval_loss is None else {"eval_loss": r.eval_loss})
+            row.update({} if getattr(r, "compile_s", None) is None else {"compile_s": r.compile_s})
             row.update(getattr(r, "figures", None) or {})  # e.g. an MoE's aux_loss
             print(json.dumps(row), flush=True)
             return
@@ -125,6 +126,10 @@ def _summary(s: Any, as_json: bool) -> None:
         text += (f"\nloss {s.first_loss:.4f} -> {s.last_loss:.4f}, "
                  f"{s.tokens_per_s / 1000:.1f}k tokens/s, "
                  f"{1000 * s.step_time_s:.0f} ms/step")
+    if getattr(s, "compile_s", None) is not None:
+        text += (f"\ncompiled (--compile): {s.compile_s:.1f} s compiling, inside the first "
+                 "step (left out of the ms/step above)" if trained > 1 else
+                 f"\ncompiled (--compile): {s.compile_s:.1f} s of the step compiling")
     if s.resident_activation_bytes:
         peaks = ", ".join(f"{b / 2**20:.2f}" for b in s.resident_activation_bytes)
         text += f"\npeak resident activations per rank (offload {job.offload}): {peaks} MiB"
@@ -140,7 +145,8 @@ def _summary(s: Any, as_json: bool) -> None:
     if as_json and s.memory:  # after the step lines; no "loss" key, so readers of steps skip it
         from stp.train.loop import memory_summary
 
-        print(json.dumps({"summary": True, "steps": len(s.step_times_s),
+        compiled = {} if getattr(s, "compile_s", None) is None else {"compile_s": s.compile_s}
+        print(json.dumps({"summary": True, "steps": len(s.step_times_s), **compiled,
                           **memory_summary(s.memory)}), flush=True)
 
 

@@ -214,6 +214,11 @@ class TrainJob:
         "backward), full (each unit keeps its input only and runs its forward again in the "
         "backward); the same losses and gradients, less activation memory",
         choices=RECOMPUTE_MODES)
+    compile: bool = option(
+        False, "torch.compile (inductor) the pieces between each unit's linears: norms, "
+        "rotary, SwiGLU, the loss; linears, the deferred weight gradients, braiding, offload "
+        "and recomputation as without it (docs/compile.md). The first step compiles; "
+        "compile seconds are reported apart from step times")
     trace: str | None = option(
         None, "write the last step's measured trace (every unit, all-reduce, send and "
         "receive of every rank; open in ui.perfetto.dev)", metavar="FILE.json")

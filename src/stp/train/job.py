@@ -87,6 +87,9 @@ def check_plan(job: TrainJob, world_size: int | None = None, config: Any = None)
         if job.recompute != "none":
             raise ValueError("--emulate-compute has no activations to recompute; "
                              "drop --recompute or --emulate-compute")
+        if job.compile:
+            raise ValueError("--emulate-compute has no model to compile; "
+                             "drop --compile or --emulate-compute")
     if job.sequence_parallel and job.tp > 1:
         _check_sequence_parallel(job)
     return run

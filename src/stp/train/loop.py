@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stp.models.compile import compile_stats
 from stp.runtime.launch import in_torchrun
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.train.config import TrainJob
@@ -61,6 +62,9 @@ class StepReport:
     """The sharded checkpoint this step wrote (None: none written)."""
     figures: dict[str, float] | None = None
     """Objective terms beside the loss (an MoE's `aux_loss`, `expert_load`)."""
+    compile_s: float | None = None
+    """With --compile: seconds of this step spent compiling, on the rank that spent
+    the most (inside step_time_s; 0 once every shape is compiled)."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,8 @@ class RunSummary:
     memory: list[dict[str, int]] | None = None
     """Each global rank's measured bytes by category and its pipeline rank `pp`
     (stp.train.memory_measure)."""
+    compile_s: float | None = None
+    """With --compile: the steps' compile seconds (StepReport.compile_s), summed."""
 
     @property
     def first_loss(self) -> float | None:
@@ -152,6 +158,7 @@ def _options(run: Run) -> TrainerOptions:
         partition=run.built_partition, sequence_parallel=job.sequence_parallel,
         shard_optimizer=job.shard_optimizer,
         recompute=job.recompute,
+        compile=job.compile,
     )
 
 
@@ -173,10 +180,14 @@ def run(resolved: Run,
     losses, times = [], []
     peaks: list[int] | None = None
     skips = SkipCounter(job.max_skipped_steps)  # a run that trains nothing stops
+    compiling = 0.0  # seconds the steps spent compiling (--compile)
     for step in range(trainer.steps_done, job.steps):
+        compiled_before = compile_stats().seconds
         start = time.perf_counter()
         loss = trainer.step(batches.batch(step))
         elapsed = time.perf_counter() - start
+        compile_s = _slowest(compile_stats().seconds - compiled_before) if job.compile else None
+        compiling += compile_s or 0.0
         losses.append(loss)
         times.append(elapsed)
         resident = trainer.activation_peaks()  # collective, outside the timed step
@@ -190,7 +201,7 @@ def run(resolved: Run,
         if mesh.rank == 0 and on_step is not None and update is not None:
             on_step(StepReport(step, loss, tokens_per_step / elapsed, elapsed, resident,
                                update.grad_norm, update.lr, update.skipped, eval_loss,
-                               saved, trainer.last_figures or None))
+                               saved, trainer.last_figures or None, compile_s))
     if job.trace is not None and losses:  # the last step, every rank
         trainer.write_trace(job.trace, {"braid": job.braid, "emulate": job.emulate,
                                         "tp": job.tp, "dp": job.dp,
@@ -218,7 +229,16 @@ def run(resolved: Run,
         device=str(mesh.device), parameters=parameters,
         losses=tuple(losses), step_times_s=tuple(times), tokens_per_step=tokens_per_step,
         resident_activation_bytes=peaks, checkpoint=sharded, memory=memory,
+        compile_s=compiling if job.compile else None,
     )
+
+
+def _slowest(seconds: float) -> float:
+    """The largest of every rank's `seconds` (collective): a step waits for the rank
+    that compiles longest."""
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
 
 
 def _measured_memory(trainer: Trainer, peaks: list[int] | None,

@@ -72,9 +72,14 @@ class TrainerOptions:
     recompute: str = "none"
     """Activation recomputation (stp.models.recompute): none, selective (the attention
     core again in B) or full (each unit's forward again in B, from its kept input)."""
+    compile: bool = False
+    """torch.compile the units' pieces between their linears (stp.models.compile): the
+    split backward, braiding, offload and recomputation unchanged."""
 
     def __post_init__(self) -> None:
         check_recompute(self.recompute)
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be True or False, got {self.compile!r}")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
         if self.clip_grad is not None and not self.clip_grad > 0:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stp.models.compile import compile_stages
 from stp.models.hf import HFCheckpoint, agreeing_config
 from stp.runtime.executor import Executor
 from stp.runtime.launch import in_torchrun, init_distributed
@@ -130,6 +131,8 @@ def build(
     mesh = mesh or world_mesh(dims, opts)
     device = mesh.device if opts.device is None else torch.device(opts.device)
     stages = _stages(builder, schedule, mesh, device, opts.dtype)
+    if opts.compile:
+        compile_stages(stages)
     family = family_of(model)
     model_config = None if family is None else model
     shared = None if family is None else family.model.shared_grads(model, stages, schedule, mesh)

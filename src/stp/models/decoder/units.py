@@ -29,16 +29,13 @@ Unit methods, in the order a pass calls them for microbatch mb:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from stp.models.decoder.kernels import EAGER, Kernels
 from stp.models.decoder.rope import RopeCache, apply_rope
 from stp.models.recompute import attention_core
 from stp.models.tp.layers import (
     linear,
-    rms_norm,
     vocab_ce_finish,
-    vocab_ce_grad,
-    vocab_ce_stats,
     vocab_embedding_partial,
 )
 from stp.models.tp.sequence import RegatheredInput, ToScatter
@@ -97,7 +94,7 @@ def _norm_graph(unit: _ResidualUnit | LossUnit, st: _MbState, mb: int,
     with torch.enable_grad():
         x_in = x.detach().requires_grad_(True)
         sink = unit._sink(st, mb, unit.one_graph)
-        h = rms_norm(x_in, unit.norm_w, unit.eps, sink)
+        h = unit.kernels.norm(x_in, unit.norm_w, unit.eps, sink)
     st.saved.update(x_in=x_in, h=h)
     return h, sink
 
@@ -116,6 +113,10 @@ class _ResidualUnit(Unit):
     `prepare_backward` where the runner advances the chain (after the output
     gradient's gather, so every TP rank issues them in one order), else at the
     start of backward_partial and waited for at once."""
+
+    kernels: Kernels = EAGER
+    """The pieces between the linears (stp.models.decoder.kernels), set by the stage:
+    eager, or compiled (stp.models.compile)."""
 
     def __init__(
         self, name: str, norm_weight: torch.Tensor, eps: float, one_graph: bool = False
@@ -136,7 +137,7 @@ class _ResidualUnit(Unit):
 
     def branch(self, x: torch.Tensor, sink: GradTaps | None) -> torch.Tensor:
         """f(RMSNorm(x)) in one graph, for one TP rank (stp.models.decoder.chunk)."""
-        return self._body(rms_norm(x, self.norm_w, self.eps, sink), sink)
+        return self._body(self.kernels.norm(x, self.norm_w, self.eps, sink), sink)
 
     def _graphless_sink(self) -> list[WGradEntry] | None:
         """For a forward without a graph (full recomputation): the kind of sink the
@@ -150,7 +151,8 @@ class _ResidualUnit(Unit):
         st.saved["x"] = x
         if self.recompute == "full":
             with torch.no_grad():
-                return st, rms_norm(x, self.norm_w, self.eps, self._graphless_sink()), None
+                return st, self.kernels.norm(x, self.norm_w, self.eps,
+                                             self._graphless_sink()), None
         h, sink = _norm_graph(self, st, mb, x)
         return st, h, sink
 
@@ -293,7 +295,7 @@ class AttentionUnit(_ResidualUnit):
         k = linear(h, self.wk, sink, self.bk).view(b, s, -1, hd).transpose(1, 2)  # [b, nkv, ...]
         v = linear(h, self.wv, sink, self.bv).view(b, s, -1, hd).transpose(1, 2)
         cos, sin = self.rope.get(s, h.device, h.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.kernels.rope(q, k, cos, sin)
         o = attention_core(q, k, v, causal=True, gqa=True, recompute=self.recompute)
         o = o.transpose(1, 2).reshape(b, s, -1)  # [b, s, nq * hd]
         return linear(o, self.wo, sink)  # [b, s, h], partial over TP
@@ -320,7 +322,8 @@ class MLPUnit(_ResidualUnit):
         return [self.w1, self.w3, self.w2]
 
     def _body(self, h: torch.Tensor, sink: list[WGradEntry] | None) -> torch.Tensor:
-        a = F.silu(linear(h, self.w1, sink)) * linear(h, self.w3, sink)  # [b, s, ffn / tp]
+        # [b, s, ffn / tp]
+        a = self.kernels.swiglu(linear(h, self.w1, sink), linear(h, self.w3, sink))
         return linear(a, self.w2, sink)  # [b, s, h], partial over TP
 
 
@@ -338,6 +341,9 @@ class LossUnit(Unit):
     logits are masked out. `one_graph`: as for the residual units (one TP rank).
     With full recomputation it keeps its input and the loss's statistics, and B
     computes the logits again (they are [b, s, V / tp], a stage's largest tensor)."""
+
+    kernels: Kernels = EAGER
+    """As the residual units' (stp.models.decoder.kernels)."""
 
     def __init__(
         self,
@@ -378,7 +384,7 @@ class LossUnit(Unit):
                 logits = linear(h_in, self.head_w, None)
         else:
             logits = self._logits(st, h_in, sink)
-        return vocab_ce_stats(
+        return self.kernels.ce_stats(
             logits.detach(), targets, self.vocab_start, self.tp_size, self.tp_rank,
             self.vocab_valid,
         )
@@ -400,7 +406,7 @@ class LossUnit(Unit):
         if self.recompute == "full":  # keep the input alone; the same values, no graph
             st.saved["x"] = x
             with torch.no_grad():
-                return st, rms_norm(x, self.norm_w, self.eps, None), None
+                return st, self.kernels.norm(x, self.norm_w, self.eps, None), None
         h, sink = _norm_graph(self, st, mb, x)
         return st, h, sink
 
@@ -421,7 +427,7 @@ class LossUnit(Unit):
             h, sink = _norm_graph(self, st, mb, st.saved.pop("x"))
             self._logits(st, h if self.one_graph else self._gathered(h.detach()), sink)
         logits = st.saved.pop("logits")
-        grad_logits = vocab_ce_grad(
+        grad_logits = self.kernels.ce_grad(
             logits.detach(), st.saved.pop("targets"), st.saved.pop("lse"), self.vocab_start, grad,
             self.vocab_valid,
         )

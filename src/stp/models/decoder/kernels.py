@@ -1,0 +1,57 @@
+"""The pieces of a decoder unit between its linears, behind one object a stage can
+swap: RMSNorm, rotary embedding, the SwiGLU gate and the vocab-parallel
+cross-entropy's statistics and gradient.
+
+Everything the split backward hangs on stays outside them: the linears (whose
+inputs and output gradients W records, stp.models.tp.wgrad), the attention core
+(which selective recomputation replaces, stp.models.recompute) and the unit
+boundaries (where braiding puts the TP all-reduces). So a stage can run these
+pieces eagerly (`EAGER`, the default: the functions of stp.models.tp.layers and
+stp.models.decoder.rope as they are) or compiled (stp.models.compile) without
+changing what B, W, recomputation or offload see.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from stp.models.decoder.rope import apply_rope
+from stp.models.tp.layers import rms_norm, vocab_ce_grad, vocab_ce_stats
+from stp.models.tp.wgrad import GradTaps, WGradEntry
+
+__all__ = ["Kernels", "EAGER"]
+
+
+class Kernels:
+    """Eager kernels: each method is the plain PyTorch code the units always ran."""
+
+    compiled = False
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+             sink: list[WGradEntry] | GradTaps | None) -> torch.Tensor:
+        """RMSNorm with the gain's gradient deferred to `sink` (stp.models.tp.layers.rms_norm)."""
+        return rms_norm(x, weight, eps, sink)
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k [b, heads, s, hd] rotated by position."""
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, the input of the MLP's down projection."""
+        return F.silu(gate) * up
+
+    def ce_stats(self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
+                 tp_size: int, tp_rank: int, vocab_valid: int | None) -> torch.Tensor:
+        """stp.models.tp.layers.vocab_ce_stats (logits detached)."""
+        return vocab_ce_stats(logits, targets, vocab_start, tp_size, tp_rank, vocab_valid)
+
+    def ce_grad(self, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                vocab_start: int, grad_loss: torch.Tensor,
+                vocab_valid: int | None) -> torch.Tensor:
+        """stp.models.tp.layers.vocab_ce_grad (logits detached)."""
+        return vocab_ce_grad(logits, targets, lse, vocab_start, grad_loss, vocab_valid)
+
+
+EAGER = Kernels()

@@ -1,0 +1,109 @@
+"""`compile` unit by unit, in one process (stp.models.compile): a stage whose units run
+compiled kernels gives the float64 losses and weight gradients of the eager
+stage within 1e-10, keeps exactly the bytes the eager stage keeps from F to B
+(stp's saved tensors, not inductor's choice), and still defers W: after B no
+weight has a gradient, after W every one has. A second pass over the same
+shapes compiles nothing more. One compiled stage per layout serves the
+module's tests (torch.compile's cache is per process)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from stp.models import ModelConfig
+from stp.models.compile import compile_stages, compile_stats
+from stp.models.decoder.stage import build_stage
+from stp.runtime.offload import graph_saved
+
+CONFIG = ModelConfig(vocab_size=32, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                     ffn_hidden=64, max_seq_len=16, seed=3, qkv_bias=True)
+SAME = 1e-10
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, 32, (2, 8), generator=gen) for _ in range(2)]
+    targets = [torch.randint(0, 32, (2, 8), generator=gen) for _ in range(2)]
+    return tokens, targets
+
+
+def _kept_bytes(stage, mb: int) -> int:
+    """Bytes microbatch mb keeps from F to B, as the offloader counts them (the units'
+    tensors and their graphs' saved tensors, parameters and rotary tables left out)."""
+    shared = {t.untyped_storage().data_ptr()
+              for t in (*stage.parameters(), *stage.shared_tensors())}
+    kept = stage.kept_tensors(mb)
+    tensors = [*kept, *graph_saved([t for t in kept if t.grad_fn is not None])]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(n for ptr, n in storages.items() if ptr not in shared)
+
+
+def _split_backward(stage, recompute: str = "none") -> dict:
+    """F of two microbatches, then B of each with W after both Bs; what was seen."""
+    tokens, targets = _inputs()
+    losses = [stage.forward(mb, x, t) for mb, (x, t) in enumerate(zip(tokens, targets,
+                                                                      strict=True))]
+    kept = _kept_bytes(stage, 0)
+    for mb in (0, 1):
+        stage.backward_input(mb, None, 0.5)
+    before_w = {n: p.grad for n, p in stage.named_parameters()}
+    for mb in (0, 1):
+        stage.backward_weight(mb)
+    grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    stage.zero_grad()
+    return {"losses": losses, "kept": kept, "before_w": before_w, "grads": grads}
+
+
+@functools.cache
+def _stages(fuse: bool, recompute: str) -> tuple:
+    """(eager stage, compiled stage) of the same weights."""
+    eager, compiled = (build_stage(CONFIG, 0, 1, dtype=torch.float64, fuse_layers=fuse,
+                                   recompute=recompute) for _ in range(2))
+    assert compile_stages([compiled]) > 0
+    return eager, compiled
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+@pytest.mark.parametrize("fuse, recompute", [(True, "none"), (False, "none"), (False, "full")],
+                         ids=["one-unit", "units", "units-full"])
+def test_compiled_stage_equals_eager_keeps_its_bytes_and_defers_w(fuse: bool,
+                                                                  recompute: str) -> None:
+    eager, compiled = _stages(fuse, recompute)
+    want, got = _split_backward(eager), _split_backward(compiled)
+    for a, b in zip(got["losses"], want["losses"], strict=True):
+        assert _rel(a, b) <= SAME
+    assert got["grads"].keys() == want["grads"].keys()
+    worst = max(_rel(got["grads"][n], want["grads"][n]) for n in want["grads"])
+    assert worst <= SAME, worst
+    # W still runs where the schedule puts it: B left every weight without a gradient
+    assert all(g is None for g in got["before_w"].values()), [
+        n for n, g in got["before_w"].items() if g is not None]
+    assert got["kept"] == want["kept"]  # the tensors stp chose to keep, not inductor's
+    # the same shapes again compile nothing
+    graphs = compile_stats().graphs
+    _split_backward(compiled)
+    assert compile_stats().graphs == graphs
+
+
+def test_compiled_units_really_run_compiled_kernels() -> None:
+    _, compiled = _stages(False, "none")
+    _split_backward(compiled)
+    kinds = {type(u).__name__: getattr(u, "kernels", None) for u in compiled.units}
+    assert kinds["EmbedUnit"] is None  # a lookup: nothing between linears to compile
+    assert all(k is not None and k.compiled for name, k in kinds.items() if name != "EmbedUnit")
+    assert compile_stats().graphs >= 8  # norm, rotary, SwiGLU and loss, each way
+
+
+def test_a_stage_without_units_and_a_non_bool_are_refused_in_one_line() -> None:
+    from stp.train.trainer import TrainerOptions
+
+    with pytest.raises(ValueError, match=r"^compile=True: stage object has no stp units"):
+        compile_stages([object()])
+    with pytest.raises(ValueError, match=r"^compile must be True or False, got 'yes'$"):
+        TrainerOptions(compile="yes")
