@@ -45,8 +45,10 @@ def _mllm():
     from stp.train.families.mllm import mllm_batches
     from stp.train.job import model_config
 
-    job = TrainJob(arch="mllm", model=ModelShape(layers=2, hidden=32, heads=4, seq_len=12),
-                   vision=VisionShape(image_size=8, patch=2, vision_layers=2,
+    # 16 image tokens + 6 caption tokens: under SP the image rows are cut between the
+    # two TP ranks (11 rows each; rank 1 holds 5 image rows and the caption)
+    job = TrainJob(arch="mllm", model=ModelShape(layers=2, hidden=32, heads=4, seq_len=6),
+                   vision=VisionShape(image_size=16, patch=2, vision_layers=2,
                                       vision_hidden=8),
                    microbatches=4, microbatch_size=1, dtype="float64")
     cfg = model_config(job)
