@@ -46,6 +46,9 @@ CONFIGS: dict[str, list[str]] = {
     "zb-v-offload-all": ["--pp", "2", "--schedule", "zb-v", "--offload", "all"],
     "1f1b-recompute-selective": ["--pp", "2", "--schedule", "1f1b", "--recompute", "selective"],
     "stp-recompute-full": ["--pp", "2", "--schedule", "stp", "--recompute", "full"],
+    "1f1b-recompute-full": ["--pp", "2", "--schedule", "1f1b", "--recompute", "full"],
+    "zb-v-tp2-sp-recompute-full": ["--pp", "2", "--tp", "2", "--schedule", "zb-v",
+                                   "--sequence-parallel", "--recompute", "full"],
     "1f1b-dp2-shard-optimizer": ["--pp", "2", "--dp", "2", "--schedule", "1f1b",
                                  "--dtype", "bfloat16", "--shard-optimizer"],
 }

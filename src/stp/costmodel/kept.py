@@ -35,9 +35,23 @@ account was found. These reproduce the census to the byte, F to B, in
 float32 and bfloat16 at t = 1 and 2, and float32 with sequence parallelism
 at t = 2 (h 256, 4 heads, 2 kv heads, f 704, V 320, s 128, b 4; and h 64 at
 t = 1, tests/runtime/test_kept_census.py); the B-to-W terms within 1%.
-Recomputation is not in the census: `full` keeps the layer input (`w h /
-sp`), `selective` is taken to keep the same as none (the fused attention
-keeps no scores to drop).
+`selective` is taken to keep the same as none (the fused attention keeps no
+scores to drop). Full recomputation (stp.models.recompute), per token:
+
+    F to B, per layer   w h / sp at t = 1 (the fused layer chunk keeps its
+                        input once per stage: exact for one layer, an upper
+                        bound for more), 2 w h / sp at t > 1 (each of a
+                        layer's two units keeps its input)
+    embedding           9 (token ids, mask: the first layer's graph is rebuilt)
+    loss head           w h / sp + 4 (its input rows, the float32 log-sum-exp)
+    B to W              as without recomputation, per layer and at the ends:
+                        B rebuilds a unit's graph and walks it as the forward
+                        without recomputation would have, so a deferred W gets
+                        the same (x, dy) of every matrix and norm gain
+
+so with W deferred the B-to-W bytes exceed the F-to-B bytes many times over:
+B allocates (stp.sim.stages.StageCost.mem_w). The census checks the t = 1
+terms (float32 and bfloat16: tests/runtime/test_kept_census.py).
 """
 
 from __future__ import annotations
@@ -85,9 +99,6 @@ def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False) ->
                   else w * (2 * h + 4 * h / sp) + 4 * 2 * h / sp)
     layer_b = replicated + w * ((2 * h + 4 * f) / t + 2 * kd) + 4 * (a / t + 2 / sp)
     layer_w = w * (2 * h / sp + 2 * h / t + 2 * h + 3 * f / t + 2 * kd) + 2 * (4 + w) * h / sp
-    if spec.recompute == "full":
-        layer_b = w * h / sp
-        layer_w = min(layer_w, layer_b)
     if t == 1:  # bytes per h counted beside the ids and mask, and in the loss head
         first_b = 9 + _measured({(4, True): 4, (4, False): 12, (2, True): 6, (2, False): 6},
                                 w, native_weights) * h
@@ -97,6 +108,9 @@ def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False) ->
     else:
         first_b = 9.0
         last_b = w * (2 * h + v / t) + 4 * h / sp + 4 + 4 / sp
+    if spec.recompute == "full":  # B-to-W as without it (module doc)
+        layer_b = w * h / sp * (1 if t == 1 else 2)
+        first_b, last_b = 9.0, w * h / sp + 4
     first_w = (8 + w * h) / t
     last_w = w * (h + v / t) + (4 + w) * h / sp
     return Kept(*(x * tokens for x in (layer_b, layer_w, first_b, first_w, last_b, last_w)))
