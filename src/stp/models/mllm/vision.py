@@ -26,6 +26,12 @@ takes and returns this TP rank's rows of the packed tensor, each all-reduce
 above is a reduce-scatter, and each encoder unit's TP region starts with an
 all-gather of the normalised image rows (the input unit's backward gathers
 its gradient instead: the dual of its forward's reduce-scatter).
+
+Activation recomputation (stp.models.recompute) works as in the decoder's
+units: `selective` recomputes the encoder attention's core in B, `full` keeps
+a residual unit's or the merger's input rows alone and runs the unit again,
+all-gather included, at the start of its B (`_ImageUnit`); the input unit keeps
+its small inputs (patch values, token masks) either way.
 """
 
 from __future__ import annotations
