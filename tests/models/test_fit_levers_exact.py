@@ -15,8 +15,9 @@ from zero: the first update is lr x gradient).
 
 Default run: a covering set, two cases per model family: one V schedule (stp,
 braided) and one classic (1f1b), selective and full, SP, the sharded optimizer,
-and SP + recomputation + sharded optimizer together once per family. Behind `-m slow`: every schedule on both pp2 meshes with
-every combination, and pp2 x tp2 x dp2 (eight processes) with all three together.
+and SP + recomputation + sharded optimizer together once per family. Behind
+`-m slow`: every schedule on both pp2 meshes with every combination, and
+pp2 x tp2 x dp2 (eight processes) with all three together.
 """
 
 from __future__ import annotations
