@@ -46,7 +46,9 @@ Against `stp train --json`'s measurement (`stp.train.memory_measure`;
 estimate's model states agree to the byte (AdamW's step counters aside) and
 its activations on the rank that peaks to the byte on the small models
 measured there; on a rank whose deferred W's output gradients outweigh what
-B freed (the simulator cannot grow memory at B), a few percent low.
+B freed, a few percent low (capped: B frees). With full recomputation and W
+deferred, B rebuilds a unit and its W keeps many times what F kept: there the
+stage table lets B allocate the rest (`StageCost.mem_w` above `mem_b`).
 """
 
 from __future__ import annotations
