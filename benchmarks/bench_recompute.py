@@ -9,7 +9,9 @@ storages autograd saved behind them, and the split backward's W store;
 stp.runtime.offload) next to `stp.costmodel.memory.estimate`'s activation peak
 for that pipeline rank with the same Features (dtype, recompute; flash
 attention, as the runtime's F.scaled_dot_product_attention is on the CPU too).
-The ratio column is measured / estimated.
+The ratio column is measured / estimated; the last two columns are the estimate
+with what stp's own units keep (`Features(runtime="stp")`, stp.costmodel.kept:
+what `stp memory` gives a `stp train` run) and measured / that.
 
     python3 benchmarks/bench_recompute.py [--pp 2] [--tp 2] [--schedule stp] \
         [--seq-len 128] [--hidden 128] [--layers 4] [--out FILE.md]
@@ -56,8 +58,10 @@ def _measure(args: argparse.Namespace) -> dict[str, int]:
     return out
 
 
-def _estimates(args: argparse.Namespace) -> dict[str, list[float]]:
-    """The cost model's activation peak of every pipeline rank, per mode."""
+def _estimates(args: argparse.Namespace, runtime: str = "megatron") -> dict[str, list[float]]:
+    """The cost model's activation peak of every pipeline rank, per mode: with
+    Korthikanti's per-layer counting (`megatron`) or what stp's own units keep
+    (`stp`, stp.costmodel.kept: the estimate `stp memory` gives a `stp train` run)."""
     from stp.costmodel import HARDWARE
     from stp.costmodel.configs import spec_from_config
     from stp.costmodel.memory import Features, Layout, estimate
@@ -69,7 +73,8 @@ def _estimates(args: argparse.Namespace) -> dict[str, list[float]]:
                     microbatch_size=args.microbatch_size, seq_len=args.seq_len,
                     schedule=args.schedule)
     return {mode: [r.activations_peak for r in estimate(
-        spec, HARDWARE["a100-80g"], layout, Features(dtype="float32", recompute=mode)).ranks]
+        spec, HARDWARE["a100-80g"], layout, Features(dtype="float32", recompute=mode,
+                                                      runtime=runtime)).ranks]
         for mode in MODES}
 
 
@@ -109,20 +114,20 @@ def main() -> None:
     measured = dict(queue.get(timeout=1200) for _ in procs)
     for p in procs:
         p.join()
-    est = _estimates(args)
+    est, units = _estimates(args), _estimates(args, "stp")
     lines = [f"pp={args.pp} tp={args.tp} schedule {args.schedule} m={args.microbatches} "
              f"microbatch {args.microbatch_size} seq {args.seq_len} hidden {args.hidden} "
              f"layers {args.layers} heads 8 kv 4 ffn {2 * args.hidden} vocab 256, float32",
              "",
              "| rank (pp, tp) | recompute | measured peak bytes | estimated bytes | "
-             "measured / estimated |",
-             "|---|---|---|---|---|"]
+             "measured / estimated | stp units' estimate | measured / stp units' |",
+             "|---|---|---|---|---|---|---|"]
     for rank in sorted(measured):
         pp = rank // args.tp  # Mesh rank order: tp fastest (stp.runtime.mesh)
         for mode in MODES:
-            got, want = measured[rank][mode], est[mode][pp]
+            got, want, ours = measured[rank][mode], est[mode][pp], units[mode][pp]
             lines.append(f"| {rank} ({pp}, {rank % args.tp}) | {mode} | {got:,} | "
-                         f"{want:,.0f} | {got / want:.2f} |")
+                         f"{want:,.0f} | {got / want:.2f} | {ours:,.0f} | {got / ours:.2f} |")
     text = "\n".join(lines)
     print(text)
     if args.out:

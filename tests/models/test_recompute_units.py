@@ -62,8 +62,6 @@ def test_decoder_stage_recomputes_the_same_bits_and_full_keeps_less(fuse: bool) 
     assert inputs_kept <= runs["full"][2] < inputs_kept + 1024, runs["full"][2]
 
 
-@pytest.mark.skip(reason="the multimodal stages refuse --recompute until it is merged with "
-                  "their sequence-parallel encoder")
 def test_multimodal_stage_recomputes_the_same_bits() -> None:
     from stp.models.mllm.stage import build_mllm_stage
     from stp.train.config import ModelShape, TrainJob, VisionShape

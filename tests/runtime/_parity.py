@@ -1,5 +1,6 @@
 """Shared by the parity tests: run a Trainer for two steps and compare with the
-single-process reference on the same model, data and optimizer."""
+single-process reference on the same model, data and optimizer (the decoder's,
+and the multimodal model's: `mllm_setup`, `mllm_reference`)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,41 @@ def compare_with_reference(
         "grad": rel(grads, ref_grads),
         "param": rel(params, ref_params),
     }
+
+
+def mllm_setup(rows: int = 4):
+    """A tiny multimodal model (float64) and its caption batches of `rows` samples:
+    16 image tokens + 6 caption tokens, so under sequence parallelism at tp 2 the image
+    rows are cut between the two TP ranks (11 rows each; rank 1 holds 5 image rows
+    and the caption)."""
+    from stp.train.config import ModelShape, TrainJob, VisionShape
+    from stp.train.images import CaptionBatches, ShapeImages
+    from stp.train.job import model_config
+
+    job = TrainJob(arch="mllm", model=ModelShape(layers=2, hidden=32, heads=4, seq_len=6),
+                   vision=VisionShape(image_size=16, patch=2, vision_layers=2,
+                                      vision_hidden=8),
+                   microbatches=4, microbatch_size=1, dtype="float64")
+    cfg = model_config(job)
+    return cfg, CaptionBatches(ShapeImages(16, job.seed), cfg, 6, rows, job.seed)
+
+
+def mllm_reference(cfg, batches, optimizer=sgd) -> dict:
+    """The multimodal reference's losses, first gradients and final parameters over
+    `batches` (as compare_with_reference's), under the stages' names."""
+    from stp.models.mllm.reference import build_mllm_reference
+
+    ref = build_mllm_reference(cfg, torch.float64)
+    named = ref.named_full()
+    opt = optimizer(list(ref.parameters()))
+    out: dict = {"losses": []}
+    for step, batch in enumerate(batches):
+        opt.zero_grad()
+        loss = ref.loss(*batch)
+        loss.backward()
+        out["losses"].append(loss.item())
+        if step == 0:
+            out["grads"] = {n: p.grad.clone() for n, p in named.items()}
+        opt.step()
+    out["params"] = {n: p.detach().clone() for n, p in named.items()}
+    return out

@@ -5,10 +5,12 @@ of each tensor's magnitude (the criterion of test_parity.py), and equal the
 run without recomputation within 1e-12, on pp2 x tp2 with the braided stp
 schedule (braided full backwards: W between a unit's B halves) and 1f1b, with
 sequence parallelism, with offload and a tied embedding, on pp2 x dp2, and on
-the multimodal model. The same runs measure the resident activation bytes of
+the multimodal model (its encoder and merger recompute too: with its
+sequence-parallel encoder under stp and under zb-v's deferred W with offload,
+and selective under 1f1b). The same runs measure the resident activation bytes of
 a step on every rank: full keeps strictly fewer than none, selective no more.
-The full matrix (every schedule x selective, full x plain, SP, offload) is
-behind `-m slow`."""
+The full matrix (every schedule x selective, full x plain, SP, offload, the
+multimodal model) is behind `-m slow`."""
 
 from __future__ import annotations
 
@@ -16,7 +18,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_dist
-from _parity import compare_with_reference, random_batch, rel, sgd, two_steps
+from _parity import (
+    compare_with_reference,
+    mllm_reference,
+    mllm_setup,
+    random_batch,
+    rel,
+    sgd,
+    two_steps,
+)
 
 from stp.models import ModelConfig
 from stp.runtime.mesh import Mesh, ParallelDims
@@ -40,44 +50,10 @@ SAME = 1e-12
 Case = tuple[tuple[int, int, int], str, str, bool, str, str]
 
 
-def _mllm():
-    from stp.train.config import ModelShape, TrainJob, VisionShape
-    from stp.train.families.mllm import mllm_batches
-    from stp.train.job import model_config
-
-    job = TrainJob(arch="mllm", model=ModelShape(layers=2, hidden=32, heads=4, seq_len=12),
-                   vision=VisionShape(image_size=8, patch=2, vision_layers=2,
-                                      vision_hidden=8),
-                   microbatches=4, microbatch_size=1, dtype="float64")
-    cfg = model_config(job)
-    return cfg, mllm_batches(job, cfg)
-
-
-def _mllm_reference(cfg, batches) -> dict[str, float]:
-    """The multimodal reference's losses, first gradients and parameters (as _parity's)."""
-    from stp.models.mllm.reference import build_mllm_reference
-
-    ref = build_mllm_reference(cfg, torch.float64)
-    named = {"vision." + k.replace("__", "."): p for k, p in ref.vision.items()}
-    named.update(ref.decoder.named_parameters())  # the stages' names (named_full)
-    opt = sgd(list(ref.parameters()))
-    out: dict = {"losses": []}
-    for step in range(2):
-        opt.zero_grad()
-        loss = ref.loss(*batches[step])
-        loss.backward()
-        out["losses"].append(loss.item())
-        if step == 0:
-            out["grads"] = {n: p.grad.clone() for n, p in named.items()}
-        opt.step()
-    out["params"] = {n: p.detach().clone() for n, p in named.items()}
-    return out
-
-
 def _one(mesh: Mesh, case: Case) -> tuple[list[float], dict | None, dict | None, list | None]:
     dims, name, mode, sp, offload, model = case
     if model == "mllm":
-        config, data = _mllm()
+        config, data = mllm_setup()
         batches = [data.batch(s) for s in range(2)]
         sch = registry.make(name, dims[0], 4)
     else:
@@ -97,7 +73,7 @@ def _one(mesh: Mesh, case: Case) -> tuple[list[float], dict | None, dict | None,
     if grads is None:
         return losses, None, None, peaks
     if model == "mllm":
-        ref = _mllm_reference(config, batches)
+        ref = mllm_reference(config, batches)
         diffs = {"loss": max(abs(a - b) / abs(b) for a, b in
                              zip(losses, ref["losses"], strict=True)),
                  "grad": rel(grads, ref["grads"]), "param": rel(params, ref["params"])}
@@ -155,6 +131,14 @@ COVERING = [
     (PP2_TP2, "stp", "full", True, "none", "untied"),   # sequence parallelism
     (PP2_TP2, "stp", "full", False, "stp", "tied"),     # offload, tied embedding
     ((2, 1, 2), "1f1b", "full", False, "none", "tied"),  # pp2 x dp2
+    # the multimodal model: its encoder's units and merger recompute too, with its
+    # sequence-parallel encoder (the image rows cut between the TP ranks), under the
+    # braided stp schedule, under zb-v's split backward (W deferred) with offload, and
+    # without SP under 1f1b
+    (PP2_TP2, "stp", "none", True, "none", "mllm"),
+    (PP2_TP2, "stp", "full", True, "none", "mllm"),
+    (PP2_TP2, "zb-v", "full", True, "stp", "mllm"),
+    (PP2_TP2, "1f1b", "selective", False, "none", "mllm"),
 ]
 
 
@@ -179,8 +163,8 @@ def test_every_schedule_with_selective_and_full_plain_sp_offload() -> None:
     cases = [(PP2_TP2, n, mode, sp, off, model) for n in names
              for mode in ("selective", "full")
              for sp, off, model in ((False, "none", "untied"), (True, "none", "untied"),
-                                    (False, "stp", "tied"), (True, "all", "tied"))]
-    # the multimodal stages refuse recompute until it is merged with their SP encoder
+                                    (False, "stp", "tied"), (True, "all", "tied"),
+                                    (False, "none", "mllm"), (True, "stp", "mllm"))]
     res = _run(cases)
     assert len(res) == len(cases)
     _assert_reference(res)

@@ -88,7 +88,7 @@ def test_the_file_format_round_trips_and_bad_files_name_the_problem(tmp_path):
         '{"stages": [{"f": 1, "b": 1}]}': "w missing",
         '{"stages": [{"f": 1, "b": 1, "w": -1}]}': "accepted are finite numbers",
         '{"stages": [{"f": 1, "b": 1, "w": 1, "x": 2}]}': "unknown key 'x'",
-        '{"stages": [{"f": 1, "b": 1, "w": 1, "mem_b": 1, "mem_w": 2}]}': "mem_w=2 must be",
+        '{"stages": [{"f": 1, "b": 1, "w": 1, "mem_b": 1, "mem_w": -2}]}': "mem_w=-2",
         '{"stages": []}': "0 stages; give 1 to 1024",
         "[1, 2]": "expected an object",
         "{": "is not JSON",

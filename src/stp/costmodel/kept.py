@@ -47,9 +47,23 @@ t = 1 in float32 with W inside B not the dense unit's 8 h of norm values
 case measured agrees within 11 bytes a token (0.3%). At t = 2 the dense
 count already holds the 4 w h + 28 (one measured run, the `moe-stp-tp2`
 row of `benchmarks/results/memory.md`; no census at t > 1 yet).
-Recomputation is not in the census: `full` keeps the layer input (`w h /
-sp`), `selective` is taken to keep the same as none (the fused attention
-keeps no scores to drop).
+`selective` is taken to keep the same as none (the fused attention keeps no
+scores to drop). Full recomputation (stp.models.recompute), per token:
+
+    F to B, per layer   w h / sp at t = 1 (the fused layer chunk keeps its
+                        input once per stage: exact for one layer, an upper
+                        bound for more), 2 w h / sp at t > 1 (each of a
+                        layer's two units keeps its input)
+    embedding           9 (token ids, mask: the first layer's graph is rebuilt)
+    loss head           w h / sp + 4 (its input rows, the float32 log-sum-exp)
+    B to W              as without recomputation, per layer and at the ends:
+                        B rebuilds a unit's graph and walks it as the forward
+                        without recomputation would have, so a deferred W gets
+                        the same (x, dy) of every matrix and norm gain
+
+so with W deferred the B-to-W bytes exceed the F-to-B bytes many times over:
+B allocates (stp.sim.stages.StageCost.mem_w). The census checks the t = 1
+terms (float32 and bfloat16: tests/runtime/test_kept_census.py).
 """
 
 from __future__ import annotations
@@ -123,9 +137,6 @@ def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False) ->
     layer_b += copies * (3 * w * h + 8) + spec.routing_bytes + _moe_unit_extra(spec, w, t,
                                                                                native_weights)
     layer_w += copies * 2 * w * h
-    if spec.recompute == "full":
-        layer_b = w * h / sp
-        layer_w = min(layer_w, layer_b)
     if t == 1:  # bytes per h counted beside the ids and mask, and in the loss head
         first_b = 9 + _measured({(4, True): 4, (4, False): 12, (2, True): 6, (2, False): 6},
                                 w, native_weights) * h
@@ -135,6 +146,9 @@ def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False) ->
     else:
         first_b = 9.0
         last_b = w * (2 * h + v / t) + 4 * h / sp + 4 + 4 / sp
+    if spec.recompute == "full":  # B-to-W as without it (module doc)
+        layer_b = w * h / sp * (1 if t == 1 else 2)
+        first_b, last_b = 9.0, w * h / sp + 4
     first_w = (8 + w * h) / t
     last_w = w * (h + v / t) + (4 + w) * h / sp
     return Kept(*(x * tokens for x in (layer_b, layer_w, first_b, first_w, last_b, last_w)))

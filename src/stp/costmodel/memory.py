@@ -55,7 +55,9 @@ Against `stp train --json`'s measurement (`stp.train.memory_measure`;
 estimate's model states agree to the byte (AdamW's step counters aside) and
 its activations on the rank that peaks to the byte on the small models
 measured there; on a rank whose deferred W's output gradients outweigh what
-B freed (the simulator cannot grow memory at B), a few percent low.
+B freed, a few percent low (capped: B frees). With full recomputation and W
+deferred, B rebuilds a unit and its W keeps many times what F kept: there the
+stage table lets B allocate the rest (`StageCost.mem_w` above `mem_b`).
 """
 
 from __future__ import annotations
@@ -334,16 +336,21 @@ def _stp_table(spec: ModelSpec, hardware: HardwareSpec, pp: int, derived: Derive
     first, last = edge_costs(spec, hardware, pp)
 
     def table(kept: Kept) -> StageCosts:
-        # M_W <= M_B in the simulator (B frees, never allocates): W's output gradients
-        # can outweigh what B freed when W is deferred; they are capped there
-        mem = MemCosts(m_b=kept.layer_b / deferred.layer_b,
-                       m_w=min(kept.layer_w, kept.layer_b) / deferred.layer_b)
+        # Without full recomputation W's output gradients can outweigh what B freed when
+        # W is deferred (a few percent); they are capped at M_B there (B frees). With it,
+        # B rebuilds the unit and W keeps many times what F kept: B allocates the rest
+        # (StageCost.mem_w > mem_b), else the estimate misses most of the peak.
+        cap = (lambda m_w, m_b: m_w) if spec.recompute == "full" else min
+        mem = MemCosts(m_b=kept.layer_b / deferred.layer_b, m_w=0.0)
         ends = (replace(first, mem_b=kept.first_b / unit,
-                        mem_w=min(kept.first_w, kept.first_b) / unit),
+                        mem_w=cap(kept.first_w, kept.first_b) / unit),
                 replace(last, mem_b=kept.last_b / unit,
-                        mem_w=min(kept.last_w, kept.last_b) / unit))
-        return LayeredCosts.from_rank_share(derived.costs, mem, pp, spec.layers, first=ends[0],
-                                            last=ends[1]).table(counts)
+                        mem_w=cap(kept.last_w, kept.last_b) / unit))
+        layered = LayeredCosts.from_rank_share(derived.costs, mem, pp, spec.layers,
+                                               first=ends[0], last=ends[1])
+        per_layer = cap(kept.layer_w, kept.layer_b) / deferred.layer_b * pp / spec.layers
+        layered = replace(layered, layer=replace(layered.layer, mem_w=per_layer))
+        return layered.table(counts)
 
     split, whole = table(deferred), table(native)
     full = [0] * sch.num_stages
@@ -382,7 +389,7 @@ def memory_of_run(spec: ModelSpec, res: SimResult, bytes_per_unit: float,
                   for r, n in enumerate(params))
     notes = []
     splits = any(p.kind is Kind.W for acts in sch.actions for a in acts for p in passes_of(a))
-    if spec.recompute == "full" and splits:
+    if spec.recompute == "full" and splits and features.runtime != "stp":
         notes.append(f"{sch.name} defers W: full recomputation's inputs kept for a "
                      "deferred W are not counted (stp.costmodel.model)")
     return MemoryEstimate(ranks, layout, features, tuple(notes), res.makespan)

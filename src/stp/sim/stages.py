@@ -79,7 +79,10 @@ class StageCost:
     mem_b: float = 0.0
     """Activations kept from F until B (units of M_B)."""
     mem_w: float = 0.0
-    """The part of `mem_b` kept from B until W."""
+    """Activations kept from B until W: usually the part of `mem_b` B leaves; more than
+    `mem_b` when B allocates the rest (full recomputation with W deferred: B rebuilds
+    the unit and W keeps its matrices' inputs and output gradients, more than the unit
+    input F kept; stp.costmodel.kept)."""
     units: int = 2
     """Pieces the pass is cut into, each F/B piece ending in an all-reduce
     (`stp.sim.units`): two per transformer layer at the finest."""
@@ -101,8 +104,6 @@ class StageCost:
         if isinstance(self.units, bool) or not isinstance(self.units, int) or not (
                 1 <= self.units <= _MAX_UNITS):
             raise ValueError(f"units={self.units!r} must be an integer in 1..{_MAX_UNITS}")
-        if self.mem_w > self.mem_b:
-            raise ValueError(f"mem_w={self.mem_w:g} must be <= mem_b={self.mem_b:g}")
 
     @property
     def ar_backward(self) -> float:

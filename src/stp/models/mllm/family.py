@@ -14,6 +14,7 @@ from stp.models.decoder.shared_grads import SharedGrads
 from stp.models.family import StageBuilder
 from stp.models.mllm.reference import build_mllm_reference
 from stp.models.mllm.stage import build_mllm_stage, check_mllm
+from stp.models.recompute import check_recompute
 from stp.schedule.placement import partition_layers
 from stp.shapes.mllm import MLLMConfig
 
@@ -38,16 +39,14 @@ class MLLMFamily:
                       weights: Callable[..., torch.Tensor] | None = None,
                       sequence_parallel: bool = False,
                       recompute: str = "none") -> StageBuilder:
-        if recompute != "none":
-            raise ValueError(f"recompute={recompute!r}: the multimodal stages do not recompute "
-                             "yet; use recompute='none'")
+        check_recompute(recompute)  # every mode: the encoder's units recompute too
         if weights is not None:
             raise ValueError("the multimodal model has no Hugging Face layout to read weights "
                              "from; it starts from its seeded initialisation")
         if partition is not None:
             partition_layers(config.num_layers, num_stages, partition)  # ValueError
         return functools.partial(build_mllm_stage, config, partition=partition,
-                                 sequence_parallel=sequence_parallel)
+                                 sequence_parallel=sequence_parallel, recompute=recompute)
 
     def check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         # an input row is pixel bytes + tokens, its targets cover the decoder's positions

@@ -20,10 +20,11 @@ import torch.distributed as dist
 from torch import nn
 
 from stp.models.decoder.init import ParamSpec, init_full, pad_shard, parameter_specs, tp_slice
-from stp.models.decoder.stage import ModelStage, _register, check_tp
+from stp.models.decoder.stage import ModelStage, _register, check_tp, set_recompute
 from stp.models.decoder.units import AttentionUnit, LossUnit, MLPUnit, RopeCache, Unit
 from stp.models.mllm.rows import check_mllm_sequence
 from stp.models.mllm.vision import InputUnit, MergerUnit, VisionAttentionUnit, VisionMLPUnit
+from stp.models.recompute import check_recompute
 from stp.models.tp.comm import make_allreduce
 from stp.models.tp.sequence import SequenceParallel
 from stp.schedule.placement import partition_layers
@@ -109,7 +110,7 @@ class MLLMStage(ModelStage):
                  tensors: dict[str, torch.Tensor], *, tp_size: int, tp_rank: int,
                  tp_group: dist.ProcessGroup | None,
                  partition: tuple[int, ...] | None = None,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, recompute: str = "none") -> None:
         nn.Module.__init__(self)
         self.mllm, self.config = cfg, cfg.decoder
         self.stage, self.num_stages = stage, num_stages
@@ -129,6 +130,8 @@ class MLLMStage(ModelStage):
         self.seq = SequenceParallel(tp_group, tp_size, tp_rank) if self.prepares_gathers else None
         for unit in self.units:
             unit.seq = self.seq
+        # the input unit (patch and text embeddings) keeps its small inputs either way
+        self.recompute = set_recompute(self.units, recompute)
 
     def _mllm_units(self, p: dict[str, nn.Parameter]) -> list[Unit]:
         cfg, dec, lv = self.mllm, self.mllm.decoder, self.mllm.vision.num_layers
@@ -217,14 +220,16 @@ def build_mllm_stage(cfg: MLLMConfig, stage: int, num_stages: int, *,
                      tp_rank: int = 0, device: torch.device | str = "cpu",
                      dtype: torch.dtype = torch.float32,
                      partition: tuple[int, ...] | None = None,
-                     sequence_parallel: bool = False) -> MLLMStage:
+                     sequence_parallel: bool = False, recompute: str = "none") -> MLLMStage:
     """Materialise stage `stage` of `num_stages` of the multimodal model on TP rank
     tp_rank of tp_size (a StageBuilder for stp.train.Trainer). `sequence_parallel`:
     shard the packed stream along the sequence (stp.models.mllm.rows; ignored at
-    tp_size 1)."""
+    tp_size 1). `recompute`: activation recomputation, none / selective / full
+    (stp.models.recompute)."""
     if not isinstance(cfg, MLLMConfig):
         raise ValueError(f"cfg must be an MLLMConfig, got {type(cfg).__name__}")
     check_mllm(cfg, tp_size, num_stages)
+    check_recompute(recompute)
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
         raise ValueError(f"stage must be an int in [0, num_stages={num_stages}), got {stage!r}")
     check_tp(cfg.decoder, tp_size, tp_rank)
@@ -234,5 +239,5 @@ def build_mllm_stage(cfg: MLLMConfig, stage: int, num_stages: int, *,
                for s in specs}
     return MLLMStage(cfg, stage, num_stages, specs, tensors, tp_size=tp_size, tp_rank=tp_rank,
                      tp_group=tp_group, partition=partition,
-                     sequence_parallel=sequence_parallel)
+                     sequence_parallel=sequence_parallel, recompute=recompute)
 

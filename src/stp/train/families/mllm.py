@@ -66,10 +66,6 @@ class MLLMJob:
             raise ValueError("--arch mllm cannot --save-hf: stp's vision encoder and merger have "
                              "no Hugging Face layout to write; the checkpoints in --out keep the "
                              "full state (continue with --resume); drop --save-hf")
-        if getattr(job, "recompute", "none") != "none":
-            raise ValueError(f"--arch mllm --recompute {job.recompute}: the multimodal stages "
-                             "do not recompute yet (their sequence-parallel encoder and the "
-                             "recomputation were built apart); drop --recompute")
         if job.eval_data is not None:
             raise ValueError(f"--arch mllm evaluates on held-out images, not text: drop "
                              f"--eval-data {job.eval_data!r} (held-out shapes are generated; "
