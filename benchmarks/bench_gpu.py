@@ -19,6 +19,8 @@ Three parts, each recorded under its key in the JSON (`--only` picks some):
            both at once over the shorter one (1: the pair takes as long as its
            longer member), and the copy alone gives the host bandwidth that
            `h100-80g` assumes to be 50 GB/s.
+  compile  `stp train` eager against `--compile` (the pieces between the linears
+           compiled, stp.models.compile): step time, compile seconds, first losses.
   train    `stp train` on this GPU (NCCL, one rank, pp 1) with --recompute none,
            selective, full and --offload all: step time, tokens/s and the measured
            bytes per category beside `stp memory`'s estimate for the same flags.
@@ -212,10 +214,36 @@ def bench_train(smoke: bool) -> list[dict]:
     return rows
 
 
+def bench_compile(smoke: bool) -> list[dict]:
+    """stp train eager against --compile on this device (module doc): the same run,
+    step time after the first, compile seconds, and the first losses side by side."""
+    model = (["--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "64"] if smoke
+             else ["--layers", "8", "--hidden", "2048", "--heads", "16", "--kv-heads", "8",
+                   "--seq-len", "2048"])
+    common = ["--pp", "1", "--schedule", "1f1b", "--microbatches", "4", "--microbatch-size",
+              "2", "--dtype", "bfloat16" if not smoke else "float32", "--steps", "6", *model]
+    rows = []
+    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+        with tempfile.TemporaryDirectory() as out:
+            cmd = [sys.executable, "-m", "stp.cli.main", "train", *common, *extra,
+                   "--out", out, "--json"]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            rows.append({"run": name, "error": (done.stderr or done.stdout)[-2000:]})
+            continue
+        docs = [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
+        steps = [d for d in docs if "step_s" in d]
+        rows.append({"run": name, "flags": " ".join(common + extra),
+                     "median_step_s": statistics.median(d["step_s"] for d in steps[1:]),
+                     "compile_s": sum(d.get("compile_s", 0.0) for d in steps),
+                     "losses": [d["loss"] for d in steps]})
+    return rows
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="write the figures as JSON here")
-    p.add_argument("--only", default="units,copier,train", help="parts to run")
+    p.add_argument("--only", default="units,copier,train,compile", help="parts to run")
     p.add_argument("--presets", default="llama3-405b,qwen2-12.1b,qwen2-72b,zb-6.2b")
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--cpu-smoke", action="store_true", help="toy sizes on the CPU")
@@ -258,6 +286,13 @@ def main(argv: list[str]) -> int:
             act = (m.get("activations_peak"), e.get("activations_peak"))
             print(f"train {r['lever']}: step {r['median_step_s']} s, activations measured "
                   f"{act[0]} estimated {act[1]}, total {m.get('total')} vs {e.get('total')}")
+    if "compile" in parts:
+        doc["compile"] = bench_compile(not cuda)
+        save()
+        for r in doc["compile"]:
+            print(f"compile {r['run']}: " + (str(r["error"]) if "error" in r else
+                  f"step {r['median_step_s'] * 1e3:.1f} ms, compile {r['compile_s']:.1f} s, "
+                  f"losses {[round(x, 5) for x in r['losses'][:3]]}"))
     return 0
 
 
