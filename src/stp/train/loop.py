@@ -186,7 +186,8 @@ def run(resolved: Run,
         start = time.perf_counter()
         loss = trainer.step(batches.batch(step))
         elapsed = time.perf_counter() - start
-        compile_s = _slowest(compile_stats().seconds - compiled_before) if job.compile else None
+        compile_s = (_slowest(compile_stats().seconds - compiled_before, trainer.device)
+                     if job.compile else None)
         compiling += compile_s or 0.0
         losses.append(loss)
         times.append(elapsed)
@@ -233,10 +234,10 @@ def run(resolved: Run,
     )
 
 
-def _slowest(seconds: float) -> float:
+def _slowest(seconds: float, device: torch.device) -> float:
     """The largest of every rank's `seconds` (collective): a step waits for the rank
-    that compiles longest."""
-    value = torch.tensor([seconds], dtype=torch.float64)
+    that compiles longest. On the run's device: NCCL reduces no CPU tensor."""
+    value = torch.tensor([seconds], dtype=torch.float64, device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return float(value.item())
 
