@@ -113,9 +113,9 @@ class PeerSpec:
 Sides = dict[str, Callable[[], float]]
 
 STP_COMPILE_MISSING = "stp --compile not available in this build"
-CSV_COMPILED = ("not run compiled: `_PipelineScheduleRuntime` skips the compile check of "
-                "torch's split-backward classes, and a compiled block's backward input "
-                "then fails on donated buffers (pytorch issue #161904)")
+CSV_COMPILED = ("compiled, `_PipelineScheduleRuntime` skips the compile check of torch's "
+                "split-backward classes, and a compiled block's backward input then "
+                "fails on donated buffers (pytorch issue #161904)")
 
 
 def stp_has_compile() -> bool:

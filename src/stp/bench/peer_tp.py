@@ -138,10 +138,11 @@ class BlockPart(nn.Module):
         return x
 
 
-def tp_plan(part: BlockPart) -> dict[str, Any]:
-    """torchtitan's Llama plan without sequence parallelism, for the modules of `part`."""
+def tp_plan(part: BlockPart, *, shard_embedding: bool = True) -> dict[str, Any]:
+    """torchtitan's Llama plan without sequence parallelism, for the modules of `part`;
+    shard_embedding=False leaves the embedding replicated (see build_tp_stages)."""
     plan: dict[str, Any] = {}
-    if part.embed is not None:
+    if part.embed is not None and shard_embedding:
         plan["embed"] = RowwiseParallel(input_layouts=Replicate())
     for i in part.layers:
         plan |= {f"layers.{i}.attn.{k}": ColwiseParallel() for k in ("wq", "wk", "wv")}
@@ -168,14 +169,20 @@ def build_tp_stages(config: ModelConfig, schedule: Schedule, mesh: DeviceMesh,
                     dtype: torch.dtype, *, compile: bool = False) -> list[PipelineStage]:
     """This rank's PipelineStages: stp's layers of each stage it holds (schedule.stages_of
     its pp coordinate), TP-parallelized over the mesh's tp axis when it has more
-    than one rank, blocks compiled if asked."""
+    than one rank, blocks compiled if asked.
+
+    Compiled, the embedding stays replicated: with torch 2.13 on gloo, the input
+    gradient of a compiled block reaches the sharded embedding's output
+    redistribution as a plain tensor and its backward fails ("'Tensor' object
+    has no attribute '_local_tensor'"); the blocks, where TP's collectives are,
+    keep torchtitan's plan."""
     n, tp_mesh = schedule.num_stages, mesh["tp"]
     stages = []
     for s in schedule.stages_of(mesh.get_local_rank("pp")):
         part = BlockPart(config, stage_layers(config.num_layers, s, n), first=s == 0,
                          last=s == n - 1, dtype=dtype)
         if tp_mesh.size() > 1:
-            parallelize_module(part, tp_mesh, tp_plan(part))
+            parallelize_module(part, tp_mesh, tp_plan(part, shard_embedding=not compile))
         if compile:
             _compile_blocks(part)
         stages.append(PipelineStage(part, s, n, torch.device("cpu"),
