@@ -30,6 +30,7 @@ def test_help_lists_the_flags(capsys):
     (("--schedules", "stp"), "'stp'"),
     (("--hidden", "30"), "hidden=30"),
     (("--layers", "3", "--schedules", "zb-v"), "--layers 3"),
+    (("--heads", "3", "--hidden", "48", "--settings", "tp2-eager"), "tp 2 not accepted"),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, argv, says):
     code, out, err = run(capsys, "bench", "peer", *argv)
