@@ -3,9 +3,9 @@
 The peer benchmark times stp's Trainer against PyTorch pipelining over DTensor
 tensor parallelism; this checks first that they train the same model: from
 the same initial weights, on the same batches, three SGD steps give the same
-loss on both sides to 1e-9 relative, and after the first step every
-parameter's gradient (the torch side's TP shards gathered) equals stp's TP
-shard. Broken variant: stp's loss given the next microbatch's targets must
+loss and global gradient norm on both sides to 1e-9 relative, and after the
+first step every parameter's gradient (the torch side's TP shards gathered)
+equals stp's TP shard. Broken variant: stp's loss given the next microbatch's targets must
 fail the loss comparison. PyTorch refuses ZB-V over compiled blocks when the
 schedule is built, on every rank (the benchmark prints that as a row); the
 compiled torch side's parity is behind `-m slow` (compiling takes minutes).
@@ -60,6 +60,8 @@ def _run(rank: int, broken: bool, compile: bool = False
     for step in range(STEPS):
         ours.append(trainer.step(_batch(step)))
         theirs.append(side.step(*_batch(step)))
+        norms = (trainer.last_update.grad_norm, side.grad_norm)
+        worst = max(worst, abs(norms[0] - norms[1]) / norms[1])  # the same global norm
         if step == 0:  # gradients of the first step, stp's TP shard against torch's gathered
             full = {k: _full(p.grad) for k, p in side.named_parameters()}
             mine = dict(trainer.named_parameters())
