@@ -1,11 +1,20 @@
 """stp's runtime against PyTorch's `torch.distributed.pipelining`, side by side.
 
 Same decoder, batch, dtype, microbatches and schedule on both runtimes, pp=2,
-tp=1, gloo on the CPU (stp.bench.peer has the details): stp's Trainer step
-against PyTorch's schedule class of the same name, and against
-`_PipelineScheduleRuntime` running stp's exported CSV (the exact same order).
+gloo on the CPU (stp.bench.peer has the details): stp's Trainer step against
+PyTorch's schedule class of the same name, and against `_PipelineScheduleRuntime`
+running stp's exported CSV (the exact same order, eager settings only).
 Steps alternate stp, torch, torch-csv, ... in one process group, so a shared
 machine's drift hits every side; a ratio stp / torch below 1 means stp is faster.
+
+Settings (one launch each, rows labelled so in the tables):
+  tp1-eager     pp=2 x tp=1, 2 processes, torch's plain module
+  tp1-compiled  both compiled: torch per block (torchtitan's way), stp --compile
+  tp2-eager     pp=2 x tp=2, 4 processes, torch's DTensor TP per block (torchtitan's
+                plan) under its pipelining schedule
+  tp2-compiled  the same, compiled
+stp's compile is its Trainer option `compile`; a build without it prints
+"stp --compile not available in this build" in the stp column.
 
 Three sizes by default (8 layers, microbatch size 4, m=8, float32):
   issue     hidden 256, seq 128  (the first hand-made measurement's size)
@@ -13,6 +22,7 @@ Three sizes by default (8 layers, microbatch size 4, m=8, float32):
   overhead  hidden 64,  seq 128  (per-unit Python overhead dominates)
 
     python3 benchmarks/bench_vs_torch.py [--sizes issue,compute,overhead] [--rounds 7]
+        [--settings tp1-eager,tp1-compiled,tp2-eager,tp2-compiled]
         [--schedules 1f1b,1f1b-interleaved,zb-v] [--profile-rank R] [--out FILE.md]
 
 Writes the tables to benchmarks/results/vs_torch.md (with the command) unless
@@ -33,6 +43,8 @@ SIZES = {
     "compute": {"hidden": 512, "seq_len": 256},
     "overhead": {"hidden": 64, "seq_len": 128},
 }
+SETTINGS = {"tp1-eager": (1, False), "tp1-compiled": (1, True),
+            "tp2-eager": (2, False), "tp2-compiled": (2, True)}
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -44,6 +56,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--microbatch-size", type=int, default=4)
     p.add_argument("--microbatches", "-m", type=int, default=8)
+    p.add_argument("--settings", default=",".join(SETTINGS),
+                   help=f"comma-separated from {', '.join(SETTINGS)} (default all)")
     p.add_argument("--no-csv", action="store_true", help="skip the CSV-order runs")
     p.add_argument("--profile-rank", type=int, default=None)
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
@@ -52,6 +66,9 @@ def _args(argv: list[str]) -> argparse.Namespace:
     bad = [s for s in args.sizes.split(",") if s not in SIZES]
     if bad:
         p.error(f"unknown size {bad[0]!r}; choose from {', '.join(SIZES)}")
+    bad = [s for s in args.settings.split(",") if s not in SETTINGS]
+    if bad:
+        p.error(f"unknown setting {bad[0]!r}; choose from {', '.join(SETTINGS)}")
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
     return args
@@ -60,7 +77,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = _args(argv)
     from stp.bench.peer import PeerSpec, run_peer
-    from stp.bench.peer_table import format_table
+    from stp.bench.peer_table import failed_setting, format_tables
     from stp.shapes import ModelConfig
 
     sections = []
@@ -68,27 +85,35 @@ def main(argv: list[str]) -> int:
         shape = SIZES[size]
         model = ModelConfig(hidden=shape["hidden"], num_layers=args.layers, num_heads=4,
                             num_kv_heads=4, max_seq_len=shape["seq_len"])
-        spec = PeerSpec(
-            schedules=tuple(args.schedules.split(",")), model=model,
-            seq_len=shape["seq_len"], microbatch_size=args.microbatch_size,
-            microbatches=args.microbatches, pairs=args.rounds, csv=not args.no_csv,
-            profile_rank=args.profile_rank,
-        )
-        start = time.perf_counter()
-        result = run_peer(spec)
-        table = format_table(result)
-        print(f"## {size}\n\n{table}\n({time.perf_counter() - start:.0f} s)\n", flush=True)
-        sections.append(f"## {size}\n\n{table}\n")
-        for schedule, sides in result["profiles"].items():
-            for side, text in sides.items():
-                print(f"### cProfile, rank {args.profile_rank}, {schedule}, {side}\n{text}")
+        results = []
+        for setting in args.settings.split(","):
+            tp, compiled = SETTINGS[setting]
+            spec = PeerSpec(
+                schedules=tuple(args.schedules.split(",")), tp=tp, compile=compiled,
+                model=model, seq_len=shape["seq_len"], microbatch_size=args.microbatch_size,
+                microbatches=args.microbatches, pairs=args.rounds,
+                csv=not args.no_csv and not compiled, profile_rank=args.profile_rank,
+            )
+            start = time.perf_counter()
+            try:
+                result = run_peer(spec)
+            except RuntimeError as e:  # one setting failing is a row, not the end
+                result = failed_setting(spec, f"run failed: {e}")
+            results.append(result)
+            print(f"## {size}, {spec.label}\n\n{format_tables([result])}\n"
+                  f"({time.perf_counter() - start:.0f} s)\n", flush=True)
+            for schedule, sides in result.get("profiles", {}).items():
+                for side, text in sides.items():
+                    print(f"### cProfile, {spec.label}, rank {args.profile_rank}, {schedule}, "
+                          f"{side}\n{text}")
+        sections.append(f"## {size}\n\n{format_tables(results)}\n")
     command = "python3 benchmarks/bench_vs_torch.py " + " ".join(argv)
     header = (
         "# stp vs torch.distributed.pipelining\n\n"
         f"`{command.strip()}` on a machine with {os.cpu_count()} cores "
         f"({platform.processor() or platform.machine()}), "
         f"{time.strftime('%Y-%m-%d')}. Step = zero grads, m microbatches, loss all-reduce, "
-        "SGD step; ms are medians over rounds; ratios stp/torch per round "
+        "SGD step, global gradient norm; ms are medians over rounds; ratios stp/torch per round "
         "(below 1: stp faster); peak MiB: resident growth during one step, per rank. "
         "What the ratios come from: README.md, Performance, "
         "\"Against torch.distributed.pipelining\".\n"

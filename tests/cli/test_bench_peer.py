@@ -30,8 +30,21 @@ def test_help_lists_the_flags(capsys):
     (("--schedules", "stp"), "'stp'"),
     (("--hidden", "30"), "hidden=30"),
     (("--layers", "3", "--schedules", "zb-v"), "--layers 3"),
+    (("--heads", "3", "--hidden", "48", "--settings", "tp2-eager"), "tp 2 not accepted"),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, argv, says):
     code, out, err = run(capsys, "bench", "peer", *argv)
     assert code == 2
     assert says in err and len(err.strip().splitlines()) == 1
+
+
+def test_settings_flag_refuses_an_unknown_setting(capsys):
+    code, _, err = run(capsys, "bench", "peer", "--settings", "tp1-eager,tp4-eager")
+    assert code == 2
+    assert "'tp4-eager'" in err and "tp2-compiled" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_settings_flag_is_listed(capsys):
+    code, out, _ = run(capsys, "bench", "peer", "--help")
+    assert code == 0 and "--settings" in out and "tp2-compiled" in out

@@ -25,8 +25,8 @@ from stp.schedule import io as schedule_io
 from stp.schedule.placement import stage_layers
 from stp.train.clip import grad_norm
 
-__all__ = ["DecoderPart", "lm_loss", "build_torch_stages", "torch_schedule", "TorchSide",
-           "TORCH_CLASSES"]
+__all__ = ["DecoderPart", "rms_norm", "lm_loss", "build_torch_stages", "torch_schedule",
+           "TorchSide", "TORCH_CLASSES"]
 
 TORCH_CLASSES = {
     "gpipe": "ScheduleGPipe",
@@ -42,7 +42,7 @@ the last three at every (pp, m) PyTorch accepts, tests/schedule/test_gen_torch.p
 PyTorch runs DualPipeV's OVERLAP_F_B pairs pass after pass; stp braids them."""
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as a user writes it, statistics in at least float32 (as stp's)."""
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
@@ -99,10 +99,10 @@ class DecoderPart(nn.Module):
         if self.first:
             x = F.embedding(x, p["embed.weight"])  # [b, s] -> [b, s, h]
         for i in self.layer_ids:
-            x = x + self._attention(i, _rms_norm(x, p[f"layers.{i}.attn_norm.weight"], eps))
-            x = x + self._mlp(i, _rms_norm(x, p[f"layers.{i}.mlp_norm.weight"], eps))
+            x = x + self._attention(i, rms_norm(x, p[f"layers.{i}.attn_norm.weight"], eps))
+            x = x + self._mlp(i, rms_norm(x, p[f"layers.{i}.mlp_norm.weight"], eps))
         if self.last:
-            x = F.linear(_rms_norm(x, p["norm.weight"], eps), p["head.weight"])  # [b, s, V]
+            x = F.linear(rms_norm(x, p["norm.weight"], eps), p["head.weight"])  # [b, s, V]
         return x
 
 
@@ -171,12 +171,20 @@ class TorchSide:
         self.schedule.step(*args, target=targets if self.last else None,
                            losses=losses if self.last else None, return_outputs=False)
         total = torch.zeros((), dtype=torch.float64)
-        if self.last:
+        if self.counts_loss():
             total += sum(float(v.detach()) for v in losses) / self.m
         dist.all_reduce(total)
         # The global gradient norm, as stp's Trainer computes it every step (to skip a
         # non-finite step and to log it; torchtitan computes it to clip): same work.
-        grads = [p.grad for p in self.parameters if p.grad is not None]
-        self.grad_norm = grad_norm(grads, [True] * len(grads), dist.all_reduce)
+        self.grad_norm = grad_norm(*self.local_grads(), dist.all_reduce)
         self.optimizer.step()
         return float(total)
+
+    def counts_loss(self) -> bool:
+        """Whether this rank adds its microbatch losses to the world's sum."""
+        return self.last
+
+    def local_grads(self) -> tuple[list[torch.Tensor], list[bool]]:
+        """This rank's gradients and whether each counts in the global norm."""
+        grads = [p.grad for p in self.parameters if p.grad is not None]
+        return grads, [True] * len(grads)

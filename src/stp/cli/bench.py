@@ -2,7 +2,7 @@
 
     stp bench overlap [--json]    # tp=2: F then B, against F braided with B
     stp bench fidelity [--json]   # pp=2 x tp=2: measured step time vs the simulator
-    stp bench peer [--json]       # pp=2, tp=1: stp's runtime vs torch.distributed.pipelining
+    stp bench peer [--json]       # pp=2 x tp=1|2, eager|compiled: stp vs torch pipelining
 
 overlap: the all-reduce time left on the compute stream when F and B of two
 microbatches run one after the other, and when they run as one braided block
@@ -19,6 +19,8 @@ simulator's makespan for the same costs (stp.sim.simulate).
 peer: the same decoder, batch and schedule trained by stp's Trainer and by
 PyTorch's pipelining schedule class of the same name (and by PyTorch running
 stp's exported CSV), steps alternating; stp / torch per round (stp.bench.peer).
+At tp2 the torch side is torchtitan's: DTensor tensor parallelism per block
+under the pipelining schedule; compiled, both sides compile (torch per block).
 
 These are benchmarks, not tests: figures depend on the machine and its load.
 With --json the last stdout line is one JSON object. torch is imported only
@@ -99,7 +101,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _register_peer(bs: argparse._SubParsersAction) -> None:
-    p = bs.add_parser("peer", help="stp's runtime vs torch.distributed.pipelining (pp=2, tp=1)")
+    p = bs.add_parser("peer", help="stp's runtime vs torch.distributed.pipelining "
+                      "(pp=2 x tp=1|2, eager and compiled)")
     p.add_argument("--schedules", default="1f1b,1f1b-interleaved,zb-v",
                    help="comma-separated, each with a PyTorch class: gpipe, 1f1b, "
                    "1f1b-interleaved, zb-v (default 1f1b,1f1b-interleaved,zb-v)")
@@ -112,9 +115,27 @@ def _register_peer(bs: argparse._SubParsersAction) -> None:
     p.add_argument("--pairs", type=int_in(1, 1000), default=7,
                    help="timed rounds, one step of every side each (default 7)")
     p.add_argument("--csv", choices=("on", "off"), default="on",
-                   help="also run stp's exported CSV on PyTorch's runtime (default on)")
+                   help="also run stp's exported CSV on PyTorch's runtime, eager settings "
+                   "only (default on)")
+    p.add_argument("--settings", type=peer_settings, default=peer_settings(",".join(PEER_SETTINGS)),
+                   help=f"comma-separated from {', '.join(PEER_SETTINGS)}, one run each "
+                   "(tp2: pp x tp = 4 processes; default all four)")
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     p.set_defaults(func=run_peer)
+
+
+PEER_SETTINGS = ("tp1-eager", "tp1-compiled", "tp2-eager", "tp2-compiled")
+
+
+def peer_settings(text: str) -> list[tuple[int, bool]]:
+    """`tp1-eager,tp2-compiled` -> [(1, False), (2, True)]; ValueError names a bad item."""
+    out = []
+    for item in (t.strip() for t in text.split(",")):
+        if item not in PEER_SETTINGS:
+            raise argparse.ArgumentTypeError(f"setting {item!r} not accepted; choose from "
+                                             f"{', '.join(PEER_SETTINGS)}")
+        out.append((int(item[2]), item.endswith("compiled")))
+    return out
 
 
 def _launch(kind: str, settings: Any, nprocs: int) -> dict[str, Any]:
@@ -246,26 +267,35 @@ def run_fidelity(args: argparse.Namespace) -> int:
 def run_peer(args: argparse.Namespace) -> int:
     from stp.bench.peer import PeerSpec
     from stp.bench.peer import run_peer as measure
-    from stp.bench.peer_table import format_table
+    from stp.bench.peer_table import failed_setting, format_tables
     from stp.models import ModelConfig
     from stp.schedule.registry import make as make_schedule
 
     names = tuple(n.strip() for n in args.schedules.split(",") if n.strip())
     model = ModelConfig(hidden=args.hidden, num_layers=args.layers, num_heads=args.heads,
                         num_kv_heads=args.heads, max_seq_len=args.seq_len)  # a bad shape
-    spec = PeerSpec(schedules=names, pp=2, model=model, seq_len=args.seq_len,
-                    microbatch_size=args.microbatch_size, microbatches=args.microbatches,
-                    pairs=args.pairs, csv=args.csv == "on")  # ValueError names a bad schedule
+    specs = [PeerSpec(schedules=names, pp=2, tp=tp, compile=compiled, model=model,
+                      seq_len=args.seq_len, microbatch_size=args.microbatch_size,
+                      microbatches=args.microbatches, pairs=args.pairs,
+                      csv=args.csv == "on" and not compiled)  # ValueError names a bad value
+             for tp, compiled in args.settings]
     for n in names:
-        sch = make_schedule(n, spec.pp, spec.microbatches)
-        if sch.chunks * spec.pp > args.layers:
+        sch = make_schedule(n, 2, args.microbatches)
+        if sch.chunks * 2 > args.layers:
             raise ValueError(f"--layers {args.layers}: {n} needs at least "
-                             f"{sch.chunks * spec.pp} (one per stage)")
+                             f"{sch.chunks * 2} (one per stage)")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see stp.cli.train
-    result = measure(spec)
-    print(format_table(result))
+    results = []
+    for spec in specs:
+        try:
+            results.append(measure(spec))
+        except RuntimeError as e:  # a setting that fails is a row saying so, not the end
+            print(f"bench peer: {spec.label}: {e}", file=sys.stderr)
+            results.append(failed_setting(spec, f"run failed: {e}"))
+    print(format_tables(results))
     if args.json:
-        print(json.dumps({"spec": dataclasses.asdict(spec), "rows": result["rows"]}))
+        print(json.dumps({"settings": [{"spec": dataclasses.asdict(r["spec"]),
+                                        "rows": r["rows"]} for r in results]}))
     return 0
 
 
