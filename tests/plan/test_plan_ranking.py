@@ -29,9 +29,9 @@ def _request(**kw):
 def _all_configs(request):
     for mesh in meshes(request):
         for b, m in microbatchings(request, mesh):
-            for name in schedules_for(request, mesh):
+            for name, chunks in schedules_for(request, mesh):
                 for _, feats in levers_for(request, mesh):
-                    yield Config(mesh, b, m, name, feats)
+                    yield Config(mesh, b, m, name, feats, chunks)
 
 
 def test_bounds_never_exceed_the_simulated_price():
@@ -50,7 +50,7 @@ def test_top_k_equals_the_exhaustive_ranking_under_a_tight_budget():
     request = _request(memory_budget=budget)
     best: dict[tuple, float] = {}
     for cfg in _all_configs(request):
-        key = (cfg.mesh, cfg.microbatch_size, cfg.schedule)
+        key = (cfg.mesh, cfg.microbatch_size, cfg.schedule, cfg.chunks)
         if key in best:
             continue  # a lower lever already fits: later levers are not faster
         got = price(SMALL, HW, cfg, 2048)
