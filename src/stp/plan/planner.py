@@ -188,10 +188,12 @@ def plan(request: PlanRequest) -> PlanResult:
 
 
 def priced_at(request: PlanRequest, mesh: Mesh, microbatch_size: int,
-              schedule: str, chunks: int | None = None) -> Priced | None:
+              schedule: str, chunks: int | None = None,
+              partition: tuple[int, ...] | None = None) -> Priced | None:
     """One configuration priced as the planner prices it: the first rung of
-    the lever ladder that fits the budget (None: none does). For checking a
-    published configuration against the planner's figures."""
+    the lever ladder that fits the budget (None: none does), at `chunks` per
+    rank and `partition` (layers per stage; None: the even split). For
+    checking a published configuration against the planner's figures."""
     ladder = levers_for(request, mesh)
     per_replica = request.global_batch // mesh.dp
     base = Config(mesh, microbatch_size, per_replica // microbatch_size, schedule, ladder[0][1],
@@ -199,7 +201,7 @@ def priced_at(request: PlanRequest, mesh: Mesh, microbatch_size: int,
     rung = _first_rung(request, base, ladder, 0)
     while rung is not None:
         got = price(request.model, request.hardware, replace(base, features=ladder[rung][1]),
-                    request.seq_len)
+                    request.seq_len, partition)
         if got.peak_bytes <= request.budget:
             return got
         rung = _first_rung(request, base, ladder, rung + 1)
