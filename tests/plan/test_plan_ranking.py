@@ -102,12 +102,13 @@ def test_every_row_fits_by_stp_memory(capsys):
         argv = ["memory", "--model", MODEL_ARG, "--hardware", "a100-80g", "--pp",
                 str(job["pp"]), "--tp", str(job["tp"]), "--dp", str(job["dp"]), "-m",
                 str(job["microbatches"]), "--microbatch-size", str(job["microbatch_size"]),
-                "--seq-len", "2048", "--schedule", job["schedule"], "--memory-budget", "7GB",
+                "--seq-len", "2048", "--schedule", r["schedule"], "--memory-budget", "7GB",
                 "--recompute", job.get("recompute", "none"), "--offload",
                 job.get("offload", "none"), "--json"]
         argv += ["--sequence-parallel"] * bool(job.get("sequence_parallel"))
         argv += ["--shard-optimizer"] * bool(job.get("shard_optimizer"))
         argv += ["--partition", job["partition"]] if "partition" in job else []
+        argv += ["--chunks", str(r["chunks"])] if "schedule_file" in r else []
         assert main(argv) == 0, r
         mem = json.loads(capsys.readouterr().out)
         assert mem["memory"]["total"] == pytest.approx(r["peak_bytes"], rel=1e-12)
