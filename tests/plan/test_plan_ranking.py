@@ -161,3 +161,16 @@ def test_request_validates_itself():
 def test_a_batch_too_large_to_cut_is_one_line():
     with pytest.raises(NoPlan, match="raise --max-microbatch-size"):
         plan(_request(gpus=1, global_batch=1 << 20, max_microbatch_size=1))
+
+
+def test_the_gpu_count_named_for_a_model_that_fits_nowhere_is_the_smallest_that_fits():
+    # The refusal's count is the one to ask for: it plans, and the node
+    # multiple below it does not.
+    tight = dict(global_batch=16, memory_budget=0.4e9, schedules=("1f1b",))
+    with pytest.raises(NoPlan) as refused:
+        plan(_request(gpus=4, **tight))
+    named = int(str(refused.value).split("; ")[-1].split(" GPUs would fit")[0])
+    got = plan(_request(gpus=named, **tight))
+    assert got.plans and all(p.peak_bytes <= 0.4e9 for p in got.plans)
+    with pytest.raises(NoPlan):
+        plan(_request(gpus=named - 4, **tight))
