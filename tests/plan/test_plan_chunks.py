@@ -137,3 +137,37 @@ def test_memory_chunks_refused_where_they_mean_nothing(capsys):
     assert main(["memory", "--pp", "2", "--chunks", "4"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--chunks 4" in err
+
+
+@pytest.mark.slow
+def test_stp_train_plan_runs_a_chunked_row_from_its_file(capfd, tmp_path, monkeypatch):
+    # The plan's v = 3 row runs through `stp train --plan` from the schedule
+    # file `stp plan --out` wrote, with the losses of the same step at v = 2
+    # (capfd: the pipeline ranks are worker processes that print themselves).
+    monkeypatch.chdir(tmp_path)
+    argv = ["plan", "--model",
+            "layers=6,hidden=16,heads=2,kv_heads=2,ffn=64,vocab=256,sequence=8",
+            "--gpus", "2", "--gpus-per-node", "1", "--global-batch", "3", "--seq-len", "8",
+            "--hardware", "a100-80g", "--schedules", "1f1b-interleaved", "--dtype", "float32",
+            "--max-microbatch-size", "1", "--partition", "even", "--top", "2", "--out",
+            "plan.json"]
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    row = next(r for r in doc["plans"] if r["chunks"] == 3)
+    row["job"]["dtype"] = "float64"  # stp plan plans 16 and 32 bits; compare in float64
+    (tmp_path / "v3.json").write_text(json.dumps({**doc, "plans": [row]}))
+    capfd.readouterr()
+    tiny = ["train", "--layers", "6", "--hidden", "16", "--heads", "2", "--steps", "2",
+            "--timeout", "60", "--json"]
+
+    def losses(extra):
+        assert main([*tiny, *extra]) == 0
+        rows = [json.loads(x) for x in capfd.readouterr().out.splitlines()
+                if x.startswith("{")]
+        return [r["loss"] for r in rows if "loss" in r]
+
+    chunked = losses(["--plan", "v3.json", "--out", "a"])
+    plain = losses(["--pp", "2", "--schedule", "1f1b-interleaved", "-m", "3",
+                    "--microbatch-size", "1", "--seq-len", "8", "--dtype", "float64",
+                    "--out", "b"])
+    assert len(chunked) == 2 and chunked == pytest.approx(plain, abs=1e-9)
