@@ -11,9 +11,12 @@ picks. The figures go in `benchmarks/results/plan.md`.
    2407.21783, section 3.3.2 and Table 4: TP8, PP16, DP128, sequence 8192,
    16M tokens a step = 2048 sequences, 41% BF16 MFU at this scale, 38-43%
    over its rows): the MFU the `h100-80g` preset predicts at that mesh with
-   interleaved 1F1B, at the preset's efficiency 0.5 (an assumption) and at
-   0.47, the MFU Megatron-LM's README reports for GPT-3 175B on H100 (a
-   lower bound on what its matmuls achieve; not the measurement checked).
+   interleaved 1F1B at v chunks per rank (v = 4 with one layer fewer on the
+   first and last stage is the assumed Llama 3 setting; plan.md says why),
+   at the preset's efficiency 0.5 (stp's own 405B TP8 layer measured 0.49
+   of the H100's peak, benchmarks/results/gpu-h100.md) and at 0.47, the MFU
+   Megatron-LM's README reports for GPT-3 175B on H100 (a lower bound on
+   what its matmuls achieve); neither is the measurement checked.
 2. torchtitan's Llama 3.1 405B on 512 H100s ("TorchTitan", arXiv 2410.06511,
    Table 5: interleaved 1F1B 28% faster than 1F1B at FSDP8 x TP8 x PP8):
    stp shards the optimizer, not the parameters, so dp8 with the sharded
@@ -33,30 +36,43 @@ from stp.costmodel import HARDWARE, MODELS
 from stp.plan import PlanRequest, plan
 from stp.plan.planner import PlanResult, priced_at
 from stp.plan.report import row_json, why
-from stp.plan.space import Mesh
+from stp.plan.space import Mesh, chunk_options
 
 
 def _line(name: str, p, request: PlanRequest) -> str:
     if p is None:
-        return f"  {name:20s} does not fit"
+        return f"  {name:28s} does not fit"
     row = row_json(p, PlanResult([], request))
     f = p.config.features
     levers = [k for k, on in (("sp", f.sequence_parallel), ("zero1", f.shard_optimizer),
                               (f"recompute={f.recompute}", f.recompute != "none"),
                               (f"offload={f.offload}", f.offload != "none")) if on]
-    return (f"  {name:20s} step {row['step_time_s']:8.3f} s  MFU {row['mfu']:6.1%}  "
-            f"peak {p.peak_bytes / 2**30:6.1f} GiB  levers {','.join(levers) or '-'}")
+    crit = p.result.critical_rank
+    return (f"  {name:28s} step {row['step_time_s']:7.3f} s  MFU {row['mfu']:6.1%}  "
+            f"peak {p.peak_bytes / 2**30:5.1f} GiB  [compute {crit.compute / 1e3:.2f} "
+            f"idle {crit.idle / 1e3:.2f} TP {crit.exposed_tp / 1e3:.2f} "
+            f"DP {p.dp_sync_s:.2f} s]  levers {','.join(levers) or '-'}")
+
+
+LLAMA3_PARTITION = (1, *([2] * 62), 1)
+"""126 layers on 16 x 4 stages, one layer fewer on the first and last stage
+(Llama 3's balancing, arXiv 2407.21783, section 3.3.2)."""
 
 
 def llama3() -> None:
     print("Llama 3 405B, 16384 x h100-80g, 2048 x 8192 tokens, pp16 tp8 dp128, b1 m16")
+    rows = [("1f1b-interleaved", 2, None), ("1f1b-interleaved", 4, None),
+            ("1f1b-interleaved", 4, LLAMA3_PARTITION), ("1f1b-interleaved", 7, None),
+            ("zb-interleaved", 4, LLAMA3_PARTITION), ("1f1b", None, None),
+            ("zb-v", None, None), ("stp", None, None)]
     for eff in (0.5, 0.47):
         req = PlanRequest(model=MODELS["llama3-405b"],
                           hardware=replace(HARDWARE["h100-80g"], efficiency=eff),
                           gpus=16384, global_batch=2048, seq_len=8192)
-        for name in ("1f1b-interleaved", "1f1b", "zb-v", "stp"):
-            p = priced_at(req, Mesh(16, 8, 128), 1, name)
-            print(_line(f"{name} eff={eff}", p, req))
+        for name, v, part in rows:
+            p = priced_at(req, Mesh(16, 8, 128), 1, name, v, part)
+            label = f"{name}{f' v{v}' if v else ''}{' 1,2..2,1' if part else ''} eff={eff}"
+            print(_line(label, p, req))
 
 
 def llama3_plan() -> None:
@@ -70,8 +86,11 @@ def llama3_plan() -> None:
           f"{result.pruned_time} by time, {result.simulated} simulations")
     for i, p in enumerate(result.plans, 1):
         c = p.config
-        print(_line(f"#{i} pp{c.mesh.pp} tp{c.mesh.tp} dp{c.mesh.dp} {c.schedule} "
+        v = f" v{c.chunks}" if c.chunks else ""
+        print(_line(f"#{i} pp{c.mesh.pp} tp{c.mesh.tp} dp{c.mesh.dp} {c.schedule}{v} "
                     f"b{c.microbatch_size}", p, req))
+        if p.partition is not None:
+            print(f"     partition {','.join(map(str, p.partition))}")
     print("  why:", why(result.plans[0], result.plans[1]))
 
 
@@ -79,25 +98,32 @@ def torchtitan() -> None:
     print("torchtitan Llama 3.1 405B, 512 x h100-80g, 128 x 8192 tokens, pp8 tp8 dp8, b1 m16")
     req = PlanRequest(model=MODELS["llama3-405b"], hardware=HARDWARE["h100-80g"], gpus=512,
                       global_batch=128, seq_len=8192)
-    got = {name: priced_at(req, Mesh(8, 8, 8), 1, name) for name in ("1f1b", "1f1b-interleaved")}
+    got = {"1f1b": priced_at(req, Mesh(8, 8, 8), 1, "1f1b")}
+    for v in chunk_options("1f1b-interleaved", 8, req.model.layers):
+        got[f"1f1b-interleaved v{v}"] = priced_at(req, Mesh(8, 8, 8), 1, "1f1b-interleaved", v)
     for name, p in got.items():
         print(_line(name, p, req))
-    a, b = got["1f1b"], got["1f1b-interleaved"]
-    if a is not None and b is not None:
-        print(f"  interleaved 1F1B over 1F1B: {a.step_s / b.step_s - 1:+.1%} throughput "
-              "(published: +28%)")
+    a = got["1f1b"]
+    for name, b in got.items():
+        if a is not None and b is not None and b is not a:
+            print(f"  {name} over 1F1B: {a.step_s / b.step_s - 1:+.1%} throughput "
+                  "(published: +28%)")
 
 
 def stp_paper() -> None:
     print("STP paper: qwen2-12.1b, 16 x a800-80g, 32 x 6144 tokens, pp2 tp8 dp1, b1 m32")
     req = PlanRequest(model=MODELS["qwen2-12.1b"], hardware=HARDWARE["a800-80g"], gpus=16,
                       global_batch=32, seq_len=6144)
-    got = {n: priced_at(req, Mesh(2, 8, 1), 1, n) for n in ("stp", "1f1b-interleaved", "zb-v")}
+    got = {n: priced_at(req, Mesh(2, 8, 1), 1, n) for n in ("stp", "zb-v")}
+    for v in chunk_options("1f1b-interleaved", 2, req.model.layers):
+        got[f"1f1b-interleaved v{v}"] = priced_at(req, Mesh(2, 8, 1), 1, "1f1b-interleaved", v)
     for name, p in got.items():
         print(_line(name, p, req))
     s = got["stp"]
-    for rival in ("1f1b-interleaved", "zb-v"):
+    for rival in got:
         r = got[rival]
+        if rival == "stp":
+            continue
         if s is not None and r is not None:
             print(f"  stp over {rival}: {r.step_s / s.step_s - 1:+.1%} throughput "
                   "(published: up to +12%)")
@@ -106,7 +132,7 @@ def stp_paper() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--skip-405b-plan", action="store_true",
-                    help="leave out the full plan of 405B on 16384 GPUs (about 30 s of CPU)")
+                    help="leave out the full plan of 405B on 16384 GPUs (about 50 s of CPU)")
     args = ap.parse_args()
     llama3()
     torchtitan()

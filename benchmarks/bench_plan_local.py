@@ -41,6 +41,9 @@ from stp.costmodel.decoder_costs import derive_decoder
 from stp.costmodel.model import ModelSpec, layer_flops
 from stp.plan import PlanRequest, plan
 from stp.plan.price import Priced, spec_for
+from stp.plan.report import schedule_file
+from stp.schedule import generate
+from stp.schedule.io import dump_json
 
 LAYERS, HIDDEN, HEADS, SEQ, BATCH, GPUS = 8, 64, 4, 64, 16, 4
 MODEL = ModelSpec(layers=LAYERS, hidden=HIDDEN, heads=HEADS, kv_heads=HEADS, ffn=4 * HIDDEN,
@@ -60,10 +63,23 @@ def _emulate(p: Priced, hardware) -> str:
     return f"f={c.f:.4f},b={c.b:.4f},w={c.w:.4f}"
 
 
+def _schedule_arg(p: Priced, tmp: str) -> str:
+    """The schedule name, or for v != 2 chunks (stp train has no --chunks) the
+    schedule file that runs it (`stp.plan.report.schedule_file`)."""
+    c = p.config
+    name = schedule_file(p)
+    if name is None:
+        return c.schedule
+    path = os.path.join(tmp, name)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(dump_json(generate(c.schedule, c.mesh.pp, c.microbatches, **c.options())))
+    return path
+
+
 def _run(p: Priced, hardware, steps: int, tmp: str) -> float:
     c = p.config
     cmd = [sys.executable, "-m", "stp", "train", "--pp", str(c.mesh.pp), "--tp",
-           str(c.mesh.tp), "--dp", str(c.mesh.dp), "--schedule", c.schedule, "-m",
+           str(c.mesh.tp), "--dp", str(c.mesh.dp), "--schedule", _schedule_arg(p, tmp), "-m",
            str(c.microbatches), "--microbatch-size", str(c.microbatch_size), "--layers",
            str(LAYERS), "--hidden", str(HIDDEN), "--heads", str(HEADS), "--seq-len", str(SEQ),
            "--steps", str(steps), "--emulate-compute", _emulate(p, hardware), "--json",
@@ -91,7 +107,8 @@ def _spearman(a: list[float], b: list[float]) -> float:
 
 def _name(p: Priced) -> str:
     c = p.config
-    return (f"pp{c.mesh.pp} tp{c.mesh.tp} dp{c.mesh.dp} {c.schedule} "
+    v = f" v{c.chunks}" if c.chunks is not None else ""
+    return (f"pp{c.mesh.pp} tp{c.mesh.tp} dp{c.mesh.dp} {c.schedule}{v} "
             f"b{c.microbatch_size} m{c.microbatches}")
 
 

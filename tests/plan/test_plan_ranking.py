@@ -29,9 +29,9 @@ def _request(**kw):
 def _all_configs(request):
     for mesh in meshes(request):
         for b, m in microbatchings(request, mesh):
-            for name in schedules_for(request, mesh):
+            for name, chunks in schedules_for(request, mesh):
                 for _, feats in levers_for(request, mesh):
-                    yield Config(mesh, b, m, name, feats)
+                    yield Config(mesh, b, m, name, feats, chunks)
 
 
 def test_bounds_never_exceed_the_simulated_price():
@@ -50,7 +50,7 @@ def test_top_k_equals_the_exhaustive_ranking_under_a_tight_budget():
     request = _request(memory_budget=budget)
     best: dict[tuple, float] = {}
     for cfg in _all_configs(request):
-        key = (cfg.mesh, cfg.microbatch_size, cfg.schedule)
+        key = (cfg.mesh, cfg.microbatch_size, cfg.schedule, cfg.chunks)
         if key in best:
             continue  # a lower lever already fits: later levers are not faster
         got = price(SMALL, HW, cfg, 2048)
@@ -102,12 +102,13 @@ def test_every_row_fits_by_stp_memory(capsys):
         argv = ["memory", "--model", MODEL_ARG, "--hardware", "a100-80g", "--pp",
                 str(job["pp"]), "--tp", str(job["tp"]), "--dp", str(job["dp"]), "-m",
                 str(job["microbatches"]), "--microbatch-size", str(job["microbatch_size"]),
-                "--seq-len", "2048", "--schedule", job["schedule"], "--memory-budget", "7GB",
+                "--seq-len", "2048", "--schedule", r["schedule"], "--memory-budget", "7GB",
                 "--recompute", job.get("recompute", "none"), "--offload",
                 job.get("offload", "none"), "--json"]
         argv += ["--sequence-parallel"] * bool(job.get("sequence_parallel"))
         argv += ["--shard-optimizer"] * bool(job.get("shard_optimizer"))
         argv += ["--partition", job["partition"]] if "partition" in job else []
+        argv += ["--chunks", str(r["chunks"])] if "schedule_file" in r else []
         assert main(argv) == 0, r
         mem = json.loads(capsys.readouterr().out)
         assert mem["memory"]["total"] == pytest.approx(r["peak_bytes"], rel=1e-12)
@@ -160,3 +161,16 @@ def test_request_validates_itself():
 def test_a_batch_too_large_to_cut_is_one_line():
     with pytest.raises(NoPlan, match="raise --max-microbatch-size"):
         plan(_request(gpus=1, global_batch=1 << 20, max_microbatch_size=1))
+
+
+def test_the_gpu_count_named_for_a_model_that_fits_nowhere_is_the_smallest_that_fits():
+    # The refusal's count is the one to ask for: it plans, and the node
+    # multiple below it does not.
+    tight = dict(global_batch=16, memory_budget=0.4e9, schedules=("1f1b",))
+    with pytest.raises(NoPlan) as refused:
+        plan(_request(gpus=4, **tight))
+    named = int(str(refused.value).split("; ")[-1].split(" GPUs would fit")[0])
+    got = plan(_request(gpus=named, **tight))
+    assert got.plans and all(p.peak_bytes <= 0.4e9 for p in got.plans)
+    with pytest.raises(NoPlan):
+        plan(_request(gpus=named - 4, **tight))

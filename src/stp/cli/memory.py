@@ -91,6 +91,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     if "shard_optimizer" not in fields:
         p.add_argument("--shard-optimizer", action="store_true", default=None,
                        help="fp32 masters and AdamW moments divided across dp (ZeRO stage 1)")
+    if "chunks" not in fields:  # stp train runs v chunks from a schedule file
+        from stp.cli.common import MAX_CHUNKS, chunk_count
+
+        p.add_argument("--chunks", type=chunk_count, default=None,
+                       help="with --model: stages per rank of 1f1b-interleaved, "
+                       f"zb-interleaved or looped-bfs (default 2, at most {MAX_CHUNKS})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -119,6 +125,10 @@ def model_spec(text: str) -> ModelSpec:
 def estimate_from_args(args: argparse.Namespace) -> tuple[MemoryEstimate, str]:
     """The estimate the command line asks for, and the model's name for the report."""
     if args.model is None:
+        if getattr(args, "chunks", None) is not None:
+            raise ValueError(f"--chunks {args.chunks} prices --model runs; a `stp train` "
+                             "command line runs chunks from a schedule file (`stp export "
+                             "--chunks`, then --schedule FILE.json)")
         return _train_estimate(args)
     return _model_estimate(args), args.model.split(",")[0]
 
@@ -140,7 +150,8 @@ def _model_estimate(args: argparse.Namespace) -> MemoryEstimate:
     ep = getattr(args, "ep", None)
     layout = Layout(pp=args.pp, tp=args.tp, dp=args.dp, microbatches=m,
                     microbatch_size=args.microbatch_size or _OWN_DEFAULTS["microbatch_size"],
-                    seq_len=seq, schedule=args.schedule, ep=None if ep in (None, 1) else ep)
+                    seq_len=seq, schedule=args.schedule, ep=None if ep in (None, 1) else ep,
+                    chunks=getattr(args, "chunks", None))
     feats = Features(dtype=args.dtype or _OWN_DEFAULTS["dtype"],
                      sequence_parallel=bool(args.sequence_parallel),
                      recompute=args.recompute or "none",
@@ -214,7 +225,8 @@ def _partition(text: str, spec: ModelSpec, hardware: object, layout: Layout,
                      sequence_parallel=feats.sequence_parallel, recompute=feats.recompute)
     d = derive(priced, hardware, layout.pp)  # type: ignore[arg-type]
     layered = layered_costs(priced, hardware, layout.pp, d.costs, d.mem)  # type: ignore
-    sch = generate(layout.schedule, layout.pp, layout.microbatches)
+    sch = generate(layout.schedule, layout.pp, layout.microbatches,
+                   **({} if layout.chunks is None else {"chunks": layout.chunks}))
     if priced.layers < sch.num_stages:
         raise ValueError(f"the model's {priced.layers} layers cannot fill {sch.num_stages} "
                          f"stages of {layout.schedule} at pp={layout.pp}")

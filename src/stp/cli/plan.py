@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from stp.cli.common import EXIT_USAGE, int_in
@@ -89,7 +90,6 @@ def local_hardware() -> object:
     pp 2 x tp 2 local workers (`stp train --trace`), fitted by
     `stp.plan.calibrate` (compute efficiency against a nominal 1e11 FLOP/s
     peak, TP all-reduce and send latency); memory: the machine's RAM."""
-    import os
     import subprocess
     import tempfile
 
@@ -156,6 +156,24 @@ def request_from_args(args: argparse.Namespace) -> object:
         allow_offload=not args.no_offload)
 
 
+def _write_schedule_files(result: object, folder: str) -> None:
+    """The schedule file of every row that runs from one (v != 2 chunks:
+    `stp train` has no --chunks), beside the plan, named as its job names it."""
+    from stp.files import write_text_atomic
+    from stp.plan.report import schedule_file
+    from stp.schedule import generate, validate
+    from stp.schedule.io import dump_json
+
+    for p in result.plans:  # type: ignore[attr-defined]
+        name = schedule_file(p)
+        if name is None:
+            continue
+        c = p.config
+        sch = generate(c.schedule, c.mesh.pp, c.microbatches, **c.options())
+        validate(sch)
+        write_text_atomic(os.path.join(folder, name), dump_json(sch))
+
+
 def run(args: argparse.Namespace) -> int:
     from stp.plan import NoPlan, plan
     from stp.plan.report import format_table, plan_json
@@ -166,11 +184,13 @@ def run(args: argparse.Namespace) -> int:
     except NoPlan as e:
         print(f"stp: error: plan: {e}", file=sys.stderr)
         return EXIT_USAGE
-    obj = plan_json(result)
+    folder = None if args.out is None else os.path.dirname(args.out)
+    obj = plan_json(result, folder)
     if args.out is not None:
         from stp.files import write_text_atomic
 
         try:
+            _write_schedule_files(result, folder or "")
             write_text_atomic(args.out, json.dumps(obj, indent=1) + "\n")
         except OSError as e:
             raise ValueError(f"--out {args.out!r}: cannot write: {e.strerror or e}") from None

@@ -74,7 +74,7 @@ from stp.costmodel.moe import MoESpec, router_parameters
 from stp.costmodel.stages import layered_costs
 from stp.schedule.ir import Kind, Schedule, passes_of
 from stp.schedule.offload import parse_policy
-from stp.schedule.registry import generate
+from stp.schedule.registry import SCHEDULES, generate
 from stp.shapes import ModelConfig
 from stp.sim.costs import MemCosts, OffloadCosts
 from stp.sim.engine import simulate
@@ -107,6 +107,9 @@ class Layout:
     ep: int | None = None
     """Expert-parallel ranks of a mixture of experts, carved from the dp ranks (ep
     divides dp). None: the model spec's own `ep` where it divides dp, else 1 (noted)."""
+    chunks: int | None = None
+    """Stages per rank of a schedule that takes them (1f1b-interleaved,
+    zb-interleaved, looped-bfs; `--chunks`); None: the generator's default."""
 
     def __post_init__(self) -> None:
         if self.ep is not None:
@@ -115,7 +118,8 @@ class Layout:
             if self.dp % self.ep:
                 raise ValueError(f"ep={self.ep} must divide dp={self.dp} (the expert-parallel "
                                  "group is carved from the data-parallel ranks)")
-        for key in ("pp", "tp", "dp", "microbatches", "microbatch_size", "seq_len"):
+        for key in ("pp", "tp", "dp", "microbatches", "microbatch_size", "seq_len",
+                    *(("chunks",) if self.chunks is not None else ())):
             val = getattr(self, key)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"{key}={val!r} must be an integer >= 1")
@@ -124,6 +128,11 @@ class Layout:
             if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1
                        for c in self.partition):
                 raise ValueError(f"partition {self.partition}: layer counts >= 1 expected")
+        gen = SCHEDULES.get(self.schedule)
+        if self.chunks is not None and gen is not None and not gen.takes_chunks:
+            raise ValueError(f"chunks={self.chunks}: {self.schedule} takes no chunks; "
+                             f"{', '.join(n for n, g in SCHEDULES.items() if g.takes_chunks)}"
+                             " do")
 
 
 @dataclass(frozen=True)
@@ -274,7 +283,8 @@ def estimate_run(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout:
     spec = replace(model, tp=layout.tp, sequence=layout.seq_len,
                    micro_batch=layout.microbatch_size,
                    sequence_parallel=features.sequence_parallel, recompute=features.recompute)
-    sch = schedule or generate(layout.schedule, layout.pp, layout.microbatches)
+    opts = {} if layout.chunks is None else {"chunks": layout.chunks}
+    sch = schedule or generate(layout.schedule, layout.pp, layout.microbatches, **opts)
     if (sch.num_ranks, sch.num_microbatches) != (layout.pp, layout.microbatches):
         raise ValueError(f"schedule {sch.name}: {sch.num_ranks} ranks x {sch.num_microbatches} "
                          f"microbatches, but the layout is pp={layout.pp} "

@@ -57,8 +57,8 @@ def bound_admits(request: PlanRequest) -> bool:
     for mesh in meshes(request):
         ladder = levers_for(request, mesh)
         for b, m in microbatchings(request, mesh):
-            for name in schedules_for(request, mesh):
-                cfg = Config(mesh, b, m, name, ladder[-1][1])
+            for name, chunks in schedules_for(request, mesh):
+                cfg = Config(mesh, b, m, name, ladder[-1][1], chunks)
                 if memory_bound(request.model, request.hardware, cfg,
                                 request.seq_len) <= request.budget:
                     return True

@@ -42,6 +42,7 @@ from stp.plan.space import (
     meshes,
     microbatchings,
     schedules_for,
+    stages_of,
 )
 from stp.schedule.registry import generate
 from stp.search.partition import auto_partition, balanced_partition
@@ -97,9 +98,11 @@ def _seed(request: PlanRequest, result: PlanResult) -> list[_Item]:
     for mesh in meshes(request):
         ladder = levers_for(request, mesh)
         for b, m in microbatchings(request, mesh):
-            for name in schedules_for(request, mesh):
+            for name, chunks in schedules_for(request, mesh):
+                if stages_of(name, mesh.pp, chunks) * m > MAX_STAGE_MICROBATCHES:
+                    continue
                 result.considered += 1
-                base = Config(mesh, b, m, name, ladder[0][1])
+                base = Config(mesh, b, m, name, ladder[0][1], chunks)
                 rung = _first_rung(request, base, ladder, 0)
                 if rung is None:
                     result.pruned_memory += 1
@@ -151,7 +154,7 @@ def _partitioned(request: PlanRequest, priced: Priced) -> Priced:
     pp = cfg.mesh.pp
     derived = derive_decoder(spec, request.hardware, pp)
     layered = layered_costs(spec, request.hardware, pp, derived.costs, derived.mem)
-    sch = generate(cfg.schedule, pp, cfg.microbatches)
+    sch = generate(cfg.schedule, pp, cfg.microbatches, **cfg.options())
     tries = {balanced_partition(layered, spec.layers, sch.num_stages)}
     if sch.num_stages * cfg.microbatches <= AUTO_PARTITION_WORK:
         tries.add(auto_partition(sch, layered, spec.layers).counts)
@@ -185,17 +188,20 @@ def plan(request: PlanRequest) -> PlanResult:
 
 
 def priced_at(request: PlanRequest, mesh: Mesh, microbatch_size: int,
-              schedule: str) -> Priced | None:
+              schedule: str, chunks: int | None = None,
+              partition: tuple[int, ...] | None = None) -> Priced | None:
     """One configuration priced as the planner prices it: the first rung of
-    the lever ladder that fits the budget (None: none does). For checking a
-    published configuration against the planner's figures."""
+    the lever ladder that fits the budget (None: none does), at `chunks` per
+    rank and `partition` (layers per stage; None: the even split). For
+    checking a published configuration against the planner's figures."""
     ladder = levers_for(request, mesh)
     per_replica = request.global_batch // mesh.dp
-    base = Config(mesh, microbatch_size, per_replica // microbatch_size, schedule, ladder[0][1])
+    base = Config(mesh, microbatch_size, per_replica // microbatch_size, schedule, ladder[0][1],
+                  chunks)
     rung = _first_rung(request, base, ladder, 0)
     while rung is not None:
         got = price(request.model, request.hardware, replace(base, features=ladder[rung][1]),
-                    request.seq_len)
+                    request.seq_len, partition)
         if got.peak_bytes <= request.budget:
             return got
         rung = _first_rung(request, base, ladder, rung + 1)

@@ -97,15 +97,16 @@ def _shard_parameters(spec: ModelSpec) -> float:
 
 
 @lru_cache(maxsize=4096)
-def _placement(schedule: str, pp: int, layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _placement(schedule: str, pp: int, layers: int,
+               chunks: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(rank of each global stage, layers of each stage in the even split)."""
-    sch = generate(schedule, pp, 1)
+    sch = generate(schedule, pp, 1, **({} if chunks is None else {"chunks": chunks}))
     return sch.stage_to_rank, even_partition(layers, sch.num_stages)
 
 
 def _rank_layers(config: Config, layers: int) -> list[tuple[int, int]]:
     """Per rank: (layers before its first stage, layers it holds), even split."""
-    owner, counts = _placement(config.schedule, config.mesh.pp, layers)
+    owner, counts = _placement(config.schedule, config.mesh.pp, layers, config.chunks)
     out = []
     for rank in range(config.mesh.pp):
         mine = [s for s, r in enumerate(owner) if r == rank]
@@ -134,7 +135,7 @@ def memory_bound(model: ModelSpec, hardware: HardwareSpec, config: Config,
     model states and one microbatch's activations of its layers."""
     spec = spec_for(model, config, seq_len)
     f, dp, pp = config.features, config.mesh.dp, config.mesh.pp
-    owner, counts = _placement(config.schedule, pp, spec.layers)
+    owner, counts = _placement(config.schedule, pp, spec.layers, config.chunks)
     params = rank_parameters(spec, len(counts), owner, counts)
     width = DTYPE_BYTES[f.dtype]
     shard = dp if f.shard_optimizer else 1
@@ -155,7 +156,7 @@ def price(model: ModelSpec, hardware: HardwareSpec, config: Config, seq_len: int
     mesh = config.mesh
     layout = Layout(pp=mesh.pp, tp=mesh.tp, dp=mesh.dp, microbatches=config.microbatches,
                     microbatch_size=config.microbatch_size, seq_len=seq_len,
-                    schedule=config.schedule, partition=partition)
+                    schedule=config.schedule, partition=partition, chunks=config.chunks)
     est, res = estimate_run(model, hardware, layout, config.features)
     most = max(r.parameters for r in est.ranks)
     return Priced(config, est, res, dp_sync_seconds(most, mesh.dp, hardware), partition)

@@ -2,29 +2,57 @@
 
 Each row carries the `stp train` flags that run it (`train_flags`) and the
 same settings as `TrainJob` field names (`job`), which `stp train --plan`
-reads. `why` compares the best with the runner-up part by part: the busiest
-rank's compute, its idle time (pipeline bubbles), the TP collectives it
-waits for, and the DP gradient sync.
+reads. `stp train` has no `--chunks`: a row at v != 2 chunks per rank runs
+from a schedule file instead (`stp export ... --chunks v --format json`,
+then `stp train --schedule FILE.json`); the row names the file and the
+export command (`schedule_file`, `export_flags`), and `stp plan --out`
+writes the files beside the plan. `why` compares the best with the
+runner-up part by part: the busiest rank's compute, its idle time
+(pipeline bubbles), the TP collectives it waits for, and the DP gradient
+sync.
 """
 
 from __future__ import annotations
+
+import os
 
 from stp.costmodel.memory import format_bytes
 from stp.plan.planner import PlanResult
 from stp.plan.price import Priced, model_flops_per_sequence
 
-__all__ = ["row_json", "plan_json", "why", "format_table", "train_flags", "job_fields"]
+__all__ = ["row_json", "plan_json", "why", "format_table", "train_flags", "job_fields",
+           "schedule_file", "export_flags"]
 
 PLAN_FORMAT = 1
 """Version of the `--out PLAN.json` layout `stp train --plan` reads."""
 
 
-def job_fields(p: Priced, seq_len: int) -> dict[str, object]:
+def schedule_file(p: Priced) -> str | None:
+    """The schedule file a row at v != 2 chunks runs from (module doc); None
+    when `stp train --schedule NAME` runs it."""
+    c = p.config
+    if c.chunks is None or c.chunks == 2:
+        return None
+    return f"{c.schedule}-p{c.mesh.pp}-m{c.microbatches}-v{c.chunks}.json"
+
+
+def export_flags(p: Priced, path: str) -> list[str]:
+    """`stp export` flags that write the schedule file of `schedule_file`."""
+    c = p.config
+    return ["--schedule", c.schedule, "--pp", str(c.mesh.pp), "-m", str(c.microbatches),
+            "--chunks", str(c.chunks), "--format", "json", "--out", path]
+
+
+def job_fields(p: Priced, seq_len: int, schedule_path: str | None = None) -> dict[str, object]:
     """The `stp train` settings of a plan, as `TrainJob` field names. Levers
-    left off are left out, so a build without them still runs the plan."""
+    left off are left out, so a build without them still runs the plan.
+    `schedule_path`: where the row's schedule file is (default its bare
+    `schedule_file` name), for a row that needs one."""
     c, f = p.config, p.config.features
+    sched = schedule_file(p)
     out: dict[str, object] = {
-        "pp": c.mesh.pp, "tp": c.mesh.tp, "dp": c.mesh.dp, "schedule": c.schedule,
+        "pp": c.mesh.pp, "tp": c.mesh.tp, "dp": c.mesh.dp,
+        "schedule": c.schedule if sched is None else (schedule_path or sched),
         "microbatches": c.microbatches, "microbatch_size": c.microbatch_size,
         "seq_len": seq_len, "dtype": f.dtype,
     }
@@ -61,11 +89,17 @@ def _figures(p: Priced, result: PlanResult) -> dict[str, float]:
     }
 
 
-def row_json(p: Priced, result: PlanResult) -> dict[str, object]:
+def row_json(p: Priced, result: PlanResult, schedule_path: str | None = None
+             ) -> dict[str, object]:
     c = p.config
-    job = job_fields(p, result.request.seq_len)
+    job = job_fields(p, result.request.seq_len, schedule_path)
+    sched = schedule_file(p)
+    extra: dict[str, object] = {} if sched is None else {
+        "schedule_file": schedule_path or sched,
+        "export_flags": export_flags(p, schedule_path or sched)}
     return {
         "pp": c.mesh.pp, "tp": c.mesh.tp, "dp": c.mesh.dp, "schedule": c.schedule,
+        "chunks": p.result.schedule.chunks,
         "microbatch_size": c.microbatch_size, "microbatches": c.microbatches,
         **_figures(p, result),
         "pipeline_s": p.pipeline_s, "dp_sync_s": p.dp_sync_s,
@@ -74,7 +108,7 @@ def row_json(p: Priced, result: PlanResult) -> dict[str, object]:
         "recompute": c.features.recompute, "shard_optimizer": c.features.shard_optimizer,
         "offload": c.features.offload,
         "partition": list(p.partition) if p.partition is not None else None,
-        "flags": train_flags(job), "job": job,
+        "flags": train_flags(job), "job": job, **extra,
     }
 
 
@@ -87,7 +121,8 @@ def _parts(p: Priced) -> dict[str, float]:
 
 def _name(p: Priced) -> str:
     c = p.config
-    return (f"pp{c.mesh.pp} tp{c.mesh.tp} dp{c.mesh.dp} {c.schedule} "
+    v = f" v{c.chunks}" if c.chunks is not None else ""
+    return (f"pp{c.mesh.pp} tp{c.mesh.tp} dp{c.mesh.dp} {c.schedule}{v} "
             f"b{c.microbatch_size} m{c.microbatches}")
 
 
@@ -104,9 +139,13 @@ def why(best: Priced, runner: Priced | None) -> str:
             f"({gap / runner.step_s:.1%} of its step): {where}")
 
 
-def plan_json(result: PlanResult) -> dict[str, object]:
+def plan_json(result: PlanResult, schedule_dir: str | None = None) -> dict[str, object]:
+    """`schedule_dir`: where the rows' schedule files are written (`--out`'s
+    folder), named in their jobs; None: bare file names."""
     req = result.request
-    rows = [row_json(p, result) for p in result.plans]
+    rows = [row_json(p, result, None if schedule_dir is None or schedule_file(p) is None
+                     else os.path.join(schedule_dir, schedule_file(p) or ""))
+            for p in result.plans]
     return {
         "format": PLAN_FORMAT,
         "request": {"model": req.model.name, "gpus": req.gpus, "gpus_per_node": req.gpus_per_node,
@@ -122,8 +161,8 @@ def plan_json(result: PlanResult) -> dict[str, object]:
 
 def format_table(result: PlanResult) -> list[str]:
     """The top plans, one line each, then their flags and the comparison."""
-    header = ("#", "pp", "tp", "dp", "schedule", "b", "m", "levers", "step s", "tok/s/GPU",
-              "MFU", "peak", "rank")
+    header = ("#", "pp", "tp", "dp", "schedule", "v", "b", "m", "levers", "step s",
+              "tok/s/GPU", "MFU", "peak", "rank")
     rows = []
     for i, p in enumerate(result.plans, 1):
         c, f, fig = p.config, p.config.features, _figures(p, result)
@@ -133,15 +172,22 @@ def format_table(result: PlanResult) -> list[str]:
             f"off={f.offload}" if f.offload != "none" else "",
             "part" if p.partition is not None else "") if x) or "-"
         rows.append((str(i), str(c.mesh.pp), str(c.mesh.tp), str(c.mesh.dp), c.schedule,
-                     str(c.microbatch_size), str(c.microbatches), levers,
+                     str(p.result.schedule.chunks), str(c.microbatch_size),
+                     str(c.microbatches), levers,
                      f"{fig['step_time_s']:.4g}", f"{fig['tokens_per_s_per_gpu']:.4g}",
                      f"{fig['mfu']:.1%}", format_bytes(p.peak_bytes), str(p.estimate.peak.rank)))
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     for i, p in enumerate(result.plans, 1):
-        lines.append(f"#{i}: stp train " + " ".join(train_flags(job_fields(
-            p, result.request.seq_len))))
+        sched = schedule_file(p)
+        train = "stp train " + " ".join(train_flags(job_fields(p, result.request.seq_len)))
+        if sched is None:
+            lines.append(f"#{i}: {train}")
+        else:
+            lines.append(f"#{i}: stp train has no --chunks; v={p.config.chunks} runs from a "
+                         f"schedule file: stp export {' '.join(export_flags(p, sched))} && "
+                         f"{train}")
     lines.append("why: " + why(result.plans[0],
                                result.plans[1] if len(result.plans) > 1 else None))
     r = result

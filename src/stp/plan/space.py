@@ -12,6 +12,13 @@ recomputation, activation offload). A mesh is kept when
 * some schedule's stages fit in the model's layers (one layer per stage at
   least).
 
+A schedule that takes chunks (v stages per rank on the looped placement:
+1f1b-interleaved, zb-interleaved, looped-bfs) is tried at every v from 2 to
+`MAX_CHUNKS` whose pp x v stages the layers fill: interleaving shrinks the
+bubble to (p-1)/(v m) of the compute (Narayanan et al., arXiv 2104.04473,
+section 2.2.2) and costs v times the point-to-point sends and more
+activations in flight, which the simulator prices.
+
 Levers are a ladder, cheapest first in step time (`LEVERS`): a run turns on
 the next one only when the previous does not fit the budget. The sharded
 optimizer and sequence parallelism cost no time in the cost model (a
@@ -33,11 +40,15 @@ from stp.plan.request import PlanRequest
 from stp.schedule.registry import SCHEDULES, generate
 
 __all__ = ["Mesh", "Config", "LEVERS", "BRAIDED", "meshes", "microbatchings", "schedules_for",
-           "levers_for", "stages_of", "MAX_STAGE_MICROBATCHES"]
+           "levers_for", "stages_of", "MAX_STAGE_MICROBATCHES", "MAX_CHUNKS", "chunk_options"]
 
 BRAIDED = ("stp", "dualpipev")
 """Schedules whose blocks braid passes to hide TP collectives: considered
 only where TP > 1 (at tp 1 there is nothing to hide)."""
+
+MAX_CHUNKS = 8
+"""Most stages per rank tried for a schedule that takes chunks: past 8 the
+bubble term (p-1)/(v m) gains little while sends grow with v."""
 
 MAX_STAGE_MICROBATCHES = 16384
 """Stages x microbatches simulated at most per configuration (a 2-core machine
@@ -75,6 +86,13 @@ class Config:
     microbatches: int
     schedule: str
     features: Features
+    chunks: int | None = None
+    """Stages per rank for a schedule that takes chunks; None: its default
+    (two) or a schedule that takes none."""
+
+    def options(self) -> dict[str, int]:
+        """Keyword options of the schedule generator."""
+        return {} if self.chunks is None else {"chunks": self.chunks}
 
 
 def _divisors(n: int) -> list[int]:
@@ -87,24 +105,35 @@ def _tp_fits(model: ModelSpec, tp: int) -> bool:
 
 
 @lru_cache(maxsize=4096)
-def stages_of(schedule: str, pp: int) -> int:
+def stages_of(schedule: str, pp: int, chunks: int | None = None) -> int:
     """Global stages of `schedule` at `pp` ranks (0: it does not take pp)."""
     if pp < SCHEDULES[schedule].min_ranks:
         return 0
-    return generate(schedule, pp, 1).num_stages
+    return generate(schedule, pp, 1, **({} if chunks is None else {"chunks": chunks})).num_stages
 
 
-def schedules_for(request: PlanRequest, mesh: Mesh) -> list[str]:
-    """The schedules a mesh may run: registered (or asked for), taking its pp,
-    whose stages the model's layers fill; braided ones only with TP."""
+def chunk_options(schedule: str, pp: int, layers: int) -> list[int | None]:
+    """The chunks tried for `schedule` at `pp` ranks (module doc): [None] for a
+    schedule that takes none (or pp 1, where chunks only add stages), else
+    every v from 2 to MAX_CHUNKS with a layer for each of the pp x v stages."""
+    if not SCHEDULES[schedule].takes_chunks or pp == 1:
+        return [None]
+    return [v for v in range(2, MAX_CHUNKS + 1) if pp * v <= layers] or [None]
+
+
+def schedules_for(request: PlanRequest, mesh: Mesh) -> list[tuple[str, int | None]]:
+    """The (schedule, chunks) a mesh may run: registered (or asked for),
+    taking its pp, whose stages the model's layers fill; braided ones only
+    with TP; a schedule that takes chunks at each v of `chunk_options`."""
     names = request.schedules or tuple(SCHEDULES)
     out = []
     for name in names:
         if name in BRAIDED and mesh.tp == 1 and request.schedules is None:
             continue
-        stages = stages_of(name, mesh.pp)
-        if 0 < stages <= request.model.layers:
-            out.append(name)
+        for v in chunk_options(name, mesh.pp, request.model.layers):
+            stages = stages_of(name, mesh.pp, v)
+            if 0 < stages <= request.model.layers:
+                out.append((name, v))
     return out
 
 
