@@ -55,8 +55,9 @@ def _reference(batches, chunks: int, coef: float):
     return losses, auxes, grads, {n: p.detach().clone() for n, p in ref.named_parameters()}
 
 
-def _worker(rank: int, world: int, pp: int, tp: int, dp: int, names: list[str]) -> dict:
-    mesh = Mesh.from_world(ParallelDims(pp, tp, dp), timeout=60)
+def _worker(rank: int, world: int, pp: int, tp: int, dp: int, names: list[str],
+            ep: int = 1) -> dict:
+    mesh = Mesh.from_world(ParallelDims(pp, tp, dp, ep), timeout=60)
     out = {}
     for name in names:
         sch = make_schedule(name, pp)
@@ -87,9 +88,10 @@ def _worker(rank: int, world: int, pp: int, tp: int, dp: int, names: list[str]) 
     return out
 
 
-def _check(mesh: tuple[int, int, int], names: list[str]) -> None:
-    pp, tp, dp = mesh
-    res = run_dist(_worker, pp * tp * dp, pp, tp, dp, names, timeout=300)[0]
+def _check(mesh: tuple[int, ...], names: list[str]) -> None:
+    """mesh: (pp, tp, dp) or (pp, tp, dp, ep)."""
+    pp, tp, dp, ep = (*mesh, 1)[:4]
+    res = run_dist(_worker, pp * tp * dp, pp, tp, dp, names, ep, timeout=300)[0]
     assert set(res) == set(names)
     for name, r in res.items():
         print(mesh, name, {k: f"{v:.1e}" if isinstance(v, float) else v for k, v in r.items()})

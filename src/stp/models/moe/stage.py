@@ -6,6 +6,12 @@ an MoE unit's backward walks two roots (its output and its load-balancing loss),
 so it stays a unit of its own. Sequence parallelism is refused (the family's
 check) and experts are TP-sharded (stp.models.moe.init).
 
+With expert parallelism (`expert_group`, stp.models.moe.dispatch) the stage holds
+E / ep experts of each MoE layer under their global names; `expert_names` lists
+them, so that the trainer reduces their gradients over the replicas of those
+experts (the expert-data-parallel group) and the writers of the whole model
+take them from every EP rank.
+
 The stage also carries what the trainer reads beside the loss: the
 load-balancing loss of each microbatch it forwarded, and the routing counts
 (`take_aux`), and it learns the number of microbatches of a step
@@ -13,6 +19,8 @@ load-balancing loss of each microbatch it forwarded, and the routing counts
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +30,7 @@ from stp.models.decoder.init import init_shard
 from stp.models.decoder.stage import ModelStage, check_tp
 from stp.models.decoder.stage_shards import ShardSource
 from stp.models.decoder.units import AttentionUnit, EmbedUnit, LossUnit, MLPUnit, RopeCache, Unit
+from stp.models.moe.dispatch import ExpertGroup
 from stp.models.moe.init import moe_parameter_specs
 from stp.models.moe.units import Expert, MoEUnit
 from stp.models.tp.comm import make_allreduce
@@ -35,6 +44,19 @@ class MoEStage(ModelStage):
     """Layers `layer_ids` of the MoE decoder on one TP rank (a PipelineStage)."""
 
     config: MoEConfig
+
+    def __init__(self, *args: Any, expert_group: ExpertGroup | None = None,
+                 **kw: Any) -> None:
+        self.expert_group = expert_group
+        super().__init__(*args, **kw)
+        self.expert_names = frozenset(
+            n for n in self.specs if ".moe.experts." in n) if expert_group else frozenset()
+        """Parameters held by this EP rank only (empty without expert parallelism)."""
+
+    def _expert_ids(self) -> range:
+        """The global indices of the routed experts this stage holds."""
+        e = self.config.num_experts
+        return range(e) if self.expert_group is None else self.expert_group.experts(e)
 
     def _make_units(self, p: dict[str, nn.Parameter]) -> list[Unit]:
         c, tp_size, tp_rank = self.config, self.tp_size, self.tp_rank
@@ -79,10 +101,11 @@ class MoEStage(ModelStage):
 
         return MoEUnit(
             i, norm, p[m + "router.weight"],
-            [swiglu(f"{m}experts.{e}.") for e in range(c.num_experts)],
+            [swiglu(f"{m}experts.{e}.") for e in self._expert_ids()],
             top_k=c.top_k, norm_topk_prob=c.norm_topk_prob, eps=c.norm_eps,
             shared=swiglu(m + "shared.") if c.shared_expert_ffn else None,
             shared_gate=p.get(m + "shared_gate.weight"), one_graph=one_graph,
+            expert_group=self.expert_group, num_experts=c.num_experts,
         )
 
     def set_num_microbatches(self, m: int) -> None:
@@ -121,9 +144,11 @@ def build_moe_stage(
     weights: ShardSource = init_shard,
     partition: tuple[int, ...] | None = None,
     sequence_parallel: bool = False,
+    expert_group: ExpertGroup | None = None,
 ) -> MoEStage:
     """Stage `stage` of `num_stages` of the MoE decoder on TP rank tp_rank of tp_size
-    (as stp.models.decoder.stage.build_stage; no sequence parallelism)."""
+    (as stp.models.decoder.stage.build_stage; no sequence parallelism), holding the
+    experts of its rank of `expert_group` (None: all of them)."""
     if not isinstance(config, MoEConfig):
         raise ValueError(f"config must be a MoEConfig, got {type(config).__name__}")
     if sequence_parallel and tp_size > 1:
@@ -136,13 +161,15 @@ def build_moe_stage(
     if tp_size > 1 and not dist.is_initialized():
         raise ValueError(f"tp_size={tp_size} needs torch.distributed initialised")
     layers = partition_layers(config.num_layers, num_stages, partition)[stage]
-    specs = moe_parameter_specs(config, layers, first=stage == 0, last=stage == num_stages - 1)
+    experts = None if expert_group is None else expert_group.experts(config.num_experts)
+    specs = moe_parameter_specs(config, layers, first=stage == 0, last=stage == num_stages - 1,
+                                experts=experts)
     tensors = {s.name: weights(config, s, tp_size, tp_rank, device=device, dtype=dtype)
                for s in specs}
     return MoEStage(
         config, stage, num_stages, specs, tensors, tp_size=tp_size, tp_rank=tp_rank,
         allreduce=make_allreduce(tp_group, tp_size), tp_group=tp_group, async_allreduce=True,
-        partition=partition, fuse_layers=False,
+        partition=partition, fuse_layers=False, expert_group=expert_group,
     )
 
 
