@@ -84,6 +84,11 @@ def _worker(rank: int, world: int, pp: int, tp: int, dp: int, names: list[str],
             "grad_without_aux": rel(grads, _reference(batches, dp * m, 0.0)[2]),
             "same_on_every_rank": all(e == figures for e in every),
             "expert_load": figures[0]["expert_load"],
+            # every token's top-k choices in every MoE layer, spread over the experts
+            "tokens_mean_error": figures[0]["expert_tokens_mean"] - len(CONFIG.moe_layers) * (
+                dp * m * SEQ * CONFIG.top_k / CONFIG.num_experts),
+            "tokens_max_over_mean": (figures[0]["expert_tokens_max"]
+                                     / figures[0]["expert_tokens_mean"]),
         }
     return out
 
@@ -100,6 +105,8 @@ def _check(mesh: tuple[int, ...], names: list[str]) -> None:
             assert r[key] <= TOL, (name, key, r[key])
         assert r["grad_without_aux"] > 1e3 * TOL, name  # the aux gradient is there
         assert r["expert_load"] >= 1.0
+        assert r["tokens_mean_error"] == 0, name
+        assert r["tokens_max_over_mean"] == r["expert_load"], name
 
 
 @pytest.mark.parametrize("mesh, names", [
