@@ -106,9 +106,6 @@ def _check_expert_parallel(job: TrainJob, run: Run) -> None:
     if job.emulate is not None:
         raise ValueError("--emulate-compute stages have no experts to dispatch; drop --ep "
                          "or --emulate-compute")
-    if job.shard_optimizer:
-        raise ValueError(f"--shard-optimizer with --ep {job.ep} is not supported yet; drop "
-                         "one of them")
     check_ep(run.config, job.ep)
 
 

@@ -142,7 +142,8 @@ def build(
     shared = None if family is None else family.model.shared_grads(model, stages, schedule, mesh)
     named = [(n, p) for st in stages.values() for n, p in st.named_parameters()]
     units = [u for st in stages.values() for u in getattr(st, "units", ())]
-    precision = _precision(named, units, mesh, opts.shard_optimizer)
+    experts = [n for st in stages.values() for n in getattr(st, "expert_names", ())]
+    precision = _precision(named, units, mesh, opts.shard_optimizer, experts)
     holds_loss = schedule.stage_to_rank[-1] == mesh.coord.pp
     sync = GradSync(mesh, precision, stages, shared=shared, holds_loss=holds_loss,
                     device=device)
@@ -157,18 +158,20 @@ def build(
 
 
 def _precision(named: list[tuple[str, nn.Parameter]], units: list[Any], mesh: Mesh,
-               shard_optimizer: bool) -> Precision:
+               shard_optimizer: bool, experts: list[str]) -> Precision:
     """The optimizer's parameters: sharded over the DP ranks with `shard_optimizer`
-    (stp.train.zero; at dp=1 there is nothing to shard), else whole."""
+    (stp.train.zero; at dp=1 there is nothing to shard; `experts`, with expert
+    parallelism, over their expert-data-parallel group), else whole."""
     if not shard_optimizer or mesh.dims.dp == 1:
         return Precision(named, units)
-    if mesh.dims.ep > 1:
-        raise ValueError(f"--shard-optimizer with --ep {mesh.dims.ep} is not supported yet; "
-                         "drop one of them")
     run = functools.partial(collective, mesh)
     dp = DPGroup(mesh.dims.dp, mesh.coord.dp, mesh.dp_group, run,
                  f"a rank in {mesh.describe_group('dp')}")
-    return ShardedPrecision(named, units, dp)
+    if mesh.dims.ep == 1:
+        return ShardedPrecision(named, units, dp)
+    edp = DPGroup(mesh.dims.edp, mesh.edp_rank, mesh.edp_group, run,
+                  f"a rank in {mesh.describe_group('edp')}", mean_over=mesh.dims.dp)
+    return ShardedPrecision(named, units, dp, (edp, frozenset(experts)))
 
 
 def _stages(builder: StageBuilder, schedule: Schedule, mesh: Mesh, device: torch.device,
