@@ -15,13 +15,15 @@ One MoE layer on EP rank r, n local tokens, k choices each (GShard, arXiv
 Every TP rank of a DP replica holds the same tokens (the norm's output is
 replicated), so TP rank t exchanges with the TP ranks t of its EP group only
 and computes its shard of the experts; the combined output is a partial sum
-over TP like the dense MLP's, all-reduced after the unit as before.
+over TP like the dense MLP's, all-reduced after the layer as before.
 
-Both token all-to-alls are autograd Functions whose backward is the reverse
-exchange (the gradient of a permutation across ranks), so the unit's backward
-walk runs them in the same order on every rank of the EP group: the ranks of
-an EP group run the same program (the same schedule, microbatch for
-microbatch), so their collectives meet.
+The two token all-to-alls are unit boundaries (stp.models.moe.ep_units): a unit
+hands the runner a `ToExchange` where a dense unit hands it a partial sum, and
+the stage launches it asynchronously (`launch`) as it launches an all-reduce,
+so the braid rule hides it under the partner microbatch's unit, in the forward
+and (the reverse exchange of the gradient) in the backward. The ranks of an EP
+group run the same program, microbatch for microbatch, so their all-to-alls
+meet in the same order.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ExpertGroup", "Routed", "all_to_all", "dispatch", "combine"]
+__all__ = ["ExpertGroup", "Routed", "ToExchange", "plan_dispatch"]
 
 
 @dataclass(frozen=True)
@@ -58,39 +60,41 @@ class ExpertGroup:
         return range(self.rank * per, (self.rank + 1) * per)
 
 
-class _AllToAll(torch.autograd.Function):
-    """rows of x [sum(send), ...] sent in runs of `send` to the group's ranks, `recv`
-    rows received from each; backward: the gradient sent back the other way."""
+@dataclass
+class ToExchange:
+    """Rows a unit hands the runner to send over the EP group: runs of `send[r]` rows
+    to rank r, `recv[r]` rows from it (an uneven all-to-all)."""
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, recv: list[int], send: list[int], group: Any):
-        ctx.recv, ctx.send, ctx.group = recv, send, group
-        return _exchange(x, recv, send, group)
+    rows: torch.Tensor
+    recv: list[int]
+    send: list[int]
+    group: Any
+    collective = "A2A"
+    """Its name in a measured trace (stp.runtime.trace), next to the all-reduce's AR."""
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        return _exchange(grad, ctx.send, ctx.recv, ctx.group), None, None, None
+    def launch(self) -> tuple[torch.Tensor, Any]:
+        """Start the exchange: (the received rows, filled when the work completes; work)."""
+        out = self.rows.new_empty((sum(self.recv), *self.rows.shape[1:]))
+        work = dist.all_to_all_single(out, self.rows.contiguous(), self.recv, self.send,
+                                      group=self.group, async_op=True)
+        return out, work
 
-
-def _exchange(x: torch.Tensor, recv: list[int], send: list[int], group: Any) -> torch.Tensor:
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
-    return out
-
-
-def all_to_all(x: torch.Tensor, recv: list[int], send: list[int], group: Any) -> torch.Tensor:
-    """Differentiable uneven all-to-all of x's rows (see _AllToAll)."""
-    return _AllToAll.apply(x, recv, send, group)
+    def exchange(self) -> torch.Tensor:
+        """The received rows, waited for."""
+        out, work = self.launch()
+        work.wait()
+        return out
 
 
 @dataclass
 class Routed:
-    """One microbatch's routing plan on this rank (what dispatch found, combine needs)."""
+    """One microbatch's routing plan on this rank (what the dispatch found, the
+    experts and the combine need)."""
 
+    order: torch.Tensor
+    """[n k] the (token, slot) pair of each sent row, rows sorted by expert."""
     token: torch.Tensor
-    """[n k] the token of each sent row (rows sorted by expert)."""
-    weight: torch.Tensor
-    """[n k] the routing weight of each sent row (differentiable)."""
+    """[n k] the token of each sent row."""
     send: list[int]
     """Rows sent to each EP rank."""
     recv: list[int]
@@ -100,30 +104,28 @@ class Routed:
     group: Any
     """The EP process group."""
 
+    def dispatch(self, rows: torch.Tensor) -> ToExchange:
+        """Sent rows (or the gradient of the combined rows) to the experts' ranks."""
+        return ToExchange(rows, self.recv, self.send, self.group)
 
-def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
-             ep: ExpertGroup) -> tuple[torch.Tensor, Routed]:
-    """(the rows this rank's experts compute [sum(recv), h], the plan) of tokens x [n, h]
-    routed to `ids` [n, k] with `weights` [n, k] (steps 1 and 2 of the module doc)."""
-    n, k = ids.shape
+    def combine(self, rows: torch.Tensor) -> ToExchange:
+        """The experts' rows (or the gradient of the received rows) back to the tokens'."""
+        return ToExchange(rows, self.send, self.recv, self.group)
+
+
+def plan_dispatch(ids: torch.Tensor, num_experts: int, ep: ExpertGroup) -> Routed:
+    """The plan of tokens routed to experts `ids` [n, k]: rows sorted by expert, the
+    counts exchanged with the EP group (step 1 of the module doc; synchronous, a
+    few integers)."""
+    k = ids.shape[1]
     order = torch.argsort(ids.reshape(-1), stable=True)  # rows grouped by expert
     token = torch.div(order, k, rounding_mode="floor")
     counts = torch.bincount(ids.reshape(-1), minlength=num_experts)  # [E], rank-major
     got = torch.empty_like(counts)
     dist.all_to_all_single(got, counts, group=ep.group)  # [ep, E/ep]: per source, expert
     per = num_experts // ep.size
-    send = counts.view(ep.size, per).sum(1).tolist()
     by_source = got.view(ep.size, per)
-    recv = by_source.sum(1).tolist()
     expert = torch.repeat_interleave(
         torch.arange(per, device=ids.device).repeat(ep.size), by_source.reshape(-1))
-    rows = all_to_all(x[token], recv, send, ep.group)
-    return rows, Routed(token, weights.reshape(-1)[order], send, recv, expert, ep.group)
-
-
-def combine(y: torch.Tensor, plan: Routed, n: int) -> torch.Tensor:
-    """The experts' outputs y [sum(recv), h] back to their tokens, weighted and summed
-    per token: [n, h] (steps 4 and 5)."""
-    back = all_to_all(y, plan.send, plan.recv, plan.group)
-    out = back.new_zeros((n, back.shape[1]))
-    return out.index_add(0, plan.token, back * plan.weight[:, None])
+    return Routed(order, token, counts.view(ep.size, per).sum(1).tolist(),
+                  by_source.sum(1).tolist(), expert, ep.group)

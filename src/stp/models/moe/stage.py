@@ -7,7 +7,9 @@ so it stays a unit of its own. Sequence parallelism is refused (the family's
 check) and experts are TP-sharded (stp.models.moe.init).
 
 With expert parallelism (`expert_group`, stp.models.moe.dispatch) the stage holds
-E / ep experts of each MoE layer under their global names; `expert_names` lists
+E / ep experts of each MoE layer under their global names, each MoE layer's MLP
+is three units cut at its two all-to-alls (stp.models.moe.ep_units), which
+`launch_allreduce` starts as it starts a TP all-reduce; `expert_names` lists
 them, so that the trainer reduces their gradients over the replicas of those
 experts (the expert-data-parallel group) and the writers of the whole model
 take them from every EP rank.
@@ -30,7 +32,8 @@ from stp.models.decoder.init import init_shard
 from stp.models.decoder.stage import ModelStage, check_tp
 from stp.models.decoder.stage_shards import ShardSource
 from stp.models.decoder.units import AttentionUnit, EmbedUnit, LossUnit, MLPUnit, RopeCache, Unit
-from stp.models.moe.dispatch import ExpertGroup
+from stp.models.moe.dispatch import ExpertGroup, ToExchange
+from stp.models.moe.ep_units import RouteUnit, expert_parallel_units
 from stp.models.moe.init import moe_parameter_specs
 from stp.models.moe.units import Expert, MoEUnit
 from stp.models.tp.comm import make_allreduce
@@ -75,7 +78,7 @@ class MoEStage(ModelStage):
                 p[f"{a}.wv.weight"], p[f"{a}.wo.weight"], head_dim=c.head_dim, eps=c.norm_eps,
                 rope=rope, biases=biases, one_graph=one_graph,
             ))
-            units.append(self._mlp_unit(p, i, one_graph))
+            units.extend(self._mlp_units(p, i, one_graph))
         if self.is_last:
             head = self._slices["head.weight"]
             valid = vocab_part if head.dim is None else head.stop - head.start
@@ -84,29 +87,46 @@ class MoEStage(ModelStage):
                 vocab_start=tp_rank * vocab_part, tp_size=tp_size, tp_rank=tp_rank,
                 vocab_valid=valid, one_graph=one_graph,
             ))
-        self.moe_units = tuple(u for u in units if isinstance(u, MoEUnit))
+        self.moe_units = tuple(u for u in units if isinstance(u, (MoEUnit, RouteUnit)))
+        """The units that route (their load-balancing losses and counts)."""
         self.set_num_microbatches(1)
         return units
 
-    def _mlp_unit(self, p: dict[str, nn.Parameter], i: int, one_graph: bool) -> Unit:
+    def _mlp_units(self, p: dict[str, nn.Parameter], i: int, one_graph: bool) -> list[Unit]:
+        """Layer i's MLP: dense, routed over every expert here (one unit), or with
+        expert parallelism three units cut at the all-to-alls (ep_units)."""
         c, norm = self.config, p[f"layers.{i}.mlp_norm.weight"]
         if not c.is_moe_layer(i):
             m = f"layers.{i}.mlp"
-            return MLPUnit(i, norm, p[f"{m}.w1.weight"], p[f"{m}.w3.weight"],
-                           p[f"{m}.w2.weight"], eps=c.norm_eps, one_graph=one_graph)
+            return [MLPUnit(i, norm, p[f"{m}.w1.weight"], p[f"{m}.w3.weight"],
+                            p[f"{m}.w2.weight"], eps=c.norm_eps, one_graph=one_graph)]
         m = f"layers.{i}.moe."
 
         def swiglu(prefix: str) -> Expert:
             return (p[prefix + "w1.weight"], p[prefix + "w3.weight"], p[prefix + "w2.weight"])
 
-        return MoEUnit(
-            i, norm, p[m + "router.weight"],
-            [swiglu(f"{m}experts.{e}.") for e in self._expert_ids()],
-            top_k=c.top_k, norm_topk_prob=c.norm_topk_prob, eps=c.norm_eps,
-            shared=swiglu(m + "shared.") if c.shared_expert_ffn else None,
-            shared_gate=p.get(m + "shared_gate.weight"), one_graph=one_graph,
-            expert_group=self.expert_group, num_experts=c.num_experts,
-        )
+        experts = [swiglu(f"{m}experts.{e}.") for e in self._expert_ids()]
+        shared = swiglu(m + "shared.") if c.shared_expert_ffn else None
+        route = {"top_k": c.top_k, "norm_topk_prob": c.norm_topk_prob, "eps": c.norm_eps,
+                 "shared": shared, "shared_gate": p.get(m + "shared_gate.weight")}
+        if self.expert_group is not None:
+            return expert_parallel_units(i, norm, p[m + "router.weight"], experts,
+                                         group=self.expert_group, num_experts=c.num_experts,
+                                         **route)
+        return [MoEUnit(i, norm, p[m + "router.weight"], experts, one_graph=one_graph,
+                        **route)]
+
+    def launch_allreduce(self, partial: Any) -> tuple[torch.Tensor, Any]:
+        """An expert-parallel unit's all-to-all (ToExchange) is launched like the TP
+        all-reduce, so the braid runner hides it the same way; else the decoder's."""
+        if isinstance(partial, ToExchange):
+            return partial.launch()
+        return super().launch_allreduce(partial)
+
+    def _reduce(self, partial: Any) -> torch.Tensor | None:
+        if isinstance(partial, ToExchange):
+            return partial.exchange()
+        return super()._reduce(partial)
 
     def set_num_microbatches(self, m: int) -> None:
         """Seed each MoE unit's load-balancing loss with its share of the objective:

@@ -17,11 +17,6 @@ gradient waits for W like every other matrix (exact with W deferred).
 `aux_seed` is set by the stage: aux_loss_coef / (MoE layers x microbatches x
 TP ranks) (each TP rank seeds a share, the TP all-reduce of the input gradient
 and the TP sum of the router's gradient add the shares up).
-
-With expert parallelism (`expert_group`, stp.models.moe.dispatch) the unit holds
-E / ep experts (`experts` are those, `first_expert` the global index of the
-first) and its body sends each routed token to the rank holding its expert and
-back; routing and the load-balancing loss stay per replica.
 """
 
 from __future__ import annotations
@@ -32,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from stp.models.decoder.units import _ResidualUnit
-from stp.models.moe.dispatch import ExpertGroup, combine, dispatch
 from stp.models.moe.routing import aux_loss, expert_counts, route
 from stp.models.tp.layers import linear
 from stp.models.tp.sequence import ToScatter
@@ -66,14 +60,9 @@ class MoEUnit(_ResidualUnit):
         shared: Expert | None = None,
         shared_gate: torch.Tensor | None = None,
         one_graph: bool = False,
-        expert_group: ExpertGroup | None = None,
-        num_experts: int | None = None,
     ) -> None:
         super().__init__(f"layers.{layer}.moe", norm_weight, eps, one_graph)
         self.router, self.experts = router, experts
-        self.expert_group = expert_group
-        self.num_experts = len(experts) if num_experts is None else num_experts
-        """E, every rank's experts (this rank holds len(experts) of them)."""
         self.shared, self.shared_gate = shared, shared_gate
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.aux_seed = 0.0
@@ -92,37 +81,17 @@ class MoEUnit(_ResidualUnit):
         x = h.reshape(b * s, d)
         logits = linear(x, self.router, sink)  # [n, E], the same on every TP rank
         weights, ids = route(logits, self.top_k, self.norm_topk_prob)
-        if self.expert_group is None:
-            out = self._local_experts(x, weights, ids, sink)
-        else:
-            out = self._remote_experts(x, weights, ids, sink)
-        if self.shared is not None:
-            gate = torch.sigmoid(linear(x, self.shared_gate, sink))  # [n, 1]
-            out = out + gate * _swiglu(x, self.shared, sink)
-        e = self.num_experts
-        self._fresh = (aux_loss(logits, ids, e), expert_counts(ids, e))
-        return out.view(b, s, d)  # partial over TP
-
-    def _local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                       sink: Any) -> torch.Tensor:
-        """Every expert here: each computes the tokens that chose it."""
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):  # dropless: every chosen pair computed
             token, slot = torch.where(ids == e)  # possibly none: W then adds zeros
             y = _swiglu(x[token], expert, sink) * weights[token, slot, None]
             out = out.index_add(0, token, y)
-        return out
-
-    def _remote_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                        sink: Any) -> torch.Tensor:
-        """Expert parallel: tokens to their experts' ranks and back (dispatch)."""
-        assert self.expert_group is not None
-        rows, plan = dispatch(x, weights, ids, self.num_experts, self.expert_group)
-        y = rows.new_zeros((rows.shape[0], x.shape[1]))
-        for j, expert in enumerate(self.experts):
-            (row,) = torch.where(plan.expert == j)  # possibly none: W then adds zeros
-            y = y.index_add(0, row, _swiglu(rows[row], expert, sink))
-        return combine(y, plan, x.shape[0])
+        if self.shared is not None:
+            gate = torch.sigmoid(linear(x, self.shared_gate, sink))  # [n, 1]
+            out = out + gate * _swiglu(x, self.shared, sink)
+        self._fresh = (aux_loss(logits, ids, len(self.experts)), expert_counts(ids,
+                                                                              len(self.experts)))
+        return out.view(b, s, d)  # partial over TP
 
     def forward_partial(
         self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
