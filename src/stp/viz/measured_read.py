@@ -24,7 +24,7 @@ __all__ = ["MeasuredTrace", "read_measured", "load_measured_trace", "MAX_SPANS"]
 MAX_TRACE_BYTES = 256 << 20
 MAX_SPANS = 500_000
 MAX_RANKS = 4096
-_KINDS = {"compute": ("F", "B", "W"), "tp": ("AR", "RS", "AG", "RS+AG"),
+_KINDS = {"compute": ("F", "B", "W"), "tp": ("AR", "RS", "AG", "RS+AG", "A2A"),
           "send": ("SEND", "RECV")}
 """The span kinds of each lane stp.runtime.trace writes."""
 
