@@ -13,6 +13,9 @@ pp2 x tp2 x dp2 at ep 2 on every schedule (eight processes).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from _dist import run_dist
@@ -56,22 +59,27 @@ def _batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tok[:, :-1], tok[:, 1:]
 
 
-def _trainer(mesh: Mesh, root: str | None = None) -> Trainer:
+def _trainer(mesh: Mesh, root: str | None = None, **options) -> Trainer:
     args = (CONFIG, _adamw, registry.make("stp", 2, 4))
-    kw = {"mesh": mesh, "dtype": torch.float64, "timeout": 60}
+    kw = {"mesh": mesh, "dtype": torch.float64, "timeout": 60, **options}
     return Trainer.resume(root, *args, **kw) if root else Trainer(*args, **kw)
 
 
 def _resume_worker(rank: int, world: int, root: str) -> dict:
     rows = 2 * 4
     ep2 = Mesh.from_world(ParallelDims(2, 1, 2, 2), timeout=60)
-    first = _trainer(ep2)
+    first = _trainer(ep2, trace=True)
     for step in range(2):
         first.step(_batch(step, rows))
+    first.write_trace(f"{root}.trace.json")
     first.save(root)
     tail = [first.step(_batch(step, rows)) for step in (2, 3)]
     params = first.full_state_dict()
     out = {}
+    if rank == 0:
+        spans = json.loads(Path(f"{root}.trace.json").read_text())["traceEvents"]
+        out["a2a"] = sum(1 for e in spans if e.get("name", "").endswith("A2A")
+                         or e.get("args", {}).get("kind") == "A2A")
     for name, dims in (("ep2", ParallelDims(2, 1, 2, 2)), ("ep1", ParallelDims(2, 1, 2, 1))):
         mesh = ep2 if dims.ep == 2 else Mesh.from_world(dims, timeout=60)
         again = _trainer(mesh, root)
@@ -91,8 +99,12 @@ def _resume_worker(rank: int, world: int, root: str) -> dict:
 def test_expert_parallel_resumes_exactly_and_onto_another_ep(tmp_path) -> None:
     """A checkpoint saved at ep 2 (each EP rank writes its experts under their global
     names) resumes at ep 2 bit for bit, and at ep 1 (every rank reads every expert)
-    within float64 rounding: the AdamW moments of every expert came back."""
+    within float64 rounding: the AdamW moments of every expert came back. The braided
+run's trace shows every expert all-to-all."""
     res = run_dist(_resume_worker, 4, str(tmp_path / "ckpt"), timeout=300)[0]
+    # the trace of the braided run: per MoE layer and microbatch, the dispatch and the
+    # combine forward and their two reverse exchanges backward, on each of dp 2 ranks
+    assert res.pop("a2a") == 4 * len(CONFIG.moe_layers) * 4 * 2
     assert res["ep2"] == {"steps_done": 2, "loss": 0.0, "param": 0.0, "names": True}
     one = res["ep1"]
     assert one["steps_done"] == 2 and one["names"]
