@@ -73,11 +73,17 @@ class ToExchange:
     """Its name in a measured trace (stp.runtime.trace), next to the all-reduce's AR."""
 
     def launch(self) -> tuple[torch.Tensor, Any]:
-        """Start the exchange: (the received rows, filled when the work completes; work)."""
+        """Start the exchange: (the received rows, filled when the work completes; work).
+        It calls the process group as torch.distributed.all_to_all_single does,
+        without that function's per-call Python checks (as stp.models.tp.comm.
+        launch_sum for the all-reduce: the launch runs on the compute stream, so
+        its cost is exposed whatever the braid hides)."""
         out = self.rows.new_empty((sum(self.recv), *self.rows.shape[1:]))
-        work = dist.all_to_all_single(out, self.rows.contiguous(), self.recv, self.send,
-                                      group=self.group, async_op=True)
-        return out, work
+        pg = self.group if self.group is not None else dist.group.WORLD
+        assert pg is not None, "torch.distributed is not initialised"
+        opts = dist.AllToAllOptions()
+        opts.asyncOp = True
+        return out, pg.alltoall_base(out, self.rows.contiguous(), self.recv, self.send, opts)
 
     def exchange(self) -> torch.Tensor:
         """The received rows, waited for."""

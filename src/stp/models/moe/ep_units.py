@@ -1,7 +1,7 @@
 """An expert-parallel MoE layer's MLP as three units, cut at its two all-to-alls
 (stp.models.moe.dispatch), so that the braid rule hides them as it hides the TP
 all-reduce (STP paper arXiv 2510.27257, Fig. 3; the same idea as DeepSeek's
-DualPipe overlap of the expert all-to-all, arXiv 2412.19437, section 3.2.2):
+DualPipe overlap of the expert all-to-all, arXiv 2412.19437, section 3.2.1):
 
     unit      forward                                     backward
     route     norm, router, top-k, shared expert,        roots (sent rows, routing
