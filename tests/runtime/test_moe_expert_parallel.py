@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import run_dist
+from safetensors.torch import load_file
 from test_moe_parity import CONFIG, SEQ, _check
 
+from stp.models.hf import load as load_hf
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
 from stp.train.trainer import Trainer
@@ -75,7 +77,17 @@ def _resume_worker(rank: int, world: int, root: str) -> dict:
     first.save(root)
     tail = [first.step(_batch(step, rows)) for step in (2, 3)]
     params = first.full_state_dict()
+    first.save_full(f"{root}.safetensors")  # every EP rank's experts, written by their
+    first.save_hf(f"{root}-hf")  # first replica
     out = {}
+    if rank == 0:
+        hf = load_hf(f"{root}-hf", torch.float64).state_dict()
+        full = load_file(f"{root}.safetensors")
+        out["written"] = [
+            sorted(full) == sorted(params) and all(torch.equal(full[n], params[n])
+                                                   for n in params),
+            sorted(hf) == sorted(params) and all(torch.equal(hf[n], params[n])
+                                                 for n in params)]
     if rank == 0:
         spans = json.loads(Path(f"{root}.trace.json").read_text())["traceEvents"]
         out["a2a"] = sum(1 for e in spans if e.get("name", "").endswith("A2A")
@@ -97,7 +109,8 @@ def _resume_worker(rank: int, world: int, root: str) -> dict:
 
 
 def test_expert_parallel_resumes_exactly_and_onto_another_ep(tmp_path) -> None:
-    """A checkpoint saved at ep 2 (each EP rank writes its experts under their global
+    """Whole-model files written at ep 2 hold every expert (save_full, save_hf). A
+    checkpoint saved at ep 2 (each EP rank writes its experts under their global
     names) resumes at ep 2 bit for bit, and at ep 1 (every rank reads every expert)
     within float64 rounding: the AdamW moments of every expert came back. The braided
 run's trace shows every expert all-to-all."""
@@ -105,6 +118,8 @@ run's trace shows every expert all-to-all."""
     # the trace of the braided run: per MoE layer and microbatch, the dispatch and the
     # combine forward and their two reverse exchanges backward, on each of dp 2 ranks
     assert res.pop("a2a") == 4 * len(CONFIG.moe_layers) * 4 * 2
+    # --save-full and --save-hf hold every expert, equal to the gathered model
+    assert res.pop("written") == [True, True]
     assert res["ep2"] == {"steps_done": 2, "loss": 0.0, "param": 0.0, "names": True}
     one = res["ep1"]
     assert one["steps_done"] == 2 and one["names"]
