@@ -27,6 +27,20 @@ from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
 from stp.train.trainer import Trainer
 
+# -- the groups --------------------------------------------------------------------------
+
+
+def test_ep_groups_are_consecutive_dp_ranks_and_edp_groups_their_replicas() -> None:
+    dims = ParallelDims(pp=2, tp=2, dp=4, ep=2)  # rank = (pp * dp + dp_rank) * tp + tp_rank
+    assert dims.ep_groups()[:4] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert dims.edp_groups()[:4] == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert dims.edp == 2
+    every = sorted(r for g in dims.ep_groups() for r in g)
+    assert every == sorted(r for g in dims.edp_groups() for r in g) == list(range(16))
+    with pytest.raises(ValueError, match="ep=3 must divide dp=4"):
+        ParallelDims(dp=4, ep=3)
+
+
 # -- parity -----------------------------------------------------------------------------
 
 
