@@ -63,6 +63,9 @@ def test_init_from_a_mixtral_trains_from_transformers_loss_and_saves_back(
     (["--moe-every", "9"], "--moe-every 9 must be <= --layers 4"),
     (["--expert-ffn", "30", "--tp", "4"], "--expert-ffn 30 must be divisible by --tp 4"),
     (["--sequence-parallel", "--tp", "2"], "no sequence parallelism"),
+    (["--dp", "4", "--ep", "3"], "--ep 3 must divide --dp 4"),
+    (["--experts", "6", "--top-k", "1", "--dp", "4", "--ep", "4"],
+     "--experts 6 must be divisible by --ep 4"),
 ])
 def test_bad_moe_settings_are_refused_in_one_line(flags: list[str], says: str, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
@@ -73,6 +76,17 @@ def test_bad_moe_settings_are_refused_in_one_line(flags: list[str], says: str, t
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1 and says in err, err
+
+
+@pytest.mark.parametrize("flags", [[], ["--arch", "mllm"]], ids=["decoder", "mllm"])
+def test_expert_parallelism_without_experts_is_refused_in_one_line(
+        flags: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["train", *flags, "--dp", "2", "--ep", "2", "--steps", "1",
+                 "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and "--ep 2: expert parallelism needs a " \
+        "mixture-of-experts model" in err, err
 
 
 def test_arch_moe_refuses_a_dense_checkpoint(checkpoints: dict[str, Path], tmp_path: Path,

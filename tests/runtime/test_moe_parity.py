@@ -55,13 +55,15 @@ def _reference(batches, chunks: int, coef: float):
     return losses, auxes, grads, {n: p.detach().clone() for n, p in ref.named_parameters()}
 
 
-def _worker(rank: int, world: int, pp: int, tp: int, dp: int, names: list[str]) -> dict:
-    mesh = Mesh.from_world(ParallelDims(pp, tp, dp), timeout=60)
+def _worker(rank: int, world: int, pp: int, tp: int, dp: int, names: list[str],
+            ep: int = 1, options: dict | None = None) -> dict:
+    mesh = Mesh.from_world(ParallelDims(pp, tp, dp, ep), timeout=60)
     out = {}
     for name in names:
         sch = make_schedule(name, pp)
         m = sch.num_microbatches
-        trainer = Trainer(CONFIG, sgd, sch, mesh=mesh, dtype=torch.float64, timeout=60)
+        trainer = Trainer(CONFIG, sgd, sch, mesh=mesh, dtype=torch.float64, timeout=60,
+                          **(options or {}))
         batches = [random_batch(CONFIG.vocab_size, dp * m, SEQ, step) for step in range(2)]
         losses, figures = [trainer.step(batches[0])], [trainer.last_figures]
         grads = trainer.full_state_dict(grads=True)
@@ -83,21 +85,32 @@ def _worker(rank: int, world: int, pp: int, tp: int, dp: int, names: list[str]) 
             "grad_without_aux": rel(grads, _reference(batches, dp * m, 0.0)[2]),
             "same_on_every_rank": all(e == figures for e in every),
             "expert_load": figures[0]["expert_load"],
+            # every token's top-k choices in every MoE layer, spread over the experts
+            "tokens_mean_error": figures[0]["expert_tokens_mean"] - len(CONFIG.moe_layers) * (
+                dp * m * SEQ * CONFIG.top_k / CONFIG.num_experts),
+            "tokens_max_over_mean": (figures[0]["expert_tokens_max"]
+                                     / figures[0]["expert_tokens_mean"]),
         }
     return out
 
 
-def _check(mesh: tuple[int, int, int], names: list[str]) -> None:
-    pp, tp, dp = mesh
-    res = run_dist(_worker, pp * tp * dp, pp, tp, dp, names, timeout=300)[0]
+def _check(mesh: tuple[int, ...], names: list[str], **options: object) -> None:
+    """mesh: (pp, tp, dp) or (pp, tp, dp, ep); options: the Trainer's."""
+    pp, tp, dp, ep = (*mesh, 1)[:4]
+    res = run_dist(_worker, pp * tp * dp, pp, tp, dp, names, ep, options, timeout=300)[0]
     assert set(res) == set(names)
     for name, r in res.items():
         print(mesh, name, {k: f"{v:.1e}" if isinstance(v, float) else v for k, v in r.items()})
         assert r["same_on_every_rank"], name
-        for key in ("loss", "aux", "grad", "param"):
+        # sharded, the DP mean of a gradient exists only as shards (the whole model's
+        # gradients are each rank's own): the parameters after two steps check them
+        sharded = options.get("shard_optimizer", False)
+        for key in ("loss", "aux", "param") if sharded else ("loss", "aux", "grad", "param"):
             assert r[key] <= TOL, (name, key, r[key])
-        assert r["grad_without_aux"] > 1e3 * TOL, name  # the aux gradient is there
+        assert sharded or r["grad_without_aux"] > 1e3 * TOL, name  # the aux gradient is there
         assert r["expert_load"] >= 1.0
+        assert r["tokens_mean_error"] == 0, name
+        assert r["tokens_max_over_mean"] == r["expert_load"], name
 
 
 @pytest.mark.parametrize("mesh, names", [

@@ -7,7 +7,11 @@ the block included. With `sequence_parallel` every mode is measured twice, with
 the all-reduces and with sequence parallelism's reduce-scatters and all-gathers
 (emulated: stp.bench.emulated_sp; real: the model's SP units), both with F
 braided with a full backward (B and W of microbatch 0), the block where the
-all-gathers can hide too; the SP figures are keyed `<mode>_sp`.
+all-gathers can hide too; the SP figures are keyed `<mode>_sp`. With
+`all_to_all` the emulated stage is measured once more with an expert
+all-to-all ending each unit in place of the all-reduce (stp.bench.emulated_a2a,
+the same block), keyed `emulated_a2a`: the hidden fraction of the all-to-all
+beside the all-reduce's, in the same run.
 
 Runs under stp.runtime.launch.launch_local (`entry`); global rank 0 returns the
 figures, stp.cli.bench prints them.
@@ -24,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from stp.bench.collectives import measure_allreduce
+from stp.bench.emulated_a2a import EmulatedA2AStage
 from stp.bench.emulated_sp import EmulatedSPStage
 from stp.bench.world import in_world
 from stp.models import ModelConfig, build_stage
@@ -50,6 +55,8 @@ class OverlapSettings:
     sequence_parallel: bool = False
     """Also measure sequence parallelism (stp.models.tp.sequence): its exposed time counts
     the reduce-scatters' launches and waits and the all-gathers."""
+    all_to_all: bool = False
+    """Also measure the emulated stage with an expert all-to-all ending each unit."""
 
 
 def _overlap_stage(mode: str, sp: bool, s: OverlapSettings, mesh: Mesh) -> Any:
@@ -131,6 +138,10 @@ def overlap_worker(s: OverlapSettings) -> dict[str, Any] | None:
         for sp in (False, True) if s.sequence_parallel else (False,):
             stage = _overlap_stage(mode, sp, s, mesh)
             out[mode + ("_sp" if sp else "")] = _measure(stage, s, mesh, tokens, targets)
+    if s.all_to_all:
+        stage = EmulatedA2AStage(0, 1, layers=s.model.num_layers, hidden=s.model.hidden,
+                                 times=s.unit, tp_group=mesh.tp_group, tp_size=2)
+        out["emulated_a2a"] = _measure(stage, s, mesh, tokens, targets)
     return out if mesh.rank == 0 else None
 
 

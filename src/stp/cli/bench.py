@@ -76,6 +76,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also measure sequence parallelism (reduce-scatter + all-gather in "
                    "place of each all-reduce), printed beside the all-reduce in each mode; "
                    "both with F braided with a full backward (--seq-len must be even)")
+    o.add_argument("--all-to-all", action="store_true",
+                   help="also measure the emulated stage with an expert all-to-all (each rank "
+                   "sends half its rows to the other, as an expert-parallel MoE layer's "
+                   "dispatch and combine) ending each unit in place of the all-reduce, "
+                   "printed beside it")
     o.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     o.set_defaults(func=run_overlap)
 
@@ -169,7 +174,7 @@ def run_overlap(args: argparse.Namespace) -> int:
     s = OverlapSettings(model=model, seq_len=args.seq_len,
                         microbatch_size=args.microbatch_size,
                         unit=UnitTimes(*_unit_ms(args.unit_ms)), repeats=args.repeats,
-                        modes=modes, sequence_parallel=sp)
+                        modes=modes, sequence_parallel=sp, all_to_all=args.all_to_all)
     res = _launch("overlap", s, 2)
     _print_overlap(res, s, modes)
     if args.json:
@@ -190,11 +195,16 @@ def _print_overlap(res: dict[str, Any], s: Any, modes: tuple[str, ...]) -> None:
               "included (launches alone)")
     else:
         print("exposed: compute-stream time in all-reduce launches + waits (launches alone)")
-    width, count = (12, "colls") if sp else (9, "ARs")  # mode column, collectives
+    a2a = "emulated_a2a" in res
+    if a2a:
+        print("A2A row: an expert all-to-all (half of the rows to the other rank) ends each "
+              "unit of the emulated stage instead of the all-reduce")
+    width, count = (13, "colls") if sp or a2a else (9, "ARs")  # mode column, collectives
     print(f"{'mode':{width}s} {count:>{len(count)}s} {'sequential':>20s} {'braided':>20s} "
           f"{'wall seq':>9s} {'wall braid':>10s} {'hidden':>7s} {'waits hidden':>12s}")
     for mode in modes:
-        for key, tag in ((mode, " AR" if sp else ""), (mode + "_sp", " SP")):
+        for key, tag in ((mode, " AR" if sp or a2a else ""), (mode + "_sp", " SP"),
+                         (mode + "_a2a", " A2A")):
             if key not in res:
                 continue
             r = res[key]

@@ -124,7 +124,7 @@ def rank_namer(job: TrainJob) -> Callable[[int], str]:
     """`rank 3 (pp 1, tp 1, dp 0)`: a global rank with its mesh coordinates."""
     from stp.runtime.mesh import ParallelDims
 
-    dims = ParallelDims(job.pp, job.tp, job.dp)
+    dims = ParallelDims(job.pp, job.tp, job.dp, job.ep)
 
     def name(rank: int) -> str:
         c = dims.coord_of(rank)

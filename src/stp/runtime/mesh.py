@@ -7,7 +7,20 @@ Rank layout (row-major over the named axes pp, dp, tp; tp fastest):
 so the ranks of one TP group are consecutive (one node, the fastest links:
 TP all-reduces run twice per layer per pass, Megatron-LM's placement), the
 DP replicas of a stage come next and pipeline stages are farthest apart
-(point-to-point only). Everything is an object passed in; no module globals,
+(point-to-point only).
+
+Expert parallelism (`ep`, a mixture of experts' all-to-all) is carved from
+the DP ranks, as Megatron-LM arranges it: the world stays pp x tp x dp, ep
+divides dp, and ep consecutive DP ranks of one (pp, tp) position form an
+expert-parallel (EP) group, each holding E / ep experts. The DP ranks at
+the same place in every EP group hold the same experts: their
+expert-data-parallel (EDP) group, of dp / ep ranks, over which expert
+gradients are reduced:
+
+    dp rank      0  1  2  3        (dp 4, ep 2)
+    EP group    [0  1][2  3]       ep rank  = dp % ep
+    EDP group    0  .  2  .        edp rank = dp // ep
+                 .  1  .  3 Everything is an object passed in; no module globals,
 so several meshes can live in one test process (topology explicit and
 injected, as torchtitan's ParallelDims).
 """
@@ -47,10 +60,30 @@ class ParallelDims:
     """Tensor-parallel ranks per stage (heads, FFN and vocabulary are split)."""
     dp: int = 1
     """Data-parallel replicas (gradients averaged)."""
+    ep: int = 1
+    """Expert-parallel ranks, carved from the DP ranks (module doc); must divide dp."""
 
     def __post_init__(self) -> None:
-        for axis in ("pp", "tp", "dp"):
+        for axis in ("pp", "tp", "dp", "ep"):
             _check_size(axis, getattr(self, axis))
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp} (the expert-parallel "
+                             "groups are carved from the data-parallel ranks)")
+
+    @property
+    def edp(self) -> int:
+        """Ranks of an expert-data-parallel group (the replicas of one expert)."""
+        return self.dp // self.ep
+
+    def ep_groups(self) -> list[list[int]]:
+        """Every EP group (ep consecutive DP ranks of one pp, tp position), fixed order."""
+        return [dp_ranks[i : i + self.ep] for dp_ranks in self.all_groups("dp")
+                for i in range(0, self.dp, self.ep)]
+
+    def edp_groups(self) -> list[list[int]]:
+        """Every EDP group (the DP ranks at one place of every EP group), fixed order."""
+        return [dp_ranks[j :: self.ep] for dp_ranks in self.all_groups("dp")
+                for j in range(self.ep)]
 
     @property
     def world_size(self) -> int:
@@ -112,6 +145,25 @@ class Mesh:
     backend: str
     device: torch.device
     ranks: dict[str, list[int]] = field(default_factory=dict)
+    ep_group: dist.ProcessGroup | None = None
+    """This rank's expert-parallel group (None at ep 1)."""
+    edp_group: dist.ProcessGroup | None = None
+    """This rank's expert-data-parallel group (None at ep 1)."""
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its EP group (which experts it holds)."""
+        return self.coord.dp % self.dims.ep
+
+    @property
+    def edp_rank(self) -> int:
+        """This rank's place among the replicas of its experts."""
+        return self.coord.dp // self.dims.ep
+
+    def first_replica(self, expert: bool = False) -> bool:
+        """Is this rank the first DP replica of a parameter (the one that writes it
+        when the whole model is written)? An expert's replicas are its EDP group."""
+        return self.edp_rank == 0 if expert else self.coord.dp == 0
 
     @classmethod
     def from_world(
@@ -140,13 +192,19 @@ class Mesh:
                 group = dist.new_group(group_ranks, **kw)
                 if rank in group_ranks:
                     mine[axis], ranks[axis] = group, group_ranks
+        if dims.ep > 1:
+            for axis, groups in (("ep", dims.ep_groups()), ("edp", dims.edp_groups())):
+                for group_ranks in groups:
+                    group = dist.new_group(group_ranks, **kw)
+                    if rank in group_ranks:
+                        mine[axis], ranks[axis] = group, group_ranks
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else (
                 torch.device("cpu")
             )
         return cls(
             dims, rank, coord, mine["pp"], mine["tp"], mine["dp"], backend,
-            torch.device(device), ranks,
+            torch.device(device), ranks, mine.get("ep"), mine.get("edp"),
         )
 
     def describe(self) -> str:
@@ -156,7 +214,8 @@ class Mesh:
 
     def describe_group(self, axis: str) -> str:
         """This rank's group along `axis` as error messages name it."""
-        names = {"pp": "pipeline", "tp": "TP", "dp": "DP"}
+        names = {"pp": "pipeline", "tp": "TP", "dp": "DP", "ep": "expert-parallel",
+                 "edp": "expert-data-parallel"}
         return f"the {names[axis]} group (global ranks {self.ranks[axis]})"
 
     def pp_peer_rank(self, pp_rank: int) -> int:

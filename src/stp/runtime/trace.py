@@ -7,7 +7,9 @@ A `Recorder` on each rank collects, for one run of the executor:
   from after any wait to its end; units of one action share `action_index`;
 * tp lane: every TP collective, named by its kind: `AR` an all-reduce, and
   under sequence parallelism (stp.models.tp.sequence) `RS` the
-  reduce-scatter that ends a unit and `AG` the all-gather that starts one.
+  reduce-scatter that ends a unit and `AG` the all-gather that starts one;
+  `A2A` an expert all-to-all (a stage's unit hands the runner a partial whose
+  `collective` names it, launched and waited for like an all-reduce).
   An all-reduce or reduce-scatter runs from its launch to its completion
   (the work's completion callback where the backend has one, else when first
   seen complete); an all-gather from its launch to when the compute stream

@@ -12,7 +12,9 @@ The step's figures, the same on every rank after one all-reduce over the
 world (one TP rank of each group counts; the DP replicas add up):
 - `aux_loss`: the mean over MoE layers and over every replica's microbatches;
 - `expert_load`: the busiest expert's routing choices over the mean, summed over
-  the step's layers and microbatches (1.0: perfectly balanced).
+  the step's layers and microbatches (1.0: perfectly balanced);
+- `expert_tokens_max`, `expert_tokens_mean`: those two counts themselves (routed
+  tokens per expert in the step, every MoE layer and replica added up).
 """
 
 from __future__ import annotations
@@ -72,4 +74,5 @@ class AuxLosses:
         load = flat[1:]
         mean = float(load.mean())
         return {"aux_loss": float(flat[0]) / (self.num_layers * microbatches * d.dp),
-                "expert_load": float(load.max()) / mean if mean > 0 else 1.0}
+                "expert_load": float(load.max()) / mean if mean > 0 else 1.0,
+                "expert_tokens_max": float(load.max()), "expert_tokens_mean": mean}

@@ -120,6 +120,10 @@ class TrainJob:
     pp: int = option(2, "pipeline ranks", minimum=1, maximum=64)
     tp: int = option(1, "tensor-parallel ranks", minimum=1, maximum=1024)
     dp: int = option(1, "data-parallel replicas", minimum=1, maximum=65536)
+    ep: int = option(1, "expert-parallel ranks (--arch moe), carved from the --dp ranks "
+                     "(Megatron-LM's arrangement: --ep divides --dp, --ep consecutive DP "
+                     "ranks share the experts, each holding --experts / --ep of them)",
+                     minimum=1, maximum=65536)
     microbatches: int | None = option(
         None, "microbatches per step (default 8, or 2 pp when larger); the global batch is "
         "dp x m x microbatch size", minimum=1, maximum=4096, short="-m")

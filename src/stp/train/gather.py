@@ -44,8 +44,9 @@ def gather_full_state(stages: Mapping[int, Any], mesh: Mesh, collective: Callabl
     by name; None elsewhere. `collective(action, peers, fn, *args, **kw)` runs a
     collective with errors named (stp.train.grad_sync.collective)."""
     local = _local_full(stages, mesh, collective, grads)
-    c = mesh.coord
-    payload = local if c.tp == 0 and c.dp == 0 else {}
+    experts = {n for st in stages.values() for n in getattr(st, "expert_names", ())}
+    payload = {n: t for n, t in local.items()
+               if mesh.coord.tp == 0 and mesh.first_replica(n in experts)}
     out: list[Any] | None = [None] * mesh.dims.world_size if mesh.rank == 0 else None
     collective("state gather", "a rank in the world", dist.gather_object, payload, out, dst=0)
     if out is None:

@@ -10,7 +10,11 @@ then runs, on every rank:
        so every rank returns the same number;
     3. the DP average of the gradients (fp32 main grads in mixed precision),
        one flat all-reduce; with the sharded optimizer (stp.train.zero) one
-       reduce-scatter instead, each rank keeping the mean of its shard;
+       reduce-scatter instead, each rank keeping the mean of its shard. With
+       expert parallelism an expert's gradient already holds the tokens of
+       its whole EP group: it is summed over the expert's replicas (the
+       expert-data-parallel group, dp / ep ranks) and divided by dp, so it is
+       the mean over every replica's microbatches as a dense one;
     4. the global gradient norm's all-reduce (stp.train.clip), over the
        gradients the optimizer reads (with sharding: each rank's shards).
 
@@ -74,6 +78,9 @@ class GradSync:
         self.holds_loss, self.device = holds_loss, device
         self.collective = functools.partial(collective, mesh)
         """`collective(action, peers, fn, *args, **kw)` on this rank (module function)."""
+        experts = {n for st in stages.values() for n in getattr(st, "expert_names", ())}
+        self.expert_index = [i for i, n in enumerate(precision.names) if n in experts]
+        """Which of the precision's parameters are experts held by this EP rank only."""
         self.counted = self._norm_mask(stages)
         """Which of this rank's gradients it adds to the global norm (stp.train.clip)."""
 
@@ -121,12 +128,23 @@ class GradSync:
 
     def average_dp(self) -> None:
         """Average the gradients (fp32 main grads in mixed precision) over the DP
-        replicas in one flat all-reduce."""
+        replicas in one flat all-reduce (experts': over their replicas, module doc)."""
         grads = self.precision.grads()
+        experts = set(self.expert_index)
+        dense = [g for i, g in enumerate(grads) if i not in experts]
+        self._mean(dense, "dp", self.mesh.dp_group, "DP gradient all-reduce")
+        if experts:
+            self._mean([grads[i] for i in self.expert_index], "edp", self.mesh.edp_group,
+                       "expert gradient all-reduce")
+
+    def _mean(self, grads: list[torch.Tensor], axis: str, group: Any, action: str) -> None:
+        """Sum `grads` over the group of `axis` in one flat all-reduce, divide by dp."""
+        if not grads:
+            return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        peers = f"a rank in {self.mesh.describe_group('dp')}"
-        self.collective("DP gradient all-reduce", peers, dist.all_reduce, flat,
-                        group=self.mesh.dp_group)
+        if len(self.mesh.ranks[axis]) > 1:
+            peers = f"a rank in {self.mesh.describe_group(axis)}"
+            self.collective(action, peers, dist.all_reduce, flat, group=group)
         flat /= self.mesh.dims.dp
         offset = 0
         for g in grads:

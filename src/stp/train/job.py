@@ -69,7 +69,10 @@ def check_plan(job: TrainJob, world_size: int | None = None, config: Any = None)
     resolved run, offload, emulation, sequence parallelism), and the run;
     `stp memory` prices a train command line after these. `config`: the model's,
     already read (stp.train.resolve.resolve)."""
-    dims = ParallelDims(job.pp, job.tp, job.dp)
+    if job.dp % job.ep:
+        raise ValueError(f"--ep {job.ep} must divide --dp {job.dp} (the expert-parallel "
+                         "groups are carved from the data-parallel ranks)")
+    dims = ParallelDims(job.pp, job.tp, job.dp, job.ep)
     if world_size is not None:
         dims.check_world(world_size)
     if job.dtype not in DTYPES:
@@ -92,7 +95,21 @@ def check_plan(job: TrainJob, world_size: int | None = None, config: Any = None)
                              "drop --compile or --emulate-compute")
     if job.sequence_parallel and job.tp > 1:
         _check_sequence_parallel(job)
+    if job.ep > 1:
+        _check_expert_parallel(job, run)
     return run
+
+
+def _check_expert_parallel(job: TrainJob, run: Run) -> None:
+    """--ep > 1: a model with experts that split over the EP ranks (the family's)."""
+    check_ep = getattr(run.family.model, "check_ep", None)
+    if check_ep is None:
+        raise ValueError(f"--ep {job.ep}: expert parallelism needs a mixture-of-experts "
+                         "model (--arch moe, or a Qwen2-MoE / Mixtral --init-from); use --ep 1")
+    if job.emulate is not None:
+        raise ValueError("--emulate-compute stages have no experts to dispatch; drop --ep "
+                         "or --emulate-compute")
+    check_ep(run.config, job.ep)
 
 
 def _check_sequence_parallel(job: TrainJob) -> None:

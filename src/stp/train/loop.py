@@ -166,7 +166,7 @@ def run(resolved: Run,
         on_step: Callable[[StepReport], None] | None = None) -> RunSummary | None:
     """Train the resolved run on the initialised world (see the module doc)."""
     job = resolved.job
-    mesh = Mesh.from_world(ParallelDims(job.pp, job.tp, job.dp), timeout=job.timeout)
+    mesh = Mesh.from_world(ParallelDims(job.pp, job.tp, job.dp, job.ep), timeout=job.timeout)
     resolved = _shared_out(resolved)
     job, schedule = resolved.job, resolved.schedule
     if mesh.rank == 0:  # what a later --resume restores (stp.train.resume)

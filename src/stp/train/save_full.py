@@ -55,13 +55,20 @@ def _full_shape(stage: Any, name: str, param: torch.Tensor, tp: int) -> tuple[in
     return tuple(n * tp if d == dim else n for d, n in enumerate(param.shape))
 
 
+def _written(stages: Mapping[int, Any], mesh: Mesh) -> list[tuple[Any, str, torch.Tensor]]:
+    """(stage, name, parameter) of the parameters this rank's DP replica writes: all of
+    them on DP replica 0, and with expert parallelism each EP rank's experts on the
+    first replica of its expert-data-parallel group."""
+    return [(st, name, p) for st in stages.values() for name, p in st.named_parameters()
+            if mesh.first_replica(name in getattr(st, "expert_names", ()))]
+
+
 def full_layout(stages: Mapping[int, Any], mesh: Mesh,
                 collective: Collective) -> list[Entry]:
     """Every full tensor of the model, sorted by name, on every rank. Collective."""
-    c = mesh.coord
-    mine = [] if c.tp or c.dp else [
+    mine = [] if mesh.coord.tp else [
         Entry(name, p.dtype, _full_shape(st, name, p, mesh.dims.tp))
-        for st in stages.values() for name, p in st.named_parameters()]
+        for st, name, p in _written(stages, mesh)]
     everyone: list[Any] = [None] * mesh.dims.world_size
     collective("full-model layout", "a rank in the world", dist.all_gather_object,
                everyone, mine)
@@ -88,25 +95,22 @@ def _full_tensor(stage: Any, name: str, param: torch.Tensor, mesh: Mesh,
 
 def _write_stages(tmp: Path, stages: Mapping[int, Any], mesh: Mesh, collective: Collective,
                   layout: dict[str, Entry], offsets: dict[str, int]) -> str | None:
-    """DP replica 0 writes its stages' tensors, one at a time; the first failure in
+    """The first replica of each tensor (`_written`) writes it, one at a time; the first failure in
     words (None: none). Every TP rank takes part in every gather, failed or not."""
-    if mesh.coord.dp:
-        return None
     fd, error = None, None
     try:
-        for st in stages.values():
-            for name, p in st.named_parameters():
-                full = _full_tensor(st, name, p, mesh, collective)
-                if full is None or error is not None:
-                    continue
-                try:
-                    if full.dtype != layout[name].dtype or tuple(full.shape) != layout[name].shape:
-                        raise RuntimeError(f"{name}: joined {full.dtype} {tuple(full.shape)}, "
-                                           f"expected {layout[name].dtype} {layout[name].shape}")
-                    fd = os.open(tmp, os.O_WRONLY) if fd is None else fd
-                    write_at(fd, full, offsets[name])
-                except (OSError, RuntimeError) as e:
-                    error = cause_of(e)
+        for st, name, p in _written(stages, mesh):
+            full = _full_tensor(st, name, p, mesh, collective)
+            if full is None or error is not None:
+                continue
+            try:
+                if full.dtype != layout[name].dtype or tuple(full.shape) != layout[name].shape:
+                    raise RuntimeError(f"{name}: joined {full.dtype} {tuple(full.shape)}, "
+                                       f"expected {layout[name].dtype} {layout[name].shape}")
+                fd = os.open(tmp, os.O_WRONLY) if fd is None else fd
+                write_at(fd, full, offsets[name])
+            except (OSError, RuntimeError) as e:
+                error = cause_of(e)
         if fd is not None and error is None:
             os.fsync(fd)
     except OSError as e:

@@ -27,6 +27,7 @@ from torch import nn
 
 from stp.models.compile import compile_stages
 from stp.models.hf import HFCheckpoint, agreeing_config
+from stp.models.moe.dispatch import ExpertGroup
 from stp.runtime.executor import Executor
 from stp.runtime.launch import in_torchrun, init_distributed
 from stp.runtime.mesh import Mesh, ParallelDims
@@ -66,12 +67,18 @@ def resolve_schedule(schedule: str | Schedule, dims: ParallelDims,
     return schedule
 
 def stage_builder(model: Any, opts: TrainerOptions, num_stages: int, tp: int,
-                  source: Any = None) -> tuple[StageBuilder, int]:
+                  source: Any = None, ep: int = 1) -> tuple[StageBuilder, int]:
     """(stage builder, boundary width) for a model family's config (its weights read
     from `source`, an HFCheckpoint, when given) or a builder."""
     family = family_of(model)
+    check_ep = None if family is None else getattr(family.model, "check_ep", None)
+    if ep > 1 and check_ep is None:
+        raise ValueError(f"--ep {ep}: expert parallelism needs a mixture-of-experts model "
+                         "(--arch moe, or a Qwen2-MoE / Mixtral --init-from); use --ep 1")
     if family is not None:
         family.model.check(model, tp, num_stages)
+        if check_ep is not None:
+            check_ep(model, ep)
         weights = None if source is None else source.read
         sp = {"sequence_parallel": True} if opts.sequence_parallel and tp > 1 else {}
         if opts.recompute != "none":
@@ -114,20 +121,20 @@ def world_mesh(dims: ParallelDims, opts: TrainerOptions) -> Mesh:
 
 def build(
     model: Any, schedule: str | Schedule = "stp", *, pp: int = 1, tp: int = 1, dp: int = 1,
-    microbatches: int | None = None, mesh: Mesh | None = None,
+    ep: int = 1, microbatches: int | None = None, mesh: Mesh | None = None,
     options: TrainerOptions | None = None,
     init_from: str | os.PathLike[str] | None = None,
 ) -> Parts:
     """This rank's Parts from the Trainer's arguments (stp.train.trainer.Trainer):
-    `mesh` given, its dims replace pp, tp, dp. Collective: every rank builds at
+    `mesh` given, its dims replace pp, tp, dp, ep. Collective: every rank builds at
     once (the process groups, the ranks' agreement on the gradient norm)."""
     opts = options or TrainerOptions()
-    dims = mesh.dims if mesh is not None else ParallelDims(pp, tp, dp)
+    dims = mesh.dims if mesh is not None else ParallelDims(pp, tp, dp, ep)
     schedule = resolve_schedule(schedule, dims, microbatches)
     source = None if init_from is None else HFCheckpoint.open(init_from)
     if source is not None:
         model = agreeing_config(model, source)
-    builder, hidden = stage_builder(model, opts, schedule.num_stages, dims.tp, source)
+    builder, hidden = stage_builder(model, opts, schedule.num_stages, dims.tp, source, dims.ep)
     mesh = mesh or world_mesh(dims, opts)
     device = mesh.device if opts.device is None else torch.device(opts.device)
     stages = _stages(builder, schedule, mesh, device, opts.dtype)
@@ -138,7 +145,8 @@ def build(
     shared = None if family is None else family.model.shared_grads(model, stages, schedule, mesh)
     named = [(n, p) for st in stages.values() for n, p in st.named_parameters()]
     units = [u for st in stages.values() for u in getattr(st, "units", ())]
-    precision = _precision(named, units, mesh, opts.shard_optimizer)
+    experts = [n for st in stages.values() for n in getattr(st, "expert_names", ())]
+    precision = _precision(named, units, mesh, opts.shard_optimizer, experts)
     holds_loss = schedule.stage_to_rank[-1] == mesh.coord.pp
     sync = GradSync(mesh, precision, stages, shared=shared, holds_loss=holds_loss,
                     device=device)
@@ -153,15 +161,20 @@ def build(
 
 
 def _precision(named: list[tuple[str, nn.Parameter]], units: list[Any], mesh: Mesh,
-               shard_optimizer: bool) -> Precision:
+               shard_optimizer: bool, experts: list[str]) -> Precision:
     """The optimizer's parameters: sharded over the DP ranks with `shard_optimizer`
-    (stp.train.zero; at dp=1 there is nothing to shard), else whole."""
+    (stp.train.zero; at dp=1 there is nothing to shard; `experts`, with expert
+    parallelism, over their expert-data-parallel group), else whole."""
     if not shard_optimizer or mesh.dims.dp == 1:
         return Precision(named, units)
     run = functools.partial(collective, mesh)
     dp = DPGroup(mesh.dims.dp, mesh.coord.dp, mesh.dp_group, run,
                  f"a rank in {mesh.describe_group('dp')}")
-    return ShardedPrecision(named, units, dp)
+    if mesh.dims.ep == 1:
+        return ShardedPrecision(named, units, dp)
+    edp = DPGroup(mesh.dims.edp, mesh.edp_rank, mesh.edp_group, run,
+                  f"a rank in {mesh.describe_group('edp')}", mean_over=mesh.dims.dp)
+    return ShardedPrecision(named, units, dp, (edp, frozenset(experts)))
 
 
 def _stages(builder: StageBuilder, schedule: Schedule, mesh: Mesh, device: torch.device,
@@ -169,9 +182,11 @@ def _stages(builder: StageBuilder, schedule: Schedule, mesh: Mesh, device: torch
     """The stages of `schedule` this rank's pipeline rank holds, checked to be
     PipelineStages (the executor's contract)."""
     c = mesh.coord
+    experts = {} if mesh.dims.ep == 1 else {
+        "expert_group": ExpertGroup(mesh.ep_group, mesh.dims.ep, mesh.ep_rank)}
     stages = {
         s: builder(s, schedule.num_stages, tp_group=mesh.tp_group, tp_size=mesh.dims.tp,
-                   tp_rank=c.tp, device=device, dtype=dtype)
+                   tp_rank=c.tp, device=device, dtype=dtype, **experts)
         for s in schedule.stages_of(c.pp)
     }
     for st in stages.values():

@@ -99,6 +99,7 @@ class Trainer:
         pp: int = 1,
         tp: int = 1,
         dp: int = 1,
+        ep: int = 1,
         microbatches: int | None = None,
         mesh: Mesh | None = None,
         data: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -107,7 +108,7 @@ class Trainer:
         **option_overrides: Any,
     ) -> None:
         opts = replace(options or TrainerOptions(), **option_overrides)
-        self.parts: Parts = build(model, schedule, pp=pp, tp=tp, dp=dp,
+        self.parts: Parts = build(model, schedule, pp=pp, tp=tp, dp=dp, ep=ep,
                                   microbatches=microbatches, mesh=mesh, options=opts,
                                   init_from=init_from)
         factory = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))

@@ -33,6 +33,13 @@ sum over microbatches is unchanged (stp.train.precision).
 Clipping stays exact: a shard is counted in the global norm by the same
 rule as the whole tensor (stp.train.clip), its key extended by its rows, so
 every element is counted once across DP shards and TP replicas.
+
+With expert parallelism (stp.runtime.mesh) an EP rank's experts are
+replicated over its expert-data-parallel group only (dp / ep ranks), so they
+form a second section with a layout of its own over that group: its own
+reduce-scatter (divided by dp all the same, each expert gradient already
+holding its EP group's tokens) and all-gather. The dense parameters are the
+first section, over the DP group, as without experts.
 """
 
 from __future__ import annotations
@@ -68,10 +75,27 @@ class DPGroup:
     """Runs a collective, a backend error raised as the rank error it is."""
     peers: str = "a DP peer"
     """Who a collective waits on, as error messages name it."""
+    mean_over: int | None = None
+    """What the summed gradients are divided by (None: size; experts: dp)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
             raise ValueError(f"DP rank {self.rank} is not in [0, {self.size})")
+
+    @property
+    def divisor(self) -> int:
+        return self.size if self.mean_over is None else self.mean_over
+
+
+class _Section:
+    """Parameters sharded over one group: their indices in the precision's lists, the
+    layout of their shapes over the group, this rank's segment of their gradients."""
+
+    def __init__(self, group: DPGroup, index: list[int], shapes: Sequence[torch.Size],
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.group, self.index = group, index
+        self.layout = ShardLayout(shapes, group.size)
+        self.shard_grads = torch.zeros(self.layout.segment, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
@@ -172,8 +196,11 @@ class ShardedPrecision(Precision):
     all-reduce and `copy_to_model` all-gathers. Both are collectives."""
 
     def __init__(self, named: Sequence[tuple[str, nn.Parameter]], units: Iterable[Any],
-                 dp: DPGroup) -> None:
+                 dp: DPGroup, experts: tuple[DPGroup, frozenset[str]] | None = None) -> None:
         self.dp = dp
+        self.experts = experts
+        """(the expert-data-parallel group, the expert parameters' names) with expert
+        parallelism (module doc); None: every parameter over `dp`."""
         super().__init__(named, units)
 
     def _optimizer_params(self) -> list[nn.Parameter]:
@@ -187,23 +214,42 @@ class ShardedPrecision(Precision):
                              f"{sorted(str(d) for d in dtypes)}")
         self.model_dtype = next(iter(dtypes), torch.float32)
         mixed = self.mixed  # one dtype: a 16-bit model or a pure one
-        self.layout = ShardLayout([p.shape for p in self.model], self.dp.size)
         self.grad_dtype = torch.float32 if mixed else self.model_dtype
         device = self.model[0].device if self.model else torch.device("cpu")
         self.main_grads = ([torch.zeros_like(p, dtype=torch.float32) for p in self.model]
                            if mixed else [])
-        self.shard_grads = torch.zeros(self.layout.segment, dtype=self.grad_dtype, device=device)
-        """This rank's segment of the reduce-scattered gradients; `grads()` views it."""
+        self.sections = self._sections(device)
+        """The dense parameters over DP, then (expert parallelism) the experts over EDP."""
+        self.layout, self.shard_grads = self.sections[0].layout, self.sections[0].shard_grads
+        """The dense section's layout and this rank's segment of its reduce-scattered
+        gradients (`grads()` views the segments)."""
+        self._place = {i: (sec, j) for sec in self.sections for j, i in enumerate(sec.index)}
         shards = []
         for i, p in enumerate(self.model):
-            start, stop = self.layout.splits[i].rows_of(self.dp.rank)
+            start, stop = self._rows(i)
             rows = p.detach()[start:stop]  # pure: the model's own rows (no copy)
             shards.append(nn.Parameter(rows.float().clone() if mixed else rows))
         return self._with_grads(shards)
 
+    def _sections(self, device: torch.device) -> list[_Section]:
+        names = frozenset() if self.experts is None else self.experts[1]
+        dense = [i for i, n in enumerate(self.names) if n not in names]
+        expert = [i for i, n in enumerate(self.names) if n in names]
+        groups = [(self.dp, dense)]
+        if self.experts is not None:
+            groups.append((self.experts[0], expert))
+        return [_Section(g, index, [self.model[i].shape for i in index], self.grad_dtype,
+                         device) for g, index in groups]
+
+    def _rows(self, i: int) -> tuple[int, int]:
+        """[start, stop) of parameter i's rows this rank's shard holds."""
+        sec, j = self._place[i]
+        return sec.layout.splits[j].rows_of(sec.group.rank)
+
     def _with_grads(self, shards: list[nn.Parameter]) -> list[nn.Parameter]:
         for i, shard in enumerate(shards):
-            shard.grad = self.layout.local(self.shard_grads, i, self.dp.rank, shard.shape)
+            sec, j = self._place[i]
+            shard.grad = sec.layout.local(sec.shard_grads, j, sec.group.rank, shard.shape)
         return shards
 
     def _main_grad(self, i: int) -> torch.Tensor:
@@ -231,32 +277,43 @@ class ShardedPrecision(Precision):
     def norm_keys(self, keys: list[Any]) -> list[Any]:
         """Each key with the rows of this rank's shard: two ranks hold the same shard
         (TP replicas, a tied copy) only at the same rows."""
-        return [(key, self.layout.splits[i].rows_of(self.dp.rank))
-                for i, key in enumerate(keys)]
+        return [(key, self._rows(i)) for i, key in enumerate(keys)]
 
     def optimizer_box(self, i: int, box: Any) -> Any:
-        return row_box(box, *self.layout.splits[i].rows_of(self.dp.rank))
+        return row_box(box, *self._rows(i))
 
     def reduce_scatter(self) -> None:
         """The DP mean of this rank's shard of every gradient: the whole gradients
-        packed rank-major, one reduce-scatter (sum), divided by dp. Collective."""
-        packed = torch.empty(self.dp.size * self.layout.segment, dtype=self.grad_dtype,
-                             device=self.shard_grads.device)
-        self.layout.pack(self.full_grads(), packed)
-        self.dp.run("DP gradient reduce-scatter", self.dp.peers, dist.reduce_scatter_single,
-                    self.shard_grads, packed, group=self.dp.group)
-        self.shard_grads /= self.dp.size
+        packed rank-major, one reduce-scatter (sum) per section, divided by dp.
+        Collective."""
+        full = self.full_grads()
+        for sec in self.sections:
+            if not sec.index:  # a stage of dense layers only: no experts (on every peer)
+                continue
+            g = sec.group
+            packed = torch.empty(g.size * sec.layout.segment, dtype=self.grad_dtype,
+                                 device=sec.shard_grads.device)
+            sec.layout.pack([full[i] for i in sec.index], packed)
+            g.run("DP gradient reduce-scatter", g.peers, dist.reduce_scatter_single,
+                  sec.shard_grads, packed, group=g.group)
+            sec.shard_grads /= g.divisor
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
         """Every rank's updated shards, in the model's dtype, gathered into the whole
-        parameters (rounding the fp32 masters as Precision does). Collective."""
-        mine = torch.zeros(self.layout.segment, dtype=self.model_dtype,
-                           device=self.shard_grads.device)
-        for i, shard in enumerate(self.params):
-            self.layout.local(mine, i, self.dp.rank, shard.shape).copy_(shard)
-        every = torch.empty(self.dp.size * self.layout.segment, dtype=self.model_dtype,
-                            device=mine.device)
-        self.dp.run("parameter all-gather", self.dp.peers, dist.all_gather_single, every, mine,
-                    group=self.dp.group)
-        self.layout.unpack(every, self.model)
+        parameters (rounding the fp32 masters as Precision does), one all-gather per
+        section. Collective."""
+        for sec in self.sections:
+            if not sec.index:
+                continue
+            g = sec.group
+            mine = torch.zeros(sec.layout.segment, dtype=self.model_dtype,
+                               device=sec.shard_grads.device)
+            for j, i in enumerate(sec.index):
+                shard = self.params[i]
+                sec.layout.local(mine, j, g.rank, shard.shape).copy_(shard)
+            every = torch.empty(g.size * sec.layout.segment, dtype=self.model_dtype,
+                                device=mine.device)
+            g.run("parameter all-gather", g.peers, dist.all_gather_single, every, mine,
+                  group=g.group)
+            sec.layout.unpack(every, [self.model[i] for i in sec.index])

@@ -33,10 +33,11 @@ KIND_BASE = {"F": "#2f6db5", "B": "#e07020", "W": "#2e9e5b"}
 """Dark shade (chunk 0) of each compute kind."""
 
 AR_COLOR = "#8a63b8"
-TP_COLORS = {"AR": AR_COLOR, "RS": "#c2449a", "AG": "#3a8f8f", "A2A": "#c9a227"}
+TP_COLORS = {"AR": AR_COLOR, "RS": "#c2449a", "AG": "#3a8f8f", "A2A": "#b8860b"}
 """The TP lane by collective: all-reduce purple; under sequence parallelism
 (arXiv 2205.05198) the reduce-scatter that ends a unit magenta, the all-gather
-that starts one teal; expert parallelism's all-to-all (dispatch, combine) gold."""
+that starts one teal; an expert-parallel MoE layer's all-to-all (dispatch or
+combine, stp.models.moe.dispatch) dark gold."""
 TP_NAMES = {"AR": "TP all-reduce", "RS": "reduce-scatter (RS)", "AG": "all-gather (AG)",
             "A2A": "expert all-to-all (A2A)"}
 SEND_COLOR = "#7f7f7f"

@@ -6,7 +6,7 @@ the tokenizer and generation files of the source checkpoint when it had any.
 
 `save_stages` is the distributed writer: every pipeline rank writes the files
 of its own stages (its TP group gathers each tensor to TP rank 0, one tensor
-at a time, and DP replica 0 writes it at its offset in the file,
+at a time, and its first DP replica writes it at its offset in the file,
 stp.models.hf.stream), so no rank ever holds more than its stages' share of
 the model plus one full tensor; global rank 0 writes the index and
 config.json. `save_state` writes a whole state dict from one process.
@@ -181,11 +181,13 @@ def save_stages(
     of the world calls it; it returns when the directory is complete."""
     out = Path(out_dir)
     c = mesh.coord
-    named = [(n, p) for s in sorted(stages) for n, p in stages[s].named_parameters()]
+    # the first DP replica of each tensor writes it (an EP rank's experts: the first
+    # replica of its expert-data-parallel group)
+    named = [(n, p) for s in sorted(stages) for n, p in stages[s].named_parameters()
+             if mesh.first_replica(n in getattr(stages[s], "expert_names", ()))]
     shapes = {n: stages[s].specs[n].shape for s in stages for n in stages[s].specs}
     tied = {"head.weight"} if config.tie_embeddings else set()
-    mine = (_chunk(_entries(named, shapes, tied, layout_of(config)), max_shard_bytes)
-            if c.dp == 0 else [])
+    mine = _chunk(_entries(named, shapes, tied, layout_of(config)), max_shard_bytes)
     plans: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(plans, mine if c.tp == 0 else [])
     files = [group for plan in plans for group in plan]

@@ -2,7 +2,9 @@
 its verbs for the layers above (stp.models.family).
 
 Experts are TP-sharded (each expert's SwiGLU split like the dense MLP), never
-whole on one TP rank; sequence parallelism is refused. The router and the
+whole on one TP rank; sequence parallelism is refused. With expert parallelism
+(ep > 1) each rank of an EP group holds E / ep experts, each still TP-sharded
+(stp.models.moe.dispatch); experts must divide by ep. The router and the
 shared expert's gate are replicated over TP; each rank's gradient of them is a
 partial sum (the routing weights scale TP partial outputs), so they are summed
 over the TP group with the other shared gradients.
@@ -41,6 +43,12 @@ class MoEFamily:
     def check(self, config: MoEConfig, tp: int, num_stages: int) -> None:
         check_model(config, tp, num_stages)
         check_moe_tp(config, tp, 0)
+
+    def check_ep(self, config: MoEConfig, ep: int) -> None:
+        """ValueError unless the routed experts split over `ep` expert-parallel ranks."""
+        if config.num_experts % ep:
+            raise ValueError(f"--experts {config.num_experts} must be divisible by --ep {ep} "
+                             "(each expert-parallel rank holds experts / ep of them)")
 
     def num_layers(self, config: MoEConfig) -> int:
         return config.num_layers

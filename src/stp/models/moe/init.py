@@ -32,16 +32,18 @@ def _swiglu(prefix: str, hidden: int, width: int) -> list[ParamSpec]:
     ]
 
 
-def moe_layer_specs(config: MoEConfig, layer: int) -> list[ParamSpec]:
+def moe_layer_specs(config: MoEConfig, layer: int,
+                    experts: range | None = None) -> list[ParamSpec]:
     """The parameters of layer `layer`: the decoder's, its MLP routed when it is an
-    MoE layer."""
+    MoE layer; `experts`: the routed experts held here (expert parallelism; None:
+    all), under their global indices."""
     specs = layer_specs(config, layer)
     if not config.is_moe_layer(layer):
         return specs
     p = f"layers.{layer}.moe."
     h = config.hidden
     moe = [ParamSpec(p + "router.weight", (config.num_experts, h), None, "normal")]
-    for e in range(config.num_experts):
+    for e in range(config.num_experts) if experts is None else experts:
         moe += _swiglu(f"{p}experts.{e}.", h, config.expert_ffn)
     if config.shared_expert_ffn:
         moe += _swiglu(p + "shared.", h, config.shared_expert_ffn)
@@ -51,16 +53,18 @@ def moe_layer_specs(config: MoEConfig, layer: int) -> list[ParamSpec]:
 
 
 def moe_parameter_specs(
-    config: MoEConfig, layers: range | None = None, *, first: bool = True, last: bool = True
+    config: MoEConfig, layers: range | None = None, *, first: bool = True, last: bool = True,
+    experts: range | None = None,
 ) -> list[ParamSpec]:
-    """As stp.models.decoder.init.parameter_specs, for the MoE decoder."""
+    """As stp.models.decoder.init.parameter_specs, for the MoE decoder (`experts`: the
+    routed experts held here, as moe_layer_specs)."""
     layers = range(config.num_layers) if layers is None else layers
     specs: list[ParamSpec] = []
     vocab = (config.vocab_size, config.hidden)
     if first:
         specs.append(ParamSpec("embed.weight", vocab, 0, "normal", "vocab"))
     for i in layers:
-        specs.extend(moe_layer_specs(config, i))
+        specs.extend(moe_layer_specs(config, i, experts))
     if last:
         specs.append(ParamSpec("norm.weight", (config.hidden,), None, "ones"))
         tied = "embed.weight" if config.tie_embeddings else None

@@ -6,6 +6,14 @@ an MoE unit's backward walks two roots (its output and its load-balancing loss),
 so it stays a unit of its own. Sequence parallelism is refused (the family's
 check) and experts are TP-sharded (stp.models.moe.init).
 
+With expert parallelism (`expert_group`, stp.models.moe.dispatch) the stage holds
+E / ep experts of each MoE layer under their global names, each MoE layer's MLP
+is three units cut at its two all-to-alls (stp.models.moe.ep_units), which
+`launch_allreduce` starts as it starts a TP all-reduce; `expert_names` lists
+them, so that the trainer reduces their gradients over the replicas of those
+experts (the expert-data-parallel group) and the writers of the whole model
+take them from every EP rank.
+
 The stage also carries what the trainer reads beside the loss: the
 load-balancing loss of each microbatch it forwarded, and the routing counts
 (`take_aux`), and it learns the number of microbatches of a step
@@ -13,6 +21,8 @@ load-balancing loss of each microbatch it forwarded, and the routing counts
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +32,8 @@ from stp.models.decoder.init import init_shard
 from stp.models.decoder.stage import ModelStage, check_tp
 from stp.models.decoder.stage_shards import ShardSource
 from stp.models.decoder.units import AttentionUnit, EmbedUnit, LossUnit, MLPUnit, RopeCache, Unit
+from stp.models.moe.dispatch import ExpertGroup, ToExchange
+from stp.models.moe.ep_units import RouteUnit, expert_parallel_units
 from stp.models.moe.init import moe_parameter_specs
 from stp.models.moe.units import Expert, MoEUnit
 from stp.models.tp.comm import make_allreduce
@@ -35,6 +47,19 @@ class MoEStage(ModelStage):
     """Layers `layer_ids` of the MoE decoder on one TP rank (a PipelineStage)."""
 
     config: MoEConfig
+
+    def __init__(self, *args: Any, expert_group: ExpertGroup | None = None,
+                 **kw: Any) -> None:
+        self.expert_group = expert_group
+        super().__init__(*args, **kw)
+        self.expert_names = frozenset(
+            n for n in self.specs if ".moe.experts." in n) if expert_group else frozenset()
+        """Parameters held by this EP rank only (empty without expert parallelism)."""
+
+    def _expert_ids(self) -> range:
+        """The global indices of the routed experts this stage holds."""
+        e = self.config.num_experts
+        return range(e) if self.expert_group is None else self.expert_group.experts(e)
 
     def _make_units(self, p: dict[str, nn.Parameter]) -> list[Unit]:
         c, tp_size, tp_rank = self.config, self.tp_size, self.tp_rank
@@ -53,7 +78,7 @@ class MoEStage(ModelStage):
                 p[f"{a}.wv.weight"], p[f"{a}.wo.weight"], head_dim=c.head_dim, eps=c.norm_eps,
                 rope=rope, biases=biases, one_graph=one_graph,
             ))
-            units.append(self._mlp_unit(p, i, one_graph))
+            units.extend(self._mlp_units(p, i, one_graph))
         if self.is_last:
             head = self._slices["head.weight"]
             valid = vocab_part if head.dim is None else head.stop - head.start
@@ -62,28 +87,46 @@ class MoEStage(ModelStage):
                 vocab_start=tp_rank * vocab_part, tp_size=tp_size, tp_rank=tp_rank,
                 vocab_valid=valid, one_graph=one_graph,
             ))
-        self.moe_units = tuple(u for u in units if isinstance(u, MoEUnit))
+        self.moe_units = tuple(u for u in units if isinstance(u, (MoEUnit, RouteUnit)))
+        """The units that route (their load-balancing losses and counts)."""
         self.set_num_microbatches(1)
         return units
 
-    def _mlp_unit(self, p: dict[str, nn.Parameter], i: int, one_graph: bool) -> Unit:
+    def _mlp_units(self, p: dict[str, nn.Parameter], i: int, one_graph: bool) -> list[Unit]:
+        """Layer i's MLP: dense, routed over every expert here (one unit), or with
+        expert parallelism three units cut at the all-to-alls (ep_units)."""
         c, norm = self.config, p[f"layers.{i}.mlp_norm.weight"]
         if not c.is_moe_layer(i):
             m = f"layers.{i}.mlp"
-            return MLPUnit(i, norm, p[f"{m}.w1.weight"], p[f"{m}.w3.weight"],
-                           p[f"{m}.w2.weight"], eps=c.norm_eps, one_graph=one_graph)
+            return [MLPUnit(i, norm, p[f"{m}.w1.weight"], p[f"{m}.w3.weight"],
+                            p[f"{m}.w2.weight"], eps=c.norm_eps, one_graph=one_graph)]
         m = f"layers.{i}.moe."
 
         def swiglu(prefix: str) -> Expert:
             return (p[prefix + "w1.weight"], p[prefix + "w3.weight"], p[prefix + "w2.weight"])
 
-        return MoEUnit(
-            i, norm, p[m + "router.weight"],
-            [swiglu(f"{m}experts.{e}.") for e in range(c.num_experts)],
-            top_k=c.top_k, norm_topk_prob=c.norm_topk_prob, eps=c.norm_eps,
-            shared=swiglu(m + "shared.") if c.shared_expert_ffn else None,
-            shared_gate=p.get(m + "shared_gate.weight"), one_graph=one_graph,
-        )
+        experts = [swiglu(f"{m}experts.{e}.") for e in self._expert_ids()]
+        shared = swiglu(m + "shared.") if c.shared_expert_ffn else None
+        route = {"top_k": c.top_k, "norm_topk_prob": c.norm_topk_prob, "eps": c.norm_eps,
+                 "shared": shared, "shared_gate": p.get(m + "shared_gate.weight")}
+        if self.expert_group is not None:
+            return expert_parallel_units(i, norm, p[m + "router.weight"], experts,
+                                         group=self.expert_group, num_experts=c.num_experts,
+                                         **route)
+        return [MoEUnit(i, norm, p[m + "router.weight"], experts, one_graph=one_graph,
+                        **route)]
+
+    def launch_allreduce(self, partial: Any) -> tuple[torch.Tensor, Any]:
+        """An expert-parallel unit's all-to-all (ToExchange) is launched like the TP
+        all-reduce, so the braid runner hides it the same way; else the decoder's."""
+        if isinstance(partial, ToExchange):
+            return partial.launch()
+        return super().launch_allreduce(partial)
+
+    def _reduce(self, partial: Any) -> torch.Tensor | None:
+        if isinstance(partial, ToExchange):
+            return partial.exchange()
+        return super()._reduce(partial)
 
     def set_num_microbatches(self, m: int) -> None:
         """Seed each MoE unit's load-balancing loss with its share of the objective:
@@ -121,9 +164,11 @@ def build_moe_stage(
     weights: ShardSource = init_shard,
     partition: tuple[int, ...] | None = None,
     sequence_parallel: bool = False,
+    expert_group: ExpertGroup | None = None,
 ) -> MoEStage:
     """Stage `stage` of `num_stages` of the MoE decoder on TP rank tp_rank of tp_size
-    (as stp.models.decoder.stage.build_stage; no sequence parallelism)."""
+    (as stp.models.decoder.stage.build_stage; no sequence parallelism), holding the
+    experts of its rank of `expert_group` (None: all of them)."""
     if not isinstance(config, MoEConfig):
         raise ValueError(f"config must be a MoEConfig, got {type(config).__name__}")
     if sequence_parallel and tp_size > 1:
@@ -136,13 +181,15 @@ def build_moe_stage(
     if tp_size > 1 and not dist.is_initialized():
         raise ValueError(f"tp_size={tp_size} needs torch.distributed initialised")
     layers = partition_layers(config.num_layers, num_stages, partition)[stage]
-    specs = moe_parameter_specs(config, layers, first=stage == 0, last=stage == num_stages - 1)
+    experts = None if expert_group is None else expert_group.experts(config.num_experts)
+    specs = moe_parameter_specs(config, layers, first=stage == 0, last=stage == num_stages - 1,
+                                experts=experts)
     tensors = {s.name: weights(config, s, tp_size, tp_rank, device=device, dtype=dtype)
                for s in specs}
     return MoEStage(
         config, stage, num_stages, specs, tensors, tp_size=tp_size, tp_rank=tp_rank,
         allreduce=make_allreduce(tp_group, tp_size), tp_group=tp_group, async_allreduce=True,
-        partition=partition, fuse_layers=False,
+        partition=partition, fuse_layers=False, expert_group=expert_group,
     )
 
 

@@ -1,0 +1,137 @@
+"""Expert parallelism: the token all-to-alls of an MoE layer whose experts are spread
+over the ranks of an expert-parallel (EP) group (stp.runtime.mesh: ep consecutive
+DP ranks; each holds E / ep experts, every one still TP-sharded).
+
+One MoE layer on EP rank r, n local tokens, k choices each (GShard, arXiv
+2006.16668, section 2.2; dropless, as Megatron-LM's token dispatcher):
+
+    pairs (token, slot) sorted by expert  ->  rows for rank 0 | rank 1 | ..
+    1. counts all-to-all: how many rows each rank sends each of my experts
+    2. dispatch all-to-all: the rows, uneven splits from the counts
+    3. my experts on what arrived (rows grouped by source, then by expert)
+    4. combine all-to-all: the outputs back the way they came
+    5. weight each row by its routing weight, sum into its token
+
+Every TP rank of a DP replica holds the same tokens (the norm's output is
+replicated), so TP rank t exchanges with the TP ranks t of its EP group only
+and computes its shard of the experts; the combined output is a partial sum
+over TP like the dense MLP's, all-reduced after the layer as before.
+
+The two token all-to-alls are unit boundaries (stp.models.moe.ep_units): a unit
+hands the runner a `ToExchange` where a dense unit hands it a partial sum, and
+the stage launches it asynchronously (`launch`) as it launches an all-reduce,
+so the braid rule hides it under the partner microbatch's unit, in the forward
+and (the reverse exchange of the gradient) in the backward. The ranks of an EP
+group run the same program, microbatch for microbatch, so their all-to-alls
+meet in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ExpertGroup", "Routed", "ToExchange", "plan_dispatch"]
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """The EP group an MoE layer's experts are spread over."""
+
+    group: Any
+    """The torch.distributed process group (the mesh's ep_group)."""
+    size: int
+    rank: int
+    """This rank's place in the group: it holds experts [rank E/size, (rank+1) E/size)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"EP rank {self.rank} is not in [0, {self.size})")
+
+    def experts(self, num_experts: int) -> range:
+        """The global indices of the experts this rank holds."""
+        if num_experts % self.size:
+            raise ValueError(f"experts={num_experts} must be divisible by ep={self.size} "
+                             "(each expert-parallel rank holds experts / ep of them)")
+        per = num_experts // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+
+@dataclass
+class ToExchange:
+    """Rows a unit hands the runner to send over the EP group: runs of `send[r]` rows
+    to rank r, `recv[r]` rows from it (an uneven all-to-all)."""
+
+    rows: torch.Tensor
+    recv: list[int]
+    send: list[int]
+    group: Any
+    collective = "A2A"
+    """Its name in a measured trace (stp.runtime.trace), next to the all-reduce's AR."""
+
+    def launch(self) -> tuple[torch.Tensor, Any]:
+        """Start the exchange: (the received rows, filled when the work completes; work).
+        It calls the process group as torch.distributed.all_to_all_single does,
+        without that function's per-call Python checks (as stp.models.tp.comm.
+        launch_sum for the all-reduce: the launch runs on the compute stream, so
+        its cost is exposed whatever the braid hides)."""
+        out = self.rows.new_empty((sum(self.recv), *self.rows.shape[1:]))
+        pg = self.group if self.group is not None else dist.group.WORLD
+        assert pg is not None, "torch.distributed is not initialised"
+        opts = dist.AllToAllOptions()
+        opts.asyncOp = True
+        return out, pg.alltoall_base(out, self.rows.contiguous(), self.recv, self.send, opts)
+
+    def exchange(self) -> torch.Tensor:
+        """The received rows, waited for."""
+        out, work = self.launch()
+        work.wait()
+        return out
+
+
+@dataclass
+class Routed:
+    """One microbatch's routing plan on this rank (what the dispatch found, the
+    experts and the combine need)."""
+
+    order: torch.Tensor
+    """[n k] the (token, slot) pair of each sent row, rows sorted by expert."""
+    token: torch.Tensor
+    """[n k] the token of each sent row."""
+    send: list[int]
+    """Rows sent to each EP rank."""
+    recv: list[int]
+    """Rows received from each EP rank."""
+    expert: torch.Tensor
+    """[sum(recv)] the local expert (0 .. E/ep - 1) of each received row."""
+    group: Any
+    """The EP process group."""
+
+    def dispatch(self, rows: torch.Tensor) -> ToExchange:
+        """Sent rows (or the gradient of the combined rows) to the experts' ranks."""
+        return ToExchange(rows, self.recv, self.send, self.group)
+
+    def combine(self, rows: torch.Tensor) -> ToExchange:
+        """The experts' rows (or the gradient of the received rows) back to the tokens'."""
+        return ToExchange(rows, self.send, self.recv, self.group)
+
+
+def plan_dispatch(ids: torch.Tensor, num_experts: int, ep: ExpertGroup) -> Routed:
+    """The plan of tokens routed to experts `ids` [n, k]: rows sorted by expert, the
+    counts exchanged with the EP group (step 1 of the module doc; synchronous, a
+    few integers)."""
+    k = ids.shape[1]
+    order = torch.argsort(ids.reshape(-1), stable=True)  # rows grouped by expert
+    token = torch.div(order, k, rounding_mode="floor")
+    counts = torch.bincount(ids.reshape(-1), minlength=num_experts)  # [E], rank-major
+    got = torch.empty_like(counts)
+    dist.all_to_all_single(got, counts, group=ep.group)  # [ep, E/ep]: per source, expert
+    per = num_experts // ep.size
+    by_source = got.view(ep.size, per)
+    expert = torch.repeat_interleave(
+        torch.arange(per, device=ids.device).repeat(ep.size), by_source.reshape(-1))
+    return Routed(order, token, counts.view(ep.size, per).sum(1).tolist(),
+                  by_source.sum(1).tolist(), expert, ep.group)
