@@ -12,7 +12,6 @@ over the TP group with the other shared gradients.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -79,11 +78,9 @@ class MoEFamily:
 
     def cost_spec(self, config: MoEConfig, *, sequence: int, micro_batch: int,
                   tp: int) -> ModelSpec:
-        # priced as a decoder whose MLP is as wide as what a token computes: its top-k
-        # experts and the shared expert (the router and the all-to-all are not priced)
-        active = config.top_k * config.expert_ffn + config.shared_expert_ffn
-        return spec_from_config(dataclasses.replace(config, ffn_hidden=active),
-                                seq_len=sequence, microbatch_size=micro_batch, tp=tp)
+        # the cost model's MoE view (stp.costmodel.moe): the routed copies, the router
+        # and every expert's weights, not only the top-k a token computes
+        return spec_from_config(config, seq_len=sequence, microbatch_size=micro_batch, tp=tp)
 
     def shared_grads(self, config: MoEConfig, stages: Mapping[int, Any], schedule: Any,
                      mesh: Any) -> SharedGrads:
