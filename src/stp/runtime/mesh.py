@@ -52,7 +52,7 @@ def _check_size(axis: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the three parallel axes."""
+    """Sizes of the parallel axes: pp x tp x dp ranks, and ep carved from dp."""
 
     pp: int = 1
     """Pipeline ranks (each holds one or more stages, per the schedule's placement)."""
