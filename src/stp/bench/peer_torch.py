@@ -25,8 +25,8 @@ from stp.schedule import io as schedule_io
 from stp.schedule.placement import stage_layers
 from stp.train.clip import grad_norm
 
-__all__ = ["DecoderPart", "rms_norm", "lm_loss", "build_torch_stages", "torch_schedule",
-           "TorchSide", "TORCH_CLASSES"]
+__all__ = ["DecoderPart", "refuse_extras", "rms_norm", "lm_loss", "build_torch_stages",
+           "torch_schedule", "TorchSide", "TORCH_CLASSES"]
 
 TORCH_CLASSES = {
     "gpipe": "ScheduleGPipe",
@@ -48,6 +48,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
 
 
+def refuse_extras(config: ModelConfig, who: str) -> None:
+    """The torch sides run the plain decoder: refuse the config fields they do not build."""
+    extras = [k for k in ("qkv_bias", "tie_embeddings", "pad_token_id")
+              if getattr(config, k) not in (None, False)]
+    if extras:
+        raise ValueError(f"{who} runs the plain decoder; {', '.join(extras)} "
+                         "not accepted (leave them at their defaults)")
+
+
 class DecoderPart(nn.Module):
     """Layers `layers` of the decoder as plain autograd code, parameters under the global
     names and with the initial values of stp's stage (stp.models.decoder.init). The same kernels
@@ -58,11 +67,7 @@ class DecoderPart(nn.Module):
     def __init__(self, config: ModelConfig, layers: range, *, first: bool, last: bool,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        extras = [k for k in ("qkv_bias", "tie_embeddings", "pad_token_id")
-                  if getattr(config, k) not in (None, False)]
-        if extras:
-            raise ValueError(f"DecoderPart runs the plain decoder; {', '.join(extras)} "
-                             "not accepted (leave them at their defaults)")
+        refuse_extras(config, "DecoderPart")
         self.config, self.layer_ids, self.first, self.last = config, layers, first, last
         self.p: dict[str, nn.Parameter] = {}
         for spec in parameter_specs(config, layers, first=first, last=last):

@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from stp.bench.peer_torch import TorchSide, rms_norm, torch_schedule
+from stp.bench.peer_torch import TorchSide, refuse_extras, rms_norm, torch_schedule
 from stp.models import ModelConfig
 from stp.models.decoder.init import init_full, parameter_specs
 from stp.models.decoder.rope import RopeCache, apply_rope
@@ -111,11 +111,7 @@ class BlockPart(nn.Module):
     def __init__(self, config: ModelConfig, layers: range, *, first: bool, last: bool,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        extras = [k for k in ("qkv_bias", "tie_embeddings", "pad_token_id")
-                  if getattr(config, k) not in (None, False)]
-        if extras:
-            raise ValueError(f"BlockPart runs the plain decoder; {', '.join(extras)} "
-                             "not accepted (leave them at their defaults)")
+        refuse_extras(config, "BlockPart")
         w = {s.name: init_full(config, s, dtype)
              for s in parameter_specs(config, layers, first=first, last=last)}
         rope = RopeCache(config.head_dim, config.rope_theta, config.rope_scaling)
