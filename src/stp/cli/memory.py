@@ -203,9 +203,12 @@ def _train_estimate(args: argparse.Namespace) -> tuple[MemoryEstimate, str]:
 
 def _describe(run: object) -> str:
     job, c = run.job, run.config  # type: ignore[attr-defined]
-    where = f"--init-from {job.init_from}" if job.init_from else "stp train's decoder"
+    where = (f"--init-from {job.init_from}" if job.init_from
+             else f"stp train's {getattr(job, 'arch', None) or 'decoder'}")
+    experts = getattr(c, "num_experts", None)
+    moe = f", {experts} experts top-{c.top_k}" if experts else ""
     return (f"{where} ({c.num_layers} layers, hidden {c.hidden}, {c.num_heads} heads, "
-            f"vocab {c.vocab_size})")
+            f"vocab {c.vocab_size}{moe})")
 
 
 def _partition(text: str, spec: ModelSpec, hardware: object, layout: Layout,
