@@ -8,6 +8,20 @@ import torch
 
 from stp.models import ModelConfig, build_reference
 
+LEVER_MODELS = {
+    "untied": ModelConfig(
+        vocab_size=32, hidden=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden=64,
+        max_seq_len=16, seed=3),
+    "tied": ModelConfig(
+        vocab_size=30, hidden=32, num_layers=4, num_heads=4, num_kv_heads=1, ffn_hidden=64,
+        max_seq_len=16, seed=5, tie_embeddings=True, qkv_bias=True),
+}
+"""The two tiny decoders the lever matrices (recompute, compile) run: plain, and tied
+embeddings with a QKV bias."""
+
+LeverCase = tuple[tuple[int, int, int], str, str, bool, str, str]
+"""(mesh (pp, tp, dp), schedule, recompute, sequence parallel, offload, model)."""
+
 
 def sgd(params):
     return torch.optim.SGD(params, lr=0.5, momentum=0.9)

@@ -12,28 +12,19 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_dist
-from _parity import compare_with_reference, random_batch, rel, sgd
+from _parity import LEVER_MODELS, LeverCase, compare_with_reference, random_batch, rel, sgd
 
-from stp.models import ModelConfig
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
 from stp.train.trainer import Trainer, TrainerOptions
 
-CONFIG = ModelConfig(
-    vocab_size=32, hidden=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden=64,
-    max_seq_len=16, seed=3,
-)
-TIED = ModelConfig(
-    vocab_size=30, hidden=32, num_layers=4, num_heads=4, num_kv_heads=1, ffn_hidden=64,
-    max_seq_len=16, seed=5, tie_embeddings=True, qkv_bias=True,
-)
-MODELS = {"untied": CONFIG, "tied": TIED}
+MODELS = LEVER_MODELS
+CONFIG, TIED = MODELS["untied"], MODELS["tied"]
 SEQ = 8
 TOL = 1e-9
 SAME = 1e-10
 
-# (mesh (pp, tp, dp), schedule, recompute, sequence parallel, offload, model)
-Case = tuple[tuple[int, int, int], str, str, bool, str, str]
+Case = LeverCase
 
 
 def _steps(mesh: Mesh, case: Case, compile: bool) -> dict:

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from _dist import run_dist
 from _parity import (
+    LEVER_MODELS,
+    LeverCase,
     compare_with_reference,
     mllm_reference,
     mllm_setup,
@@ -28,26 +30,17 @@ from _parity import (
     two_steps,
 )
 
-from stp.models import ModelConfig
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
 from stp.train.trainer import Trainer, TrainerOptions
 
-CONFIG = ModelConfig(
-    vocab_size=32, hidden=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden=64,
-    max_seq_len=16, seed=3,
-)
-TIED = ModelConfig(
-    vocab_size=30, hidden=32, num_layers=4, num_heads=4, num_kv_heads=1, ffn_hidden=64,
-    max_seq_len=16, seed=5, tie_embeddings=True, qkv_bias=True,
-)
-MODELS = {"untied": CONFIG, "tied": TIED}
+MODELS = LEVER_MODELS
+CONFIG, TIED = MODELS["untied"], MODELS["tied"]
 SEQ = 8
 TOL = 1e-9
 SAME = 1e-12
 
-# (mesh (pp, tp, dp), schedule, recompute, sequence parallel, offload, model)
-Case = tuple[tuple[int, int, int], str, str, bool, str, str]
+Case = LeverCase
 
 
 def _one(mesh: Mesh, case: Case) -> tuple[list[float], dict | None, dict | None, list | None]:
