@@ -28,6 +28,7 @@ meet in the same order.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +61,15 @@ class ExpertGroup:
         return range(self.rank * per, (self.rank + 1) * per)
 
 
+@functools.cache
+def _async_options() -> Any:
+    """One AllToAllOptions for every launch (the process group only reads it): building
+    it is a few microseconds of Python on the compute stream per launch."""
+    opts = dist.AllToAllOptions()
+    opts.asyncOp = True
+    return opts
+
+
 @dataclass
 class ToExchange:
     """Rows a unit hands the runner to send over the EP group: runs of `send[r]` rows
@@ -69,6 +79,9 @@ class ToExchange:
     recv: list[int]
     send: list[int]
     group: Any
+    into: torch.Tensor | None = None
+    """Where the received rows go ([sum(recv), ...] like `rows`), allocated by whoever
+    made the exchange; None: a fresh tensor at launch."""
     collective = "A2A"
     """Its name in a measured trace (stp.runtime.trace), next to the all-reduce's AR."""
 
@@ -78,12 +91,13 @@ class ToExchange:
         without that function's per-call Python checks (as stp.models.tp.comm.
         launch_sum for the all-reduce: the launch runs on the compute stream, so
         its cost is exposed whatever the braid hides)."""
-        out = self.rows.new_empty((sum(self.recv), *self.rows.shape[1:]))
+        out = self.into
+        if out is None:
+            out = self.rows.new_empty((sum(self.recv), *self.rows.shape[1:]))
         pg = self.group if self.group is not None else dist.group.WORLD
         assert pg is not None, "torch.distributed is not initialised"
-        opts = dist.AllToAllOptions()
-        opts.asyncOp = True
-        return out, pg.alltoall_base(out, self.rows.contiguous(), self.recv, self.send, opts)
+        return out, pg.alltoall_base(out, self.rows.contiguous(), self.recv, self.send,
+                                  _async_options())
 
     def exchange(self) -> torch.Tensor:
         """The received rows, waited for."""
