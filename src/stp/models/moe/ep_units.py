@@ -60,13 +60,22 @@ class _Mb:
     weights: torch.Tensor
     """[n k] the sent rows' routing weights (detached; the route unit keeps the graph)."""
     shared: torch.Tensor | None
-    """[n, h] the shared expert's gated output (detached), a TP partial."""
-    x: torch.Tensor
-    """The layer's input, for the residual."""
+    """[n, h] the shared expert's gated output (detached), a TP partial (None once the
+    combine unit added it)."""
+    x: torch.Tensor | None
+    """The layer's input, for the residual (None once the combine unit added it)."""
     shape: torch.Size
     grad_out: torch.Tensor | None = None
     """B: the layer output's gradient (the combine unit's input)."""
     grad_weights: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held here: the microbatch's own, kept from its forward to its
+        backward like a unit's saved tensors (RouteUnit.kept_tensors)."""
+        plan = self.plan
+        held = (plan.order, plan.token, plan.expert, self.weights, self.shared, self.x,
+                self.grad_out, self.grad_weights)
+        return [t for t in held if isinstance(t, torch.Tensor)]
 
 
 @dataclass
@@ -147,6 +156,13 @@ class RouteUnit(_ResidualUnit):
         del self.layer.mbs[mb]
         return out
 
+    def kept_tensors(self, mb: int) -> list[torch.Tensor]:
+        """The unit's own, and what the layer's three units share for mb (`_Mb`), from
+        the forward to the backward: activation offload moves them and the memory
+        count sees them (stp.runtime.offload)."""
+        m = self.layer.mbs.get(mb)
+        return super().kept_tensors(mb) + ([] if m is None else m.tensors())
+
     def reset(self) -> None:
         super().reset()
         self.aux.clear()
@@ -208,15 +224,19 @@ class CombineUnit(Unit):
         back = x.detach().requires_grad_(True)
         weights = m.weights.requires_grad_(True)
         with torch.enable_grad():
-            out = back.new_zeros((m.x.numel() // m.x.shape[-1], back.shape[1]))
+            out = back.new_zeros((m.shape[0] * m.shape[1], back.shape[1]))  # [b s, h]
             out = out.index_add(0, m.plan.token, back * weights[:, None])
         st.saved.update(back=back, weights=weights, out=out)
         partial = out.detach() if m.shared is None else out.detach() + m.shared
+        m.shared = None  # forward only: not kept until the backward
         return self._handoff(partial.view(m.shape))
 
     def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
         self._enter(mb, "F-partial", "F")
-        return self.layer.mbs[mb].x + reduced
+        m = self.layer.mbs[mb]
+        x, m.x = m.x, None  # forward only (the residual): not kept until the backward
+        assert x is not None, f"{self.name}: microbatch {mb}'s forward finished twice"
+        return x + reduced
 
     def backward_partial(self, mb: int, grad: torch.Tensor) -> ToExchange:
         st = self._enter(mb, "F", "B-partial")
