@@ -11,10 +11,12 @@ evenly routed tokens does. At top_k = 2 (Mixtral's routing) a rank sends b s
 rows, the bytes one rank sends in the ring all-reduce of the [b, s, h] partial
 at tp = 2; at top_k = 1 it sends half of them.
 
-Rows to send and rows received both come from rings of preallocated buffers,
-as the all-reduce's partials come from the emulated stage's ring: the values
-do not matter, and an allocation per launch would time the machine's
-allocator, not the collective. The braid runner (stp.runtime.braid) treats
+A unit's step makes its exchange (`buffer`: a ToExchange), as an expert-parallel
+MoE unit makes its own in its compute, and the stage's launch is the process
+group's call alone. Rows to send and rows received both come from rings of
+preallocated buffers, as the all-reduce's partials come from the emulated
+stage's ring: the values do not matter, and an allocation per launch would
+time the machine's allocator, not the collective. The braid runner (stp.runtime.braid) treats
 the all-to-all as it treats the all-reduce, so the same block measures how
 much of each the braid hides. What it leaves out: the counts exchange before a
 dispatch (a few integers) and uneven splits.
@@ -45,29 +47,27 @@ class EmulatedA2AStage(EmulatedStage):
             raise ValueError(f"top_k={top_k} must be >= 1 (experts per token)")
         self.top_k = top_k
         self._received: list[torch.Tensor] = []
-        self._next_received = 0
+        self._splits: list[int] = []
 
-    def buffer(self, mb: int) -> torch.Tensor:
-        """The [top_k b s, h] rows a unit hands the runner, from a ring (see EmulatedStage)."""
+    def buffer(self, mb: int) -> ToExchange:  # type: ignore[override]
+        """The exchange a unit hands the runner: [top_k b s, h] rows to send and the
+        buffer they arrive in, from rings (see EmulatedStage), made in the unit's
+        step as an expert-parallel MoE unit makes its exchange."""
         b, s, h = self.shapes[mb]
         shape = (self.top_k * b * s, h)
         if not self._ring or tuple(self._ring[0].shape) != shape:
             self._ring = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(_RING)]
             self._received = [torch.empty_like(t) for t in self._ring]
+            n, ranks = shape[0], self.tp_size
+            self._splits = [n // ranks + (1 if r < n % ranks else 0) for r in range(ranks)]
         self._next = (self._next + 1) % _RING
-        return self._ring[self._next]
+        rows, into = self._ring[self._next], self._received[self._next]
+        return ToExchange(rows, self._splits, self._splits, self.tp_group, into=into)
 
-    def _exchange(self, rows: torch.Tensor) -> ToExchange:
-        n, ranks = rows.shape[0], self.tp_size
-        splits = [n // ranks + (1 if r < n % ranks else 0) for r in range(ranks)]
-        self._next_received = (self._next_received + 1) % _RING
-        return ToExchange(rows, splits, splits, self.tp_group,
-                          into=self._received[self._next_received])
+    def launch_allreduce(self, partial: ToExchange) -> tuple[torch.Tensor, Any]:  # type: ignore[override]
+        """Start a unit's all-to-all: (the received rows, work)."""
+        return partial.launch()
 
-    def launch_allreduce(self, partial: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Start the all-to-all of a unit's rows: (the received rows, work)."""
-        return self._exchange(partial).launch()
-
-    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        return self._exchange(partial).exchange()
+    def _reduce(self, partial: ToExchange) -> torch.Tensor:  # type: ignore[override]
+        return partial.exchange()

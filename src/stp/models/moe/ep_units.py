@@ -4,9 +4,9 @@ all-reduce (STP paper arXiv 2510.27257, Fig. 3; the same idea as DeepSeek's
 DualPipe overlap of the expert all-to-all, arXiv 2412.19437, section 3.2.1):
 
     unit      forward                                     backward
-    route     norm, router, top-k, shared expert,        roots (sent rows, routing
-              counts exchanged  -> [A2A dispatch]         weights, shared output, aux)
-                                                          -> dh partial -> [AR TP]
+    route     norm, router, top-k, counts launched;      roots (sent rows, routing
+              rows sorted, shared expert; counts         weights, shared output, aux)
+              waited -> [A2A dispatch]                   -> dh partial -> [AR TP]
     experts   this rank's experts on the received rows   experts' input gradient
                                 -> [A2A combine]          -> [A2A back to the tokens]
     combine   weight and sum rows per token (+ shared)   the gradient of the rows and
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from stp.models.decoder.units import _ResidualUnit
-from stp.models.moe.dispatch import ExpertGroup, Routed, ToExchange, plan_dispatch
+from stp.models.moe.dispatch import ExpertGroup, Routed, ToExchange, sort_rows, start_counts
 from stp.models.moe.routing import aux_loss, expert_counts, route
 from stp.models.moe.units import Expert
 from stp.models.tp.layers import linear
@@ -115,13 +115,15 @@ class RouteUnit(_ResidualUnit):
             flat = h_in.reshape(b * s, d)
             logits = linear(flat, self.router, st.sink)  # [n, E], the same on every TP rank
             weights, ids = route(logits, self.top_k, self.norm_topk_prob)
-            plan = plan_dispatch(ids, self.num_experts, self.group)
-            rows, sorted_w = flat[plan.token], weights.reshape(-1)[plan.order]
+            counts = start_counts(ids, self.num_experts, self.group)  # hidden by what follows
+            order, token = sort_rows(ids)
+            rows, sorted_w = flat[token], weights.reshape(-1)[order]
             aux = aux_loss(logits, ids, self.num_experts)
             shared = None
             if self.shared is not None:
                 gate = torch.sigmoid(linear(flat, self.shared_gate, st.sink))  # [n, 1]
                 shared = gate * _swiglu(flat, self.shared, st.sink)
+        plan = counts.plan(order, token)
         st.saved.update(h_in=h_in, rows=rows, weights=sorted_w, aux=aux, shared=shared)
         self.aux[mb], self.counts[mb] = aux.detach(), expert_counts(ids, self.num_experts)
         self.layer.mbs[mb] = _Mb(plan, sorted_w.detach(), None if shared is None else
