@@ -19,7 +19,13 @@ stage's ring: the values do not matter, and an allocation per launch would
 time the machine's allocator, not the collective. The braid runner (stp.runtime.braid) treats
 the all-to-all as it treats the all-reduce, so the same block measures how
 much of each the braid hides. What it leaves out: the counts exchange before a
-dispatch (a few integers) and uneven splits.
+dispatch (a few integers, hidden in the route unit's own work:
+stp.models.moe.dispatch.CountsExchange) and uneven splits.
+
+Launches: the all-to-all goes through the communication thread
+(stp.models.moe.comm_thread), as the MoE units' does, and the all-reduce
+through the compute stream, as the decoder's does; `ThreadLaunchedARStage`
+gives the all-reduce the same thread, for comparison.
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ from typing import Any
 import torch
 
 from stp.models.emulated import EmulatedStage
+from stp.models.moe import comm_thread
 from stp.models.moe.dispatch import ToExchange
+from stp.models.tp.comm import launch_sum
 
-__all__ = ["EmulatedA2AStage"]
+__all__ = ["EmulatedA2AStage", "ThreadLaunchedARStage"]
 
 _RING = 8  # buffers in flight at most: a block holds a few collectives at a time
 
@@ -71,3 +79,14 @@ class EmulatedA2AStage(EmulatedStage):
 
     def _reduce(self, partial: ToExchange) -> torch.Tensor:  # type: ignore[override]
         return partial.exchange()
+
+
+class ThreadLaunchedARStage(EmulatedStage):
+    """The emulated all-reduce stage with its all-reduces launched from the
+    communication thread, as the all-to-alls are (stp.models.moe.comm_thread): what
+    the all-reduce would hide if it were launched the same way (a comparison row;
+    the decoder's stages launch theirs on the compute stream)."""
+
+    def launch_allreduce(self, partial: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        group = self.tp_group
+        return partial, comm_thread.launch(lambda: launch_sum(partial, group), partial)

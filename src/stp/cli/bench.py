@@ -203,13 +203,14 @@ def _print_overlap(res: dict[str, Any], s: Any, modes: tuple[str, ...]) -> None:
     if a2a:
         print(f"A2A row: an expert all-to-all of top-{s.a2a_top_k} rows per token (half of "
               "them to the other rank) ends each unit of the emulated stage instead of the "
-              "all-reduce")
-    width, count = (13, "colls") if sp or a2a else (9, "ARs")  # mode column, collectives
+              "all-reduce, launched from a communication thread as the MoE units launch it; "
+              "AR thr row: the all-reduce launched from that thread too, for comparison")
+    width, count = (16, "colls") if sp or a2a else (9, "ARs")  # mode column, collectives
     print(f"{'mode':{width}s} {count:>{len(count)}s} {'sequential':>20s} {'braided':>20s} "
           f"{'wall seq':>9s} {'wall braid':>10s} {'hidden':>7s} {'waits hidden':>12s}")
     for mode in modes:
         for key, tag in ((mode, " AR" if sp or a2a else ""), (mode + "_sp", " SP"),
-                         (mode + "_a2a", " A2A")):
+                         (mode + "_a2a", " A2A"), (mode + "_ar_thread", " AR thr")):
             if key not in res:
                 continue
             r = res[key]

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stp.models.moe import comm_thread
+
 __all__ = ["CountsExchange", "ExpertGroup", "Routed", "ToExchange", "plan_dispatch",
            "sort_rows", "start_counts"]
 
@@ -62,6 +64,12 @@ class ExpertGroup:
                              "(each expert-parallel rank holds experts / ep of them)")
         per = num_experts // self.size
         return range(self.rank * per, (self.rank + 1) * per)
+
+
+def _group(group: Any) -> Any:
+    pg = group if group is not None else dist.group.WORLD
+    assert pg is not None, "torch.distributed is not initialised"
+    return pg
 
 
 @functools.cache
@@ -101,14 +109,14 @@ class ToExchange:
     def launch(self) -> tuple[torch.Tensor, Any]:
         """Start the exchange: (the received rows, filled when the work completes; work).
         It calls the process group as torch.distributed.all_to_all_single does,
-        without that function's per-call Python checks (as stp.models.tp.comm.
-        launch_sum for the all-reduce: the launch runs on the compute stream, so
-        its cost is exposed whatever the braid hides)."""
-        out = self.into
+        without that function's per-call Python checks, on the communication
+        thread (stp.models.moe.comm_thread: the compute stream only enqueues; the
+        launch would otherwise be exposed whatever the braid hides)."""
+        out, rows, recv, send = self.into, self.rows, self.recv, self.send
         assert out is not None  # __post_init__
-        pg = self.group if self.group is not None else dist.group.WORLD
-        assert pg is not None, "torch.distributed is not initialised"
-        return out, pg.alltoall_base(out, self.rows, self.recv, self.send, _async_options())
+        pg = _group(self.group)
+        return out, comm_thread.launch(
+            lambda: pg.alltoall_base(out, rows, recv, send, _async_options()), rows)
 
     def exchange(self) -> torch.Tensor:
         """The received rows, waited for."""
@@ -180,9 +188,9 @@ def start_counts(ids: torch.Tensor, num_experts: int, ep: ExpertGroup) -> Counts
     """Launch the counts exchange of tokens routed to experts `ids` [n, k]."""
     counts = torch.bincount(ids.reshape(-1), minlength=num_experts)  # [E], rank-major
     got = torch.empty_like(counts)
-    pg = ep.group if ep.group is not None else dist.group.WORLD
-    assert pg is not None, "torch.distributed is not initialised"
-    work = pg.alltoall_base(got, counts, [], [], _async_options())  # equal splits: E/ep each
+    pg = _group(ep.group)
+    work = comm_thread.launch(  # equal splits: E/ep each
+        lambda: pg.alltoall_base(got, counts, [], [], _async_options()), counts)
     return CountsExchange(counts, got, work, ep)
 
 
