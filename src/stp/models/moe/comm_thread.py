@@ -27,6 +27,7 @@ collective on the caller's thread.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -78,6 +79,7 @@ class _Thread:
     """The process's communication thread (started on first use, a daemon)."""
 
     def __init__(self) -> None:
+        self.pid = os.getpid()  # a forked child has no thread: it starts its own
         self.queue: queue.SimpleQueue[Pending] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name="stp-comm", daemon=True)
         self.thread.start()
@@ -98,9 +100,9 @@ def launch(start: Callable[[], Any], tensor: torch.Tensor) -> Any:
     global _THREAD
     if tensor.device.type == "cuda":
         return start()
-    if _THREAD is None:
+    if _THREAD is None or _THREAD.pid != os.getpid():
         with _LOCK:
-            if _THREAD is None:
+            if _THREAD is None or _THREAD.pid != os.getpid():
                 _THREAD = _Thread()
     pending = Pending(start)
     _THREAD.queue.put(pending)
