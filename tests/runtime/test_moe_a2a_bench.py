@@ -20,10 +20,11 @@ def test_emulated_overlap_reports_the_all_to_all_beside_the_allreduce():
         capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout.splitlines()[-1])
-    assert sorted(k for k in res if isinstance(res[k], dict)) == ["emulated", "emulated_a2a"]
-    for key in ("emulated", "emulated_a2a"):
+    keys = ["emulated", "emulated_a2a", "emulated_ar_thread"]
+    assert sorted(k for k in res if isinstance(res[k], dict)) == keys
+    for key in keys:
         r = res[key]
         assert 0 <= r["hidden_fraction"] <= 1 and 0 <= r["wait_hidden_fraction"] <= 1, r
         assert r["allreduces"] == 2 * 4  # F and B of 4 units: one collective each
         assert r["exposed_sequential_s"] > 0
-    assert "emulated AR" in out.stdout and "emulated A2A" in out.stdout
+    assert all(f"emulated {row} " in out.stdout for row in ("AR", "A2A", "AR thr"))

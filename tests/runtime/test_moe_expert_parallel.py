@@ -6,7 +6,9 @@ within 1e-9), resumes exactly, and resumes onto another ep.
 Default suite, a covering set: pp2 x dp2 at ep 2 with a V schedule (stp: the
 all-to-alls braided); tp2 x dp2 at ep 2 with a classic one (1f1b) and the
 sharded optimizer (experts TP-sharded inside each EP rank; the experts'
-optimizer section over their singleton expert-data-parallel group). Slow: dp4
+optimizer section over their singleton expert-data-parallel group); pp2 x dp2
+at ep 2 with every forward's activations offloaded (what the layer's three
+units share among them included: RouteUnit.kept_tensors). Slow: dp4
 at ep 2 with the sharded optimizer (expert gradients reduce-scattered over two
 replicas), and pp2 x tp2 x dp2 at ep 2 on every schedule (eight processes).
 """
@@ -47,7 +49,8 @@ def test_ep_groups_are_consecutive_dp_ranks_and_edp_groups_their_replicas() -> N
 @pytest.mark.parametrize("mesh, names, options", [
     ((2, 1, 2, 2), ["stp"], {}),
     ((1, 2, 2, 2), ["1f1b"], {"shard_optimizer": True}),
-], ids=["pp2-dp2-ep2", "tp2-dp2-ep2-sharded"])
+    ((2, 1, 2, 2), ["stp"], {"offload": "all"}),
+], ids=["pp2-dp2-ep2", "tp2-dp2-ep2-sharded", "pp2-dp2-ep2-offload"])
 def test_expert_parallel_matches_the_reference(mesh, names, options) -> None:
     _check(mesh, names, **options)
 

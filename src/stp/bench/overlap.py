@@ -10,8 +10,10 @@ braided with a full backward (B and W of microbatch 0), the block where the
 all-gathers can hide too; the SP figures are keyed `<mode>_sp`. With
 `all_to_all` the emulated stage is measured once more with an expert
 all-to-all ending each unit in place of the all-reduce (stp.bench.emulated_a2a,
-the same block), keyed `emulated_a2a`: the hidden fraction of the all-to-all
-beside the all-reduce's, in the same run.
+`a2a_top_k` rows per token, the same block), keyed `emulated_a2a`: the hidden
+fraction of the all-to-all beside the all-reduce's, in the same run; and once
+more with the all-reduces launched from the communication thread the
+all-to-alls use (stp.models.moe.comm_thread), keyed `emulated_ar_thread`.
 
 Runs under stp.runtime.launch.launch_local (`entry`); global rank 0 returns the
 figures, stp.cli.bench prints them.
@@ -28,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from stp.bench.collectives import measure_allreduce
-from stp.bench.emulated_a2a import EmulatedA2AStage
+from stp.bench.emulated_a2a import EmulatedA2AStage, ThreadLaunchedARStage
 from stp.bench.emulated_sp import EmulatedSPStage
 from stp.bench.world import in_world
 from stp.models import ModelConfig, build_stage
@@ -57,6 +59,9 @@ class OverlapSettings:
     the reduce-scatters' launches and waits and the all-gathers."""
     all_to_all: bool = False
     """Also measure the emulated stage with an expert all-to-all ending each unit."""
+    a2a_top_k: int = 2
+    """Experts per token in that all-to-all (stp.bench.emulated_a2a): 2 sends the bytes
+    of the all-reduce, 1 half of them."""
 
 
 def _overlap_stage(mode: str, sp: bool, s: OverlapSettings, mesh: Mesh) -> Any:
@@ -140,8 +145,12 @@ def overlap_worker(s: OverlapSettings) -> dict[str, Any] | None:
             out[mode + ("_sp" if sp else "")] = _measure(stage, s, mesh, tokens, targets)
     if s.all_to_all:
         stage = EmulatedA2AStage(0, 1, layers=s.model.num_layers, hidden=s.model.hidden,
-                                 times=s.unit, tp_group=mesh.tp_group, tp_size=2)
+                                 times=s.unit, tp_group=mesh.tp_group, tp_size=2,
+                                 top_k=s.a2a_top_k)
         out["emulated_a2a"] = _measure(stage, s, mesh, tokens, targets)
+        stage = ThreadLaunchedARStage(0, 1, layers=s.model.num_layers, hidden=s.model.hidden,
+                                      times=s.unit, tp_group=mesh.tp_group, tp_size=2)
+        out["emulated_ar_thread"] = _measure(stage, s, mesh, tokens, targets)
     return out if mesh.rank == 0 else None
 
 

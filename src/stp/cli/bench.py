@@ -81,6 +81,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "sends half its rows to the other, as an expert-parallel MoE layer's "
                    "dispatch and combine) ending each unit in place of the all-reduce, "
                    "printed beside it")
+    o.add_argument("--a2a-top-k", type=int_in(1, 64), default=2,
+                   help="experts per token in that all-to-all: each unit exchanges top-k rows "
+                   "per token, half of them kept (default 2: the bytes the all-reduce sends)")
     o.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     o.set_defaults(func=run_overlap)
 
@@ -174,7 +177,8 @@ def run_overlap(args: argparse.Namespace) -> int:
     s = OverlapSettings(model=model, seq_len=args.seq_len,
                         microbatch_size=args.microbatch_size,
                         unit=UnitTimes(*_unit_ms(args.unit_ms)), repeats=args.repeats,
-                        modes=modes, sequence_parallel=sp, all_to_all=args.all_to_all)
+                        modes=modes, sequence_parallel=sp, all_to_all=args.all_to_all,
+                        a2a_top_k=args.a2a_top_k)
     res = _launch("overlap", s, 2)
     _print_overlap(res, s, modes)
     if args.json:
@@ -197,14 +201,16 @@ def _print_overlap(res: dict[str, Any], s: Any, modes: tuple[str, ...]) -> None:
         print("exposed: compute-stream time in all-reduce launches + waits (launches alone)")
     a2a = "emulated_a2a" in res
     if a2a:
-        print("A2A row: an expert all-to-all (half of the rows to the other rank) ends each "
-              "unit of the emulated stage instead of the all-reduce")
-    width, count = (13, "colls") if sp or a2a else (9, "ARs")  # mode column, collectives
+        print(f"A2A row: an expert all-to-all of top-{s.a2a_top_k} rows per token (half of "
+              "them to the other rank) ends each unit of the emulated stage instead of the "
+              "all-reduce, launched from a communication thread as the MoE units launch it; "
+              "AR thr row: the all-reduce launched from that thread too, for comparison")
+    width, count = (16, "colls") if sp or a2a else (9, "ARs")  # mode column, collectives
     print(f"{'mode':{width}s} {count:>{len(count)}s} {'sequential':>20s} {'braided':>20s} "
           f"{'wall seq':>9s} {'wall braid':>10s} {'hidden':>7s} {'waits hidden':>12s}")
     for mode in modes:
         for key, tag in ((mode, " AR" if sp or a2a else ""), (mode + "_sp", " SP"),
-                         (mode + "_a2a", " A2A")):
+                         (mode + "_a2a", " A2A"), (mode + "_ar_thread", " AR thr")):
             if key not in res:
                 continue
             r = res[key]

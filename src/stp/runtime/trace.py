@@ -42,6 +42,7 @@ measured run and a simulated one open side by side in ui.perfetto.dev.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import json
 import time
@@ -87,32 +88,35 @@ class Recorder:
         self.origin = 0.0
         self._spans: list[Span] = []
         self._gathers: list[Span] = []
-        self._ars: list[tuple[Any, Pass, int | None, int, bool, str]] = []
+        self._ars: list[tuple[Any, Pass, tuple[int | None, str | None], int, bool, str]] = []
         self._xfers: list[TransferRecord] = []
-        self._layer_index: dict[int, list[int | None]] = {}
+        self._layer_index: dict[int, list[tuple[int | None, str | None]]] = {}
 
     def start(self) -> None:
         """Forget the previous run; times count from now."""
         self.origin = time.perf_counter()
         self._spans, self._gathers, self._ars, self._xfers = [], [], [], []
 
-    def _unit_index(self, stage: Any, u: int) -> int | None:
-        """Index of unit u among the stage's transformer units (None: embed, loss)."""
+    def _unit_index(self, stage: Any, u: int) -> tuple[int | None, str | None]:
+        """(index of unit u among the stage's transformer units, its name), (None,
+        None) for the embedding and loss units. The name labels the span: layers
+        differ in their units (an MoE layer under expert parallelism has four)."""
         table = self._layer_index.get(id(stage))
         if table is None:
             table, k = [], 0
             for unit in stage.units:
-                layer = str(getattr(unit, "name", "layers.")).startswith("layers.")
-                table.append(k if layer else None)
+                name = str(getattr(unit, "name", "layers."))
+                layer = name.startswith("layers.")
+                table.append((k, name) if layer else (None, None))
                 k += layer
             self._layer_index[id(stage)] = table
         return table[u]
 
     def unit(self, p: Pass, kind: str, stage: Any, u: int, start: float, end: float,
              index: int, braided: bool) -> None:
+        unit, label = self._unit_index(stage, u)
         self._spans.append(Span(self.rank, "compute", start, end, str(p), kind, p.stage, p.mb,
-                                self.chunk_of[p.stage], self._unit_index(stage, u), index,
-                                braided))
+                                self.chunk_of[p.stage], unit, index, braided, label))
 
     def allreduce(self, ar: Any, p: Pass, stage: Any, u: int, index: int, braided: bool,
                   kind: str = "AR") -> None:
@@ -134,9 +138,9 @@ class Recorder:
                braided: bool) -> None:
         """An all-gather unit u of pass p ran and waited for on the compute stream
         (sequence parallelism: the start of a TP region, stp.models.tp.sequence)."""
+        unit, label = self._unit_index(stage, u)
         self._gathers.append(Span(self.rank, "tp", start, end, str(p), "AG", p.stage, p.mb,
-                                  self.chunk_of[p.stage], self._unit_index(stage, u), index,
-                                  braided))
+                                  self.chunk_of[p.stage], unit, index, braided, label))
 
     def transfer(self, name: str, kind: str, stage: int, mb: int, start: float, end: float,
                  peer: int, message: Message) -> None:
@@ -148,10 +152,10 @@ class Recorder:
         """This run's spans (absolute perf_counter seconds), lanes made to nest (the tp
         lane's all-reduces, reduce-scatters and all-gathers together)."""
         ars = []
-        for ar, p, unit, index, braided, kind in self._ars:
+        for ar, p, (unit, label), index, braided, kind in self._ars:
             done = ar.done_at if ar.done_at is not None else ar.launched
             ars.append(Span(self.rank, "tp", ar.launched, done, str(p), kind, p.stage, p.mb,
-                            self.chunk_of[p.stage], unit, index, braided))
+                            self.chunk_of[p.stage], unit, index, braided, label))
         return self._spans + lane_layout(ars + self._gathers)
 
     def transfers(self) -> list[TransferRecord]:
@@ -174,9 +178,7 @@ def lane_layout(spans: list[Span]) -> list[Span]:
             heapq.heappush(heap, (ends[-1], neg_end, i))  # after the one it overlaps
             continue
         ends.append(-neg_end)
-        s = spans[i]
-        out.append(Span(s.rank, s.lane, start, s.end, s.name, s.kind, s.stage, s.mb, s.chunk,
-                        s.unit, s.action_index, s.braided))
+        out.append(dataclasses.replace(spans[i], start=start))
     return out
 
 
@@ -203,11 +205,7 @@ def gather_spans(recorder: Recorder, group: dist.ProcessGroup | None = None) -> 
             lane.append(Span(rank, "send", x.posted, end, x.name, x.kind, x.stage, x.mb,
                              x.chunk))
         spans += lane_layout(lane)
-    return [
-        Span(s.rank, s.lane, s.start - zero, s.end - zero, s.name, s.kind, s.stage, s.mb,
-             s.chunk, s.unit, s.action_index, s.braided)
-        for s in spans
-    ]
+    return [dataclasses.replace(s, start=s.start - zero, end=s.end - zero) for s in spans]
 
 
 def write_trace(

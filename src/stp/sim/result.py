@@ -43,6 +43,9 @@ class Span:
     action_index: int = -1
     """Position of the action in the rank's list; spans of one braided block share it."""
     braided: bool = False
+    label: str | None = None
+    """The unit's name in its stage (`layers.3.attn`, `layers.3.moe.route`), where the
+    runtime knows it; None: the simulator's two units per layer (attention, MLP)."""
 
     @property
     def duration(self) -> float:

@@ -4,6 +4,10 @@ One process per rank (`pid` = rank), one thread per lane (compute, tp, send,
 d2h, h2d), every action a complete event ("ph": "X") named like the action
 (`7F3`, `(7F1;7I0)OVERLAP_F_B`) with its units nested inside as events named
 like their pass, and each rank's resident activation memory as a counter.
+A unit event's args name its layer and part: measured units by their name in
+the stage (`layers.3.moe.experts` -> layer 3, part `moe.experts`: an
+expert-parallel MoE layer runs four units, attention, route, experts and
+combine), simulated ones as the simulator cuts a layer (attention, MLP).
 The runtime writes measured runs in the same shape (same names, same args),
 so a simulated and a measured trace open side by side.
 
@@ -14,6 +18,7 @@ Times: the simulator's time unit becomes `time_scale` microseconds (default
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -26,6 +31,21 @@ from stp.sim.result import LANES, SimResult, Span
 __all__ = ["trace_events", "trace_json", "write_trace"]
 
 _UNIT_PART = ("attention", "mlp")
+"""The simulator's two units per layer, in order."""
+_LABEL = re.compile(r"layers\.(\d+)\.([a-z_][a-z0-9_.]*)")
+"""A unit's name in a runtime stage: `layers.<layer>.<part>`, part `attn`, `mlp`,
+`moe`, or under expert parallelism `moe.route`, `moe.experts`, `moe.combine`."""
+
+
+def _layer_part(s: Span) -> tuple[int, str]:
+    """(layer, part) of a unit span: from its label where the runtime named it
+    (layers differ in their units: an expert-parallel MoE layer has four), else
+    the simulator's two units per layer."""
+    assert s.unit is not None
+    m = _LABEL.fullmatch(s.label) if s.label is not None else None
+    if m is not None:
+        return int(m.group(1)), m.group(2)
+    return s.unit // 2, _UNIT_PART[s.unit % 2]
 
 
 def _us(t: float, scale: float) -> float:
@@ -37,8 +57,7 @@ def _span_args(s: Span) -> dict[str, object]:
                                "action_index": s.action_index, "braided": s.braided}
     if s.unit is not None:
         args["unit"] = s.unit
-        args["layer"] = s.unit // 2
-        args["part"] = _UNIT_PART[s.unit % 2]
+        args["layer"], args["part"] = _layer_part(s)
     return args
 
 

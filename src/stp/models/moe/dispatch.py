@@ -7,6 +7,8 @@ One MoE layer on EP rank r, n local tokens, k choices each (GShard, arXiv
 
     pairs (token, slot) sorted by expert  ->  rows for rank 0 | rank 1 | ..
     1. counts all-to-all: how many rows each rank sends each of my experts
+       (launched once the router has chosen, waited for after the rows are
+       gathered: CountsExchange)
     2. dispatch all-to-all: the rows, uneven splits from the counts
     3. my experts on what arrived (rows grouped by source, then by expert)
     4. combine all-to-all: the outputs back the way they came
@@ -28,13 +30,17 @@ meet in the same order.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ExpertGroup", "Routed", "ToExchange", "plan_dispatch"]
+from stp.models.moe import comm_thread
+
+__all__ = ["CountsExchange", "ExpertGroup", "Routed", "ToExchange", "plan_dispatch",
+           "sort_rows", "start_counts"]
 
 
 @dataclass(frozen=True)
@@ -60,30 +66,57 @@ class ExpertGroup:
         return range(self.rank * per, (self.rank + 1) * per)
 
 
+def _group(group: Any) -> Any:
+    pg = group if group is not None else dist.group.WORLD
+    assert pg is not None, "torch.distributed is not initialised"
+    return pg
+
+
+@functools.cache
+def _async_options() -> Any:
+    """One AllToAllOptions for every launch (the process group only reads it): building
+    it is a few microseconds of Python on the compute stream per launch."""
+    opts = dist.AllToAllOptions()
+    opts.asyncOp = True
+    return opts
+
+
 @dataclass
 class ToExchange:
     """Rows a unit hands the runner to send over the EP group: runs of `send[r]` rows
-    to rank r, `recv[r]` rows from it (an uneven all-to-all)."""
+    to rank r, `recv[r]` rows from it (an uneven all-to-all).
+
+    Made by the unit, in its compute: the rows made contiguous and the buffer they
+    arrive in allocated here (`__post_init__`), so that the launch, which the
+    braid cannot hide, is the process group's call and nothing else (as the
+    all-reduce's launch is: its partial sum was made by the unit too)."""
 
     rows: torch.Tensor
     recv: list[int]
     send: list[int]
     group: Any
+    into: torch.Tensor | None = None
+    """Where the received rows go ([sum(recv), ...] like `rows`); None: allocated
+    when the exchange is made."""
     collective = "A2A"
     """Its name in a measured trace (stp.runtime.trace), next to the all-reduce's AR."""
+
+    def __post_init__(self) -> None:
+        self.rows = self.rows.contiguous()
+        if self.into is None:
+            self.into = self.rows.new_empty((sum(self.recv), *self.rows.shape[1:]))
 
     def launch(self) -> tuple[torch.Tensor, Any]:
         """Start the exchange: (the received rows, filled when the work completes; work).
         It calls the process group as torch.distributed.all_to_all_single does,
-        without that function's per-call Python checks (as stp.models.tp.comm.
-        launch_sum for the all-reduce: the launch runs on the compute stream, so
-        its cost is exposed whatever the braid hides)."""
-        out = self.rows.new_empty((sum(self.recv), *self.rows.shape[1:]))
-        pg = self.group if self.group is not None else dist.group.WORLD
-        assert pg is not None, "torch.distributed is not initialised"
-        opts = dist.AllToAllOptions()
-        opts.asyncOp = True
-        return out, pg.alltoall_base(out, self.rows.contiguous(), self.recv, self.send, opts)
+        without that function's per-call Python checks, on the communication
+        thread (stp.models.moe.comm_thread: the compute stream only enqueues; the
+        launch would otherwise be exposed whatever the braid hides)."""
+        out, rows, recv, send = self.into, self.rows, self.recv, self.send
+        assert out is not None  # __post_init__
+        pg = _group(self.group)
+        return out, comm_thread.launch(
+            lambda: pg.alltoall_base(out, rows, recv, send, _async_options()), rows)
 
     def exchange(self) -> torch.Tensor:
         """The received rows, waited for."""
@@ -119,19 +152,56 @@ class Routed:
         return ToExchange(rows, self.send, self.recv, self.group)
 
 
-def plan_dispatch(ids: torch.Tensor, num_experts: int, ep: ExpertGroup) -> Routed:
-    """The plan of tokens routed to experts `ids` [n, k]: rows sorted by expert, the
-    counts exchanged with the EP group (step 1 of the module doc; synchronous, a
-    few integers)."""
-    k = ids.shape[1]
-    order = torch.argsort(ids.reshape(-1), stable=True)  # rows grouped by expert
-    token = torch.div(order, k, rounding_mode="floor")
+@dataclass
+class CountsExchange:
+    """Step 1 of the module doc in flight: how many rows this rank sends each expert,
+    exchanged with the EP group (a few integers, an equal-split all-to-all).
+
+    It is launched as soon as the router has chosen (`start_counts`) and waited for
+    only when the plan is built (`plan`), after the route unit has sorted and
+    gathered the rows to send and run the shared expert, so that work hides it:
+
+        route unit:  router, top-k | sort, gather rows, aux, shared expert | plan
+        EP group:                  [counts ..........................]   ^ wait
+    """
+
+    counts: torch.Tensor
+    """[E] rows this rank sends each expert (rank-major: rank r holds experts
+    [r E/ep, (r+1) E/ep))."""
+    got: torch.Tensor
+    """[E] filled by the exchange: [ep, E/ep], per source rank, rows for each of my experts."""
+    work: Any
+    ep: ExpertGroup
+
+    def plan(self, order: torch.Tensor, token: torch.Tensor) -> Routed:
+        """The routing plan of rows sorted by expert (`sort_rows`), once the counts are in."""
+        self.work.wait()
+        ep, per = self.ep, self.counts.numel() // self.ep.size
+        by_source = self.got.view(ep.size, per)
+        expert = torch.repeat_interleave(
+            torch.arange(per, device=self.got.device).repeat(ep.size), by_source.reshape(-1))
+        return Routed(order, token, self.counts.view(ep.size, per).sum(1).tolist(),
+                      by_source.sum(1).tolist(), expert, ep.group)
+
+
+def start_counts(ids: torch.Tensor, num_experts: int, ep: ExpertGroup) -> CountsExchange:
+    """Launch the counts exchange of tokens routed to experts `ids` [n, k]."""
     counts = torch.bincount(ids.reshape(-1), minlength=num_experts)  # [E], rank-major
     got = torch.empty_like(counts)
-    dist.all_to_all_single(got, counts, group=ep.group)  # [ep, E/ep]: per source, expert
-    per = num_experts // ep.size
-    by_source = got.view(ep.size, per)
-    expert = torch.repeat_interleave(
-        torch.arange(per, device=ids.device).repeat(ep.size), by_source.reshape(-1))
-    return Routed(order, token, counts.view(ep.size, per).sum(1).tolist(),
-                  by_source.sum(1).tolist(), expert, ep.group)
+    pg = _group(ep.group)
+    work = comm_thread.launch(  # equal splits: E/ep each
+        lambda: pg.alltoall_base(got, counts, [], [], _async_options()), counts)
+    return CountsExchange(counts, got, work, ep)
+
+
+def sort_rows(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, token): the (token, slot) pairs of `ids` [n, k] grouped by expert, and
+    the token of each."""
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    return order, torch.div(order, ids.shape[1], rounding_mode="floor")
+
+
+def plan_dispatch(ids: torch.Tensor, num_experts: int, ep: ExpertGroup) -> Routed:
+    """The plan of tokens routed to experts `ids` [n, k], the counts exchanged and
+    waited for at once (step 1 of the module doc)."""
+    return start_counts(ids, num_experts, ep).plan(*sort_rows(ids))

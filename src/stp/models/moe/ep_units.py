@@ -4,9 +4,9 @@ all-reduce (STP paper arXiv 2510.27257, Fig. 3; the same idea as DeepSeek's
 DualPipe overlap of the expert all-to-all, arXiv 2412.19437, section 3.2.1):
 
     unit      forward                                     backward
-    route     norm, router, top-k, shared expert,        roots (sent rows, routing
-              counts exchanged  -> [A2A dispatch]         weights, shared output, aux)
-                                                          -> dh partial -> [AR TP]
+    route     norm, router, top-k, counts launched;      roots (sent rows, routing
+              rows sorted, shared expert; counts         weights, shared output, aux)
+              waited -> [A2A dispatch]                   -> dh partial -> [AR TP]
     experts   this rank's experts on the received rows   experts' input gradient
                                 -> [A2A combine]          -> [A2A back to the tokens]
     combine   weight and sum rows per token (+ shared)   the gradient of the rows and
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from stp.models.decoder.units import _ResidualUnit
-from stp.models.moe.dispatch import ExpertGroup, Routed, ToExchange, plan_dispatch
+from stp.models.moe.dispatch import ExpertGroup, Routed, ToExchange, sort_rows, start_counts
 from stp.models.moe.routing import aux_loss, expert_counts, route
 from stp.models.moe.units import Expert
 from stp.models.tp.layers import linear
@@ -60,13 +60,22 @@ class _Mb:
     weights: torch.Tensor
     """[n k] the sent rows' routing weights (detached; the route unit keeps the graph)."""
     shared: torch.Tensor | None
-    """[n, h] the shared expert's gated output (detached), a TP partial."""
-    x: torch.Tensor
-    """The layer's input, for the residual."""
+    """[n, h] the shared expert's gated output (detached), a TP partial (None once the
+    combine unit added it)."""
+    x: torch.Tensor | None
+    """The layer's input, for the residual (None once the combine unit added it)."""
     shape: torch.Size
     grad_out: torch.Tensor | None = None
     """B: the layer output's gradient (the combine unit's input)."""
     grad_weights: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held here: the microbatch's own, kept from its forward to its
+        backward like a unit's saved tensors (RouteUnit.kept_tensors)."""
+        plan = self.plan
+        held = (plan.order, plan.token, plan.expert, self.weights, self.shared, self.x,
+                self.grad_out, self.grad_weights)
+        return [t for t in held if isinstance(t, torch.Tensor)]
 
 
 @dataclass
@@ -106,13 +115,15 @@ class RouteUnit(_ResidualUnit):
             flat = h_in.reshape(b * s, d)
             logits = linear(flat, self.router, st.sink)  # [n, E], the same on every TP rank
             weights, ids = route(logits, self.top_k, self.norm_topk_prob)
-            plan = plan_dispatch(ids, self.num_experts, self.group)
-            rows, sorted_w = flat[plan.token], weights.reshape(-1)[plan.order]
+            counts = start_counts(ids, self.num_experts, self.group)  # hidden by what follows
+            order, token = sort_rows(ids)
+            rows, sorted_w = flat[token], weights.reshape(-1)[order]
             aux = aux_loss(logits, ids, self.num_experts)
             shared = None
             if self.shared is not None:
                 gate = torch.sigmoid(linear(flat, self.shared_gate, st.sink))  # [n, 1]
                 shared = gate * _swiglu(flat, self.shared, st.sink)
+        plan = counts.plan(order, token)
         st.saved.update(h_in=h_in, rows=rows, weights=sorted_w, aux=aux, shared=shared)
         self.aux[mb], self.counts[mb] = aux.detach(), expert_counts(ids, self.num_experts)
         self.layer.mbs[mb] = _Mb(plan, sorted_w.detach(), None if shared is None else
@@ -146,6 +157,13 @@ class RouteUnit(_ResidualUnit):
         out = super().backward_finish(mb, reduced)
         del self.layer.mbs[mb]
         return out
+
+    def kept_tensors(self, mb: int) -> list[torch.Tensor]:
+        """The unit's own, and what the layer's three units share for mb (`_Mb`), from
+        the forward to the backward: activation offload moves them and the memory
+        count sees them (stp.runtime.offload)."""
+        m = self.layer.mbs.get(mb)
+        return super().kept_tensors(mb) + ([] if m is None else m.tensors())
 
     def reset(self) -> None:
         super().reset()
@@ -208,15 +226,19 @@ class CombineUnit(Unit):
         back = x.detach().requires_grad_(True)
         weights = m.weights.requires_grad_(True)
         with torch.enable_grad():
-            out = back.new_zeros((m.x.numel() // m.x.shape[-1], back.shape[1]))
+            out = back.new_zeros((m.shape[0] * m.shape[1], back.shape[1]))  # [b s, h]
             out = out.index_add(0, m.plan.token, back * weights[:, None])
         st.saved.update(back=back, weights=weights, out=out)
         partial = out.detach() if m.shared is None else out.detach() + m.shared
+        m.shared = None  # forward only: not kept until the backward
         return self._handoff(partial.view(m.shape))
 
     def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
         self._enter(mb, "F-partial", "F")
-        return self.layer.mbs[mb].x + reduced
+        m = self.layer.mbs[mb]
+        x, m.x = m.x, None  # forward only (the residual): not kept until the backward
+        assert x is not None, f"{self.name}: microbatch {mb}'s forward finished twice"
+        return x + reduced
 
     def backward_partial(self, mb: int, grad: torch.Tensor) -> ToExchange:
         st = self._enter(mb, "F", "B-partial")
