@@ -12,7 +12,7 @@ from stp.costmodel.moe import MoESpec
 from stp.plan import NoPlan, PlanRequest, plan
 from stp.plan.experts import bound_memory, bound_time, priced
 from stp.plan.planner import priced_at
-from stp.plan.space import Config, Mesh, levers_for, meshes, microbatchings, schedules_for
+from stp.plan.space import Config, levers_for, meshes, microbatchings, schedules_for
 
 MOE = MoESpec(layers=2, hidden=1024, heads=16, kv_heads=4, ffn=4096, vocab=32000,
               sequence=2048, gated_mlp=True, flash_attention=True, name="moe-small",
