@@ -179,3 +179,14 @@ def test_bad_moe_requests_are_one_line(capsys, extra, message):
 def test_ep_on_a_dense_model_is_refused():
     with pytest.raises(ValueError, match="needs a mixture-of-experts model; dense has no"):
         _request(model=SMALL_DENSE, ep=(2,))
+
+
+def test_a_qwen2_moe_config_json_is_planned_over_ep(capsys, tmp_path):
+    config = {"model_type": "qwen2_moe", "hidden_size": 1024, "num_hidden_layers": 2,
+              "num_attention_heads": 16, "num_key_value_heads": 4, "intermediate_size": 4096,
+              "vocab_size": 32000, "num_experts": 8, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 2048, "shared_expert_intermediate_size": 1024,
+              "decoder_sparse_step": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = json.loads(_plan_cli(capsys, "--json", model=str(tmp_path)))
+    assert out["plans"][0]["ep"] > 1 and "--ep" in out["plans"][0]["flags"]
