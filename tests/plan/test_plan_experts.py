@@ -12,7 +12,9 @@ from stp.costmodel.moe import MoESpec
 from stp.plan import NoPlan, PlanRequest, plan
 from stp.plan.experts import bound_memory, bound_time, priced
 from stp.plan.planner import priced_at
-from stp.plan.space import Config, levers_for, meshes, microbatchings, schedules_for
+from stp.plan.space import BRAIDED, Config, levers_for, meshes, microbatchings, schedules_for
+from stp.schedule.ir import passes_of
+from stp.schedule.registry import SCHEDULES, generate
 
 MOE = MoESpec(layers=2, hidden=1024, heads=16, kv_heads=4, ffn=4096, vocab=32000,
               sequence=2048, gated_mlp=True, flash_attention=True, name="moe-small",
@@ -66,6 +68,15 @@ def test_bounds_stay_below_the_simulated_price_at_every_ep():
         got = priced(request, cfg)
         assert bound_time(request, cfg) <= got.step_s * (1 + 1e-9), cfg
         assert bound_memory(request, cfg) <= got.peak_bytes * (1 + 1e-9), cfg
+
+
+@pytest.mark.parametrize("name", [n for n in SCHEDULES if n not in BRAIDED])
+def test_schedules_not_braided_run_one_pass_an_action(name):
+    # The time bound charges these schedules the collectives of every F unit,
+    # which holds only when no action braids two passes.
+    for p, m in ((4, 8), (2, 3)):
+        sch = generate(name, p, m)
+        assert all(len(passes_of(a)) == 1 for acts in sch.actions for a in acts), (p, m)
 
 
 def test_top_k_equals_the_exhaustive_ranking_over_ep():
