@@ -39,7 +39,7 @@ from stp.costmodel import HARDWARE, MODELS
 from stp.plan import PlanRequest, plan
 from stp.plan.planner import PlanResult, priced_at
 from stp.plan.report import row_json, why
-from stp.plan.space import Mesh, chunk_options, ep_options
+from stp.plan.space import Mesh, chunk_options, ep_options, schedules_for
 
 
 def _line(name: str, p, request: PlanRequest) -> str:
@@ -156,6 +156,19 @@ def _moe_name(p) -> str:
             f"b{c.microbatch_size}")
 
 
+def _ep8_in_a_node(req: PlanRequest):
+    """The fastest tp 1, ep 8 configuration at microbatch size 1 (each EP group one
+    node of 8), every pp and schedule priced as the planner prices it."""
+    best = None
+    for pp in (1, 2, 4, 8):
+        mesh = Mesh(pp, 1, req.gpus // pp, 8)
+        for name, v in schedules_for(req, mesh):
+            p = priced_at(req, mesh, 1, name, v)
+            if p is not None and (best is None or p.step_s < best.step_s):
+                best = p
+    return best
+
+
 def moe() -> None:
     """Mixtures of experts (stp.plan.experts): the planner's top 5 with ep
     searched, the best held to ep 1 and to ep 8 (EP 8 is the common setting for
@@ -173,13 +186,19 @@ def moe() -> None:
         for held in ((1,), (8,)):
             best = _moe_plan(replace(req, ep=held, top=1)).plans[0]
             print(_line(f"best {_moe_name(best)}", best, req))
-        c = result.plans[0].config
-        print(f"  the best mesh pp{c.mesh.pp} tp{c.mesh.tp} dp{c.mesh.dp} {c.schedule} "
-              f"b{c.microbatch_size} at each ep (exposed all-to-all on the critical rank):")
-        for ep in ep_options(req, c.mesh.dp):
-            p = priced_at(req, replace(c.mesh, ep=ep), c.microbatch_size, c.schedule, c.chunks)
-            a2a = "" if p is None else f" a2a {p.result.critical_rank.exposed_a2a / 1e3:.3f} s"
-            print(_line(f"ep{ep}", p, req) + a2a)
+        node = _ep8_in_a_node(req)
+        print(_line(f"EP 8 in a node: {_moe_name(node)}", node, req) if node else
+              "  EP 8 in a node (tp 1): nothing fits")
+        widest = max(result.plans, key=lambda p: p.config.mesh.dp)  # the most ep options
+        for top in dict.fromkeys((result.plans[0], widest)):
+            c = top.config
+            print(f"  pp{c.mesh.pp} tp{c.mesh.tp} dp{c.mesh.dp} {c.schedule} b{c.microbatch_size}"
+                  " at each ep (exposed all-to-all on the critical rank):")
+            for ep in ep_options(req, c.mesh.dp):
+                p = priced_at(req, replace(c.mesh, ep=ep), c.microbatch_size, c.schedule,
+                              c.chunks)
+                a2a = "" if p is None else f" a2a {p.result.critical_rank.exposed_a2a / 1e3:.3f} s"
+                print(_line(f"ep{ep}", p, req) + a2a)
 
 
 def main() -> None:
