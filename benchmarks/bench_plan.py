@@ -190,7 +190,7 @@ def moe() -> None:
         print(_line(f"EP 8 in a node: {_moe_name(node)}", node, req) if node else
               "  EP 8 in a node (tp 1): nothing fits")
         widest = max(result.plans, key=lambda p: p.config.mesh.dp)  # the most ep options
-        for top in dict.fromkeys((result.plans[0], widest)):
+        for top in [result.plans[0], *([widest] if widest is not result.plans[0] else [])]:
             c = top.config
             print(f"  pp{c.mesh.pp} tp{c.mesh.tp} dp{c.mesh.dp} {c.schedule} b{c.microbatch_size}"
                   " at each ep (exposed all-to-all on the critical rank):")
