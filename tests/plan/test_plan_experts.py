@@ -12,7 +12,7 @@ from stp.costmodel.moe import MoESpec
 from stp.plan import NoPlan, PlanRequest, plan
 from stp.plan.experts import bound_memory, bound_time, priced
 from stp.plan.planner import priced_at
-from stp.plan.space import BRAIDED, Config, levers_for, meshes, microbatchings, schedules_for
+from stp.plan.space import BRAIDED, Config, Mesh, levers_for, meshes, microbatchings, schedules_for
 from stp.schedule.ir import passes_of
 from stp.schedule.registry import SCHEDULES, generate
 
@@ -201,3 +201,11 @@ def test_a_qwen2_moe_config_json_is_planned_over_ep(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     out = json.loads(_plan_cli(capsys, "--json", model=str(tmp_path)))
     assert out["plans"][0]["ep"] > 1 and "--ep" in out["plans"][0]["flags"]
+
+
+def test_braided_schedules_are_tried_where_they_hide_an_all_to_all():
+    # At tp 1 the braid has no all-reduce to hide, but at ep > 1 it hides the
+    # experts' all-to-alls (stp.sim.engine), so STP and DualPipeV are tried.
+    request = _request(model=replace(MOE, layers=8), schedules=None)
+    names = {ep: {n for n, _ in schedules_for(request, Mesh(2, 1, 4, ep))} for ep in (1, 4)}
+    assert not names[1] & set(BRAIDED) and set(BRAIDED) <= names[4]

@@ -49,8 +49,9 @@ __all__ = ["Mesh", "Config", "LEVERS", "BRAIDED", "meshes", "microbatchings", "s
            "chunk_options"]
 
 BRAIDED = ("stp", "dualpipev")
-"""Schedules whose blocks braid passes to hide TP collectives: considered
-only where TP > 1 (at tp 1 there is nothing to hide)."""
+"""Schedules whose blocks braid passes to hide TP collectives and a mixture of
+experts' all-to-alls: considered only where TP > 1 or EP > 1 (otherwise
+there is nothing to hide)."""
 
 MAX_CHUNKS = 8
 """Most stages per rank tried for a schedule that takes chunks: past 8 the
@@ -144,11 +145,11 @@ def chunk_options(schedule: str, pp: int, layers: int) -> list[int | None]:
 def schedules_for(request: PlanRequest, mesh: Mesh) -> list[tuple[str, int | None]]:
     """The (schedule, chunks) a mesh may run: registered (or asked for),
     taking its pp, whose stages the model's layers fill; braided ones only
-    with TP; a schedule that takes chunks at each v of `chunk_options`."""
+    with TP or EP; a schedule that takes chunks at each v of `chunk_options`."""
     names = request.schedules or tuple(SCHEDULES)
     out = []
     for name in names:
-        if name in BRAIDED and mesh.tp == 1 and request.schedules is None:
+        if name in BRAIDED and mesh.tp == mesh.ep == 1 and request.schedules is None:
             continue
         for v in chunk_options(name, mesh.pp, request.model.layers):
             stages = stages_of(name, mesh.pp, v)
@@ -167,10 +168,10 @@ def meshes(request: PlanRequest) -> Iterator[Mesh]:
             dp = request.gpus // (tp * pp)
             if request.global_batch % dp or pp > model.layers:
                 continue
-            if not schedules_for(request, Mesh(pp, tp, dp)):
-                continue
             for ep in ep_options(request, dp):
-                yield Mesh(pp, tp, dp, ep)
+                mesh = Mesh(pp, tp, dp, ep)
+                if schedules_for(request, mesh):
+                    yield mesh
 
 
 def microbatchings(request: PlanRequest, mesh: Mesh) -> list[tuple[int, int]]:
