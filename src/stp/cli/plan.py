@@ -32,8 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="the fastest mesh, schedule, partition, microbatching and "
                        "memory levers for a model on a cluster")
     p.add_argument("--model", required=True, metavar="PRESET|config.json",
-                   help="a decoder preset (qwen2-12.1b, qwen2-72b, llama3-405b, ...; with "
-                   ",key=val fields), key=val fields, or a Hugging Face config.json / directory")
+                   help="a decoder preset (qwen2-12.1b, qwen2-72b, llama3-405b, ...; mixtures "
+                   "of experts: mixtral-8x7b, qwen2-57b-a14b; with ,key=val fields), key=val "
+                   "fields, or a Hugging Face config.json / directory (Qwen2-MoE, Mixtral too)")
     p.add_argument("--gpus", required=True, type=int_in(1, MAX_GPUS), help="GPUs in the cluster")
     p.add_argument("--hardware", default="h100-80g", metavar="NAME[,key=val..]|local",
                    help="a100-80g, a800-80g or h100-80g (default), with fields; `local`: "
