@@ -17,6 +17,8 @@ AR(4 P over dp), `stp.plan.price.dp_sync_seconds`, to the bit.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from stp.costmodel.hardware import HardwareSpec, allreduce_time
 from stp.costmodel.memory import MemoryEstimate, rank_parameters
 from stp.costmodel.model import ModelSpec
@@ -52,6 +54,8 @@ def slowest_grad_sync(spec: ModelSpec, est: MemoryEstimate, res: SimResult,
     """The sync of the rank that takes longest (module doc); `spec` cut as the run
     was (tp, ep), `est` and `res` its estimate and simulated step."""
     dp = est.layout.dp
+    if isinstance(spec, MoESpec) and est.layout.ep not in (None, spec.ep):
+        spec = replace(spec, ep=est.layout.ep)  # the ep the estimate priced (memory.Layout.ep)
     if _ep(spec) == 1:  # one group for every weight: the rank with the most parameters
         return grad_sync_seconds(spec, max(r.parameters for r in est.ranks), 0.0, dp, hardware)
     sch = res.schedule
