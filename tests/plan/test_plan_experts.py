@@ -12,6 +12,7 @@ from stp.costmodel.moe import MoESpec
 from stp.plan import NoPlan, PlanRequest, plan
 from stp.plan.experts import bound_memory, bound_time, priced
 from stp.plan.planner import priced_at
+from stp.plan.price import price
 from stp.plan.space import BRAIDED, Config, Mesh, levers_for, meshes, microbatchings, schedules_for
 from stp.schedule.ir import passes_of
 from stp.schedule.registry import SCHEDULES, generate
@@ -209,3 +210,12 @@ def test_braided_schedules_are_tried_where_they_hide_an_all_to_all():
     request = _request(model=replace(MOE, layers=8), schedules=None)
     names = {ep: {n for n, _ in schedules_for(request, Mesh(2, 1, 4, ep))} for ep in (1, 4)}
     assert not names[1] & set(BRAIDED) and set(BRAIDED) <= names[4]
+
+
+def test_a_spec_ep_that_does_not_divide_dp_syncs_as_ep_1():
+    # stp.costmodel.memory prices a spec's own ep that does not divide dp at ep 1
+    # (with a note); the experts' gradient sync must follow it, not the spec.
+    cfg = Config(Mesh(2, 1, 4), 1, 4, "1f1b", levers_for(_request(), Mesh(2, 1, 4))[0][1])
+    own = price(replace(MOE, ep=8), HW, cfg, 2048)
+    one = price(MOE, HW, cfg, 2048)
+    assert own.estimate.notes and own.dp_sync_s == one.dp_sync_s > 0
