@@ -24,6 +24,9 @@ picks. The figures go in `benchmarks/results/plan.md`.
    microbatches per replica).
 3. The STP paper's 12.1B setting (arXiv 2510.27257: qwen2-12.1b, TP8, PP2,
    sequence 6144, A800): STP against 1F1B-I and ZB-V.
+4. Mixtures of experts on 64 H100s (Mixtral 8x7B, "Mixtral of Experts", arXiv
+   2401.04088; Qwen2-57B-A14B, "Qwen2 Technical Report", arXiv 2407.10671):
+   the ep the planner picks, against EP 8 inside a node (`--moe-only`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from stp.costmodel import HARDWARE, MODELS
 from stp.plan import PlanRequest, plan
 from stp.plan.planner import PlanResult, priced_at
 from stp.plan.report import row_json, why
-from stp.plan.space import Mesh, chunk_options
+from stp.plan.space import Mesh, chunk_options, ep_options, schedules_for
 
 
 def _line(name: str, p, request: PlanRequest) -> str:
@@ -129,16 +132,91 @@ def stp_paper() -> None:
                   "(published: up to +12%)")
 
 
+MOE_REQUESTS = (("mixtral-8x7b", 512, 4096), ("qwen2-57b-a14b", 512, 4096))
+"""Mixtures of experts on 64 H100s (8 nodes of 8): 512 sequences of 4096 a step
+(2M tokens; neither model card publishes its training batch, so this one is
+assumed)."""
+
+
+def _moe_plan(req: PlanRequest) -> PlanResult:
+    cpu, wall = time.process_time(), time.perf_counter()
+    result = plan(req)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    held = f" held to --ep {','.join(map(str, req.ep))}" if req.ep else ""
+    print(f"  plan{held}: {cpu:.1f} s CPU ({wall:.1f} s wall), {result.considered} "
+          f"configurations, {result.pruned_memory} ruled out by memory, {result.pruned_time} "
+          f"by time, {result.simulated} simulations")
+    return result
+
+
+def _moe_name(p) -> str:
+    c = p.config
+    v = f" v{c.chunks}" if c.chunks else ""
+    return (f"pp{c.mesh.pp} tp{c.mesh.tp} dp{c.mesh.dp} ep{c.mesh.ep} {c.schedule}{v} "
+            f"b{c.microbatch_size}")
+
+
+def _ep8_in_a_node(req: PlanRequest):
+    """The fastest tp 1, ep 8 configuration at microbatch size 1 (each EP group one
+    node of 8), every pp and schedule priced as the planner prices it."""
+    best = None
+    for pp in (1, 2, 4, 8):
+        mesh = Mesh(pp, 1, req.gpus // pp, 8)
+        for name, v in schedules_for(req, mesh):
+            p = priced_at(req, mesh, 1, name, v)
+            if p is not None and (best is None or p.step_s < best.step_s):
+                best = p
+    return best
+
+
+def moe() -> None:
+    """Mixtures of experts (stp.plan.experts): the planner's top 5 with ep
+    searched, the best held to ep 1 and to ep 8 (EP 8 is the common setting for
+    Mixtral and Qwen MoE trainings), and the best mesh at every ep it admits:
+    step, exposed all-to-all, DP sync, peak."""
+    for name, batch, seq in MOE_REQUESTS:
+        model = replace(MODELS[name], ep=1)
+        print(f"{name}, 64 x h100-80g, {batch} x {seq} tokens")
+        req = PlanRequest(model=model, hardware=HARDWARE["h100-80g"], gpus=64,
+                          global_batch=batch, seq_len=seq, top=5)
+        result = _moe_plan(req)
+        for i, p in enumerate(result.plans, 1):
+            print(_line(f"#{i} {_moe_name(p)}", p, req))
+        print("  why:", why(result.plans[0], result.plans[1]))
+        for held in ((1,), (8,)):
+            best = _moe_plan(replace(req, ep=held, top=1)).plans[0]
+            print(_line(f"best {_moe_name(best)}", best, req))
+        node = _ep8_in_a_node(req)
+        print(_line(f"EP 8 in a node: {_moe_name(node)}", node, req) if node else
+              "  EP 8 in a node (tp 1): nothing fits")
+        widest = max(result.plans, key=lambda p: p.config.mesh.dp)  # the most ep options
+        for top in [result.plans[0], *([widest] if widest is not result.plans[0] else [])]:
+            c = top.config
+            print(f"  pp{c.mesh.pp} tp{c.mesh.tp} dp{c.mesh.dp} {c.schedule} b{c.microbatch_size}"
+                  " at each ep (exposed all-to-all on the critical rank):")
+            for ep in ep_options(req, c.mesh.dp):
+                p = priced_at(req, replace(c.mesh, ep=ep), c.microbatch_size, c.schedule,
+                              c.chunks)
+                a2a = "" if p is None else f" a2a {p.result.critical_rank.exposed_a2a / 1e3:.3f} s"
+                print(_line(f"ep{ep}", p, req) + a2a)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--skip-405b-plan", action="store_true",
                     help="leave out the full plan of 405B on 16384 GPUs (about 50 s of CPU)")
+    ap.add_argument("--moe-only", action="store_true",
+                    help="only the mixtures of experts (about 5 minutes of CPU)")
     args = ap.parse_args()
+    if args.moe_only:
+        moe()
+        return
     llama3()
     torchtitan()
     stp_paper()
     if not args.skip_405b_plan:
         llama3_plan()
+    moe()
 
 
 if __name__ == "__main__":

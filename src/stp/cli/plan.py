@@ -2,6 +2,8 @@
 
     stp plan --model llama3-405b --gpus 16384 --hardware h100-80g \\
         --global-batch 2048 --seq-len 8192 --top 5
+    stp plan --model mixtral-8x7b --gpus 64 --hardware h100-80g --global-batch 512 \\
+        --seq-len 4096            # a mixture of experts: ep searched too (--ep N,M: only those)
     stp plan --model ~/models/Qwen2-0.5B --gpus 4 --gpus-per-node 4 --hardware a100-80g \\
         --global-batch 64 --seq-len 1024 --out plan.json   # then: stp train --plan plan.json
 
@@ -30,8 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="the fastest mesh, schedule, partition, microbatching and "
                        "memory levers for a model on a cluster")
     p.add_argument("--model", required=True, metavar="PRESET|config.json",
-                   help="a decoder preset (qwen2-12.1b, qwen2-72b, llama3-405b, ...; with "
-                   ",key=val fields), key=val fields, or a Hugging Face config.json / directory")
+                   help="a decoder preset (qwen2-12.1b, qwen2-72b, llama3-405b, ...; mixtures "
+                   "of experts: mixtral-8x7b, qwen2-57b-a14b; with ,key=val fields), key=val "
+                   "fields, or a Hugging Face config.json / directory (Qwen2-MoE, Mixtral too)")
     p.add_argument("--gpus", required=True, type=int_in(1, MAX_GPUS), help="GPUs in the cluster")
     p.add_argument("--hardware", default="h100-80g", metavar="NAME[,key=val..]|local",
                    help="a100-80g, a800-80g or h100-80g (default), with fields; `local`: "
@@ -59,6 +62,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="never turn on activation offload")
     p.add_argument("--no-sequence-parallel", action="store_true",
                    help="never turn on sequence parallelism")
+    p.add_argument("--ep", default=None, metavar="N[,M..]",
+                   help="a mixture of experts: only these expert-parallel sizes (default: "
+                   "every divisor of dp that divides the experts, 1 included; a preset's own "
+                   "ep is not kept)")
     p.add_argument("--calibrate", nargs="+", default=None, metavar="TRACE.json",
                    help="fit the hardware's efficiency and links to traces of `stp train "
                    "--trace` (stp.plan.calibrate)")
@@ -79,6 +86,17 @@ def _schedules(text: str | None) -> tuple[str, ...] | None:
     for name in names:
         get(name)  # ValueError naming the schedules accepted
     return names
+
+
+def _ep_sizes(text: str | None) -> tuple[int, ...] | None:
+    """`--ep 2,4,8`: the sizes (PlanRequest checks them against the experts)."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip()) or ()
+    except ValueError:
+        raise ValueError(f"--ep {text[:40]!r}: integers separated by commas expected "
+                         "(2,4,8)") from None
 
 
 _LOCAL_MODEL = {"layers": 4, "hidden": 64, "heads": 4, "seq_len": 64, "microbatches": 4}
@@ -145,6 +163,8 @@ def request_from_args(args: argparse.Namespace) -> object:
     from stp.plan import PlanRequest
 
     spec = model_spec(args.model)
+    if getattr(spec, "ep", 1) != 1:  # the planner chooses ep (a preset says ep=8)
+        spec = replace(spec, ep=1)
     budget = None if args.memory_budget is None else parse_size(args.memory_budget)
     return PlanRequest(
         model=replace(spec, tp=1), hardware=_hardware(args), gpus=args.gpus,  # type: ignore
@@ -153,7 +173,7 @@ def request_from_args(args: argparse.Namespace) -> object:
         dtype=args.dtype, max_microbatch_size=args.max_microbatch_size,
         schedules=_schedules(args.schedules), partition=args.partition,
         allow_sequence_parallel=not args.no_sequence_parallel,
-        allow_offload=not args.no_offload)
+        allow_offload=not args.no_offload, ep=_ep_sizes(args.ep))
 
 
 def _write_schedule_files(result: object, folder: str) -> None:

@@ -4,12 +4,16 @@ Two ways a request fails:
 
 * no mesh: no pp x tp x dp = GPUs admits the model and the batch (tp must
   divide the node and the heads, dp the global batch, pp leave every stage a
-  layer). The answer names the nearest GPU counts below and above that do.
+  layer; with `--ep`, dp must divide by one of its sizes). The answer names
+  the nearest GPU counts below and above that do.
 * nothing fits: every configuration is over the memory budget even with
   every lever on. The answer names the closest configuration and its peak,
   and the smallest GPU count (a multiple of the node, up to 64 times the
   request) at which the planner finds a plan that fits; the counts between
-  are ruled out by the memory bound or by planning them.
+  are ruled out by the memory bound or by planning them. For a mixture of
+  experts it also names the expert-parallel sizes its experts admit (or the
+  `--ep` sizes the request was held to): experts that no ep large enough
+  divides are a reason a model fits nowhere.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from dataclasses import replace
 from typing import Any
 
 from stp.costmodel.memory import format_bytes
-from stp.plan.price import memory_bound
+from stp.costmodel.moe import MoESpec
+from stp.plan.experts import bound_memory
 from stp.plan.request import MAX_GPUS, PlanRequest
 from stp.plan.space import Config, levers_for, meshes, microbatchings, schedules_for
 
@@ -46,10 +51,12 @@ def explain_no_mesh(request: PlanRequest) -> str:
                   if _has_mesh(request, n)), None)
     near = " or ".join(str(n) for n in (below, above) if n is not None) or "none nearby"
     m = request.model
+    ep = ("" if request.ep is None else
+          f" and by one of --ep {','.join(map(str, request.ep))}")
     return (f"--gpus {request.gpus}: no pp x tp x dp mesh fits the model ({m.layers} layers, "
             f"{m.heads} heads, {m.kv_heads} kv heads), tp within --gpus-per-node "
-            f"{request.gpus_per_node} and dp dividing --global-batch {request.global_batch}; "
-            f"GPU counts that do: {near}")
+            f"{request.gpus_per_node} and dp dividing --global-batch {request.global_batch}"
+            f"{ep}; GPU counts that do: {near}")
 
 
 def bound_admits(request: PlanRequest) -> bool:
@@ -59,8 +66,7 @@ def bound_admits(request: PlanRequest) -> bool:
         for b, m in microbatchings(request, mesh):
             for name, chunks in schedules_for(request, mesh):
                 cfg = Config(mesh, b, m, name, ladder[-1][1], chunks)
-                if memory_bound(request.model, request.hardware, cfg,
-                                request.seq_len) <= request.budget:
+                if bound_memory(request, cfg) <= request.budget:
                     return True
     return False
 
@@ -96,11 +102,26 @@ def explain_no_fit(request: PlanRequest, result: Any,
     if result.rejected:
         best = result.rejected[0]
         c = best.config
-        closest = (f"; the closest, pp={c.mesh.pp} tp={c.mesh.tp} dp={c.mesh.dp} "
+        ep = f" ep={c.mesh.ep}" if isinstance(request.model, MoESpec) else ""
+        closest = (f"; the closest, pp={c.mesh.pp} tp={c.mesh.tp} dp={c.mesh.dp}{ep} "
                    f"{c.schedule} with every lever on, needs "
                    f"{format_bytes(best.peak_bytes)} on rank {best.estimate.peak.rank}")
     need = _smallest_fitting(request, plan)
     where = (f"{need} GPUs would fit" if need is not None
              else f"no count up to {min(64 * request.gpus, MAX_GPUS)} GPUs fits either")
     return (f"no configuration of {request.gpus} GPUs fits {budget} per GPU "
-            f"(--memory-budget or the hardware's memory){closest}; {where}")
+            f"(--memory-budget or the hardware's memory){closest}{_ep_tried(request)}; "
+            f"{where}")
+
+
+def _ep_tried(request: PlanRequest) -> str:
+    """For a mixture of experts: the expert-parallel sizes its experts admit (the
+    planner tried those dividing dp), or the --ep sizes it was held to."""
+    m = request.model
+    if not isinstance(m, MoESpec):
+        return ""
+    if request.ep is not None:
+        return f" (held to --ep {','.join(map(str, request.ep))})"
+    admits = [n for n in range(1, m.experts + 1) if m.experts % n == 0]
+    return (f" (its {m.experts} experts admit ep {', '.join(map(str, admits))}, each "
+            "dividing dp)")

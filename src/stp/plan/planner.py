@@ -31,8 +31,9 @@ from dataclasses import dataclass, field, replace
 
 from stp.costmodel.decoder_costs import derive_decoder
 from stp.costmodel.stages import layered_costs
+from stp.plan.experts import bound_memory, bound_time, hardware_of, model_at, priced
 from stp.plan.needs import NoPlan, explain_no_fit, explain_no_mesh
-from stp.plan.price import Priced, memory_bound, price, spec_for, time_bound
+from stp.plan.price import Priced, spec_for
 from stp.plan.request import PlanRequest
 from stp.plan.space import (
     MAX_STAGE_MICROBATCHES,
@@ -87,7 +88,7 @@ def _first_rung(request: PlanRequest, base: Config, ladder: list, start: int) ->
     """The first rung from `start` whose memory bound fits the budget."""
     for i in range(start, len(ladder)):
         cfg = replace(base, features=ladder[i][1])
-        if memory_bound(request.model, request.hardware, cfg, request.seq_len) <= request.budget:
+        if bound_memory(request, cfg) <= request.budget:
             return i
     return None
 
@@ -108,7 +109,7 @@ def _seed(request: PlanRequest, result: PlanResult) -> list[_Item]:
                     result.pruned_memory += 1
                     continue
                 cfg = replace(base, features=ladder[rung][1])
-                bound = time_bound(request.model, request.hardware, cfg, request.seq_len)
+                bound = bound_time(request, cfg)
                 heap.append(_Item(bound, next(counter), rung, base, ladder))
     heapq.heapify(heap)
     return heap
@@ -125,42 +126,43 @@ def _search(request: PlanRequest, result: PlanResult) -> list[Priced]:
         if len(fits) >= request.top and item.bound > kth:
             break
         cfg = replace(item.base, features=item.ladder[item.rung][1])
-        priced = price(request.model, request.hardware, cfg, request.seq_len)
+        got = priced(request, cfg)
         result.simulated += 1
         priced_orders.add(item.order)
-        if priced.peak_bytes <= request.budget:
-            fits.append(priced)
+        if got.peak_bytes <= request.budget:
+            fits.append(got)
             fits.sort(key=lambda p: p.step_s)
             del fits[request.top:]
             kth = fits[-1].step_s if len(fits) >= request.top else float("inf")
             continue
         nxt = _first_rung(request, item.base, item.ladder, item.rung + 1)
         if nxt is None:
-            over.append(priced)
+            over.append(got)
             continue
         nxt_cfg = replace(item.base, features=item.ladder[nxt][1])
-        bound = time_bound(request.model, request.hardware, nxt_cfg, request.seq_len)
+        bound = bound_time(request, nxt_cfg)
         heapq.heappush(heap, _Item(bound, item.order, nxt, item.base, item.ladder))
     result.rejected = sorted(over, key=lambda p: p.peak_bytes)[:3]
     result.pruned_time = result.considered - result.pruned_memory - len(priced_orders)
     return fits
 
 
-def _partitioned(request: PlanRequest, priced: Priced) -> Priced:
-    """`priced` with the balanced (and, where cheap, the auto) partition when
+def _partitioned(request: PlanRequest, first: Priced) -> Priced:
+    """`first` with the balanced (and, where cheap, the auto) partition when
     one fits and is faster (module doc, step 4)."""
-    cfg = priced.config
-    spec = spec_for(request.model, cfg, request.seq_len)
+    cfg = first.config
+    spec = spec_for(model_at(request.model, cfg.mesh.ep), cfg, request.seq_len)
     pp = cfg.mesh.pp
-    derived = derive_decoder(spec, request.hardware, pp)
-    layered = layered_costs(spec, request.hardware, pp, derived.costs, derived.mem)
+    hardware = hardware_of(request)
+    derived = derive_decoder(spec, hardware, pp)
+    layered = layered_costs(spec, hardware, pp, derived.costs, derived.mem)
     sch = generate(cfg.schedule, pp, cfg.microbatches, **cfg.options())
     tries = {balanced_partition(layered, spec.layers, sch.num_stages)}
     if sch.num_stages * cfg.microbatches <= AUTO_PARTITION_WORK:
         tries.add(auto_partition(sch, layered, spec.layers).counts)
-    best = priced
+    best = first
     for counts in tries:
-        trial = price(request.model, request.hardware, cfg, request.seq_len, counts)
+        trial = priced(request, cfg, counts)
         if trial.peak_bytes <= request.budget and trial.step_s < best.step_s - 1e-12:
             best = trial
     return best
@@ -200,8 +202,7 @@ def priced_at(request: PlanRequest, mesh: Mesh, microbatch_size: int,
                   chunks)
     rung = _first_rung(request, base, ladder, 0)
     while rung is not None:
-        got = price(request.model, request.hardware, replace(base, features=ladder[rung][1]),
-                    request.seq_len, partition)
+        got = priced(request, replace(base, features=ladder[rung][1]), partition)
         if got.peak_bytes <= request.budget:
             return got
         rung = _first_rung(request, base, ladder, rung + 1)

@@ -42,6 +42,7 @@ from stp.costmodel.memory import (
 )
 from stp.costmodel.model import ModelSpec, layer_flops, num_parameters
 from stp.costmodel.stages import head_flops
+from stp.plan.expert_sync import expert_parameters, grad_sync_seconds, slowest_grad_sync
 from stp.plan.space import Config
 from stp.schedule.registry import generate
 from stp.sim.layered import even_partition
@@ -126,7 +127,9 @@ def time_bound(model: ModelSpec, hardware: HardwareSpec, config: Config, seq_len
     busiest = max(before * f + config.microbatches * mine * fbw
                   for before, mine in _rank_layers(config, spec.layers))
     average = _shard_parameters(spec) / pp
-    return busiest / 1e3 + dp_sync_seconds(average, config.mesh.dp, hardware)
+    # experts sync over dp / ep (stp.plan.expert_sync); a dense model as dp_sync_seconds
+    return busiest / 1e3 + grad_sync_seconds(spec, average, expert_parameters(spec) / pp,
+                                             config.mesh.dp, hardware)
 
 
 def memory_bound(model: ModelSpec, hardware: HardwareSpec, config: Config,
@@ -158,8 +161,9 @@ def price(model: ModelSpec, hardware: HardwareSpec, config: Config, seq_len: int
                     microbatch_size=config.microbatch_size, seq_len=seq_len,
                     schedule=config.schedule, partition=partition, chunks=config.chunks)
     est, res = estimate_run(model, hardware, layout, config.features)
-    most = max(r.parameters for r in est.ranks)
-    return Priced(config, est, res, dp_sync_seconds(most, mesh.dp, hardware), partition)
+    # experts sync over dp / ep (stp.plan.expert_sync); a dense model as dp_sync_seconds
+    sync = slowest_grad_sync(spec_for(model, config, seq_len), est, res, hardware)
+    return Priced(config, est, res, sync, partition)
 
 
 def model_flops_per_sequence(model: ModelSpec, seq_len: int) -> float:

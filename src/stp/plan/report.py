@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 
 from stp.costmodel.memory import format_bytes
+from stp.plan.experts import is_moe
 from stp.plan.planner import PlanResult
 from stp.plan.price import Priced, model_flops_per_sequence
 
@@ -56,6 +57,8 @@ def job_fields(p: Priced, seq_len: int, schedule_path: str | None = None) -> dic
         "microbatches": c.microbatches, "microbatch_size": c.microbatch_size,
         "seq_len": seq_len, "dtype": f.dtype,
     }
+    if c.mesh.ep > 1:  # a mixture of experts' expert parallelism (`stp train --ep`)
+        out["ep"] = c.mesh.ep
     if p.partition is not None:
         out["partition"] = ",".join(map(str, p.partition))
     if f.sequence_parallel:
@@ -97,8 +100,9 @@ def row_json(p: Priced, result: PlanResult, schedule_path: str | None = None
     extra: dict[str, object] = {} if sched is None else {
         "schedule_file": schedule_path or sched,
         "export_flags": export_flags(p, schedule_path or sched)}
+    ep = {"ep": c.mesh.ep} if is_moe(result.request.model) else {}
     return {
-        "pp": c.mesh.pp, "tp": c.mesh.tp, "dp": c.mesh.dp, "schedule": c.schedule,
+        "pp": c.mesh.pp, "tp": c.mesh.tp, "dp": c.mesh.dp, **ep, "schedule": c.schedule,
         "chunks": p.result.schedule.chunks,
         "microbatch_size": c.microbatch_size, "microbatches": c.microbatches,
         **_figures(p, result),
@@ -116,13 +120,15 @@ def _parts(p: Priced) -> dict[str, float]:
     """Seconds of the step by part, on the rank that ends last."""
     crit = p.result.critical_rank
     return {"compute": crit.compute / 1e3, "pipeline idle": crit.idle / 1e3,
-            "exposed TP communication": crit.exposed_tp / 1e3, "DP gradient sync": p.dp_sync_s}
+            "exposed TP communication": crit.exposed_tp / 1e3,
+            "exposed all-to-all": crit.exposed_a2a / 1e3, "DP gradient sync": p.dp_sync_s}
 
 
 def _name(p: Priced) -> str:
     c = p.config
     v = f" v{c.chunks}" if c.chunks is not None else ""
-    return (f"pp{c.mesh.pp} tp{c.mesh.tp} dp{c.mesh.dp} {c.schedule}{v} "
+    ep = f" ep{c.mesh.ep}" if c.mesh.ep > 1 else ""
+    return (f"pp{c.mesh.pp} tp{c.mesh.tp} dp{c.mesh.dp}{ep} {c.schedule}{v} "
             f"b{c.microbatch_size} m{c.microbatches}")
 
 
@@ -150,7 +156,8 @@ def plan_json(result: PlanResult, schedule_dir: str | None = None) -> dict[str, 
         "format": PLAN_FORMAT,
         "request": {"model": req.model.name, "gpus": req.gpus, "gpus_per_node": req.gpus_per_node,
                     "global_batch": req.global_batch, "seq_len": req.seq_len,
-                    "hardware": req.hardware.name, "memory_budget": req.budget},
+                    "hardware": req.hardware.name, "memory_budget": req.budget,
+                    **({"ep": list(req.ep)} if req.ep is not None else {})},
         "plans": rows,
         "why": why(result.plans[0], result.plans[1] if len(result.plans) > 1 else None),
         "search": {"considered": result.considered, "pruned_memory": result.pruned_memory,
@@ -176,6 +183,10 @@ def format_table(result: PlanResult) -> list[str]:
                      str(c.microbatches), levers,
                      f"{fig['step_time_s']:.4g}", f"{fig['tokens_per_s_per_gpu']:.4g}",
                      f"{fig['mfu']:.1%}", format_bytes(p.peak_bytes), str(p.estimate.peak.rank)))
+    if is_moe(result.request.model):  # the expert-parallel axis beside dp
+        header = (*header[:4], "ep", *header[4:])
+        rows = [(*r[:4], str(p.config.mesh.ep), *r[4:]) for r, p in zip(rows, result.plans,
+                                                                      strict=True)]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.model import ModelSpec
+from stp.costmodel.moe import MoESpec
 
 __all__ = ["PlanRequest", "MAX_GPUS", "MAX_GLOBAL_BATCH", "MAX_SEQ_LEN"]
 
@@ -22,6 +23,25 @@ MAX_SEQ_LEN = 1 << 20
 def _int_in(name: str, value: object, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise ValueError(f"{name}={value!r}: an integer from {lo} to {hi} expected")
+
+
+def _check_ep(model: ModelSpec, ep: tuple[int, ...]) -> None:
+    """`--ep`: sizes a mixture of experts' experts divide (one line naming them)."""
+    if not ep:
+        raise ValueError("--ep: give expert-parallel sizes separated by commas")
+    for n in ep:
+        _int_in("--ep", n, 1, MAX_GPUS)
+    if not isinstance(model, MoESpec):
+        if set(ep) != {1}:
+            raise ValueError(f"--ep {','.join(map(str, ep))}: expert parallelism needs a "
+                             f"mixture-of-experts model; {model.name} has no experts")
+        return
+    bad = [n for n in ep if model.experts % n]
+    if bad:
+        fits = [n for n in range(1, model.experts + 1) if model.experts % n == 0]
+        raise ValueError(f"--ep {bad[0]}: must divide the model's {model.experts} experts "
+                         f"(each expert-parallel rank holds experts / ep); accepted: "
+                         f"{', '.join(map(str, fits))}")
 
 
 @dataclass(frozen=True)
@@ -56,6 +76,9 @@ class PlanRequest:
     """Whether sequence parallelism may be turned on to fit memory."""
     allow_offload: bool = True
     """Whether activation offload may be turned on to fit memory."""
+    ep: tuple[int, ...] | None = None
+    """Expert-parallel sizes considered for a mixture of experts (None: every
+    divisor of dp that divides the experts, `stp.plan.space.ep_options`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelSpec):
@@ -74,6 +97,8 @@ class PlanRequest:
                              "give --memory-budget SIZE or memory=BYTES in --hardware")
         if self.memory_budget is not None and not self.memory_budget > 0:
             raise ValueError(f"--memory-budget {self.memory_budget!r} must be > 0 bytes")
+        if self.ep is not None:
+            _check_ep(self.model, self.ep)
 
     @property
     def budget(self) -> float:

@@ -10,7 +10,11 @@ recomputation, activation offload). A mesh is kept when
   TP rank holds whole heads, `stp.costmodel.model.ModelSpec`);
 * dp divides the global batch (every replica gets whole sequences);
 * some schedule's stages fit in the model's layers (one layer per stage at
-  least).
+  least);
+* for a mixture of experts, each (pp, tp, dp) once per expert-parallel size
+  ep that divides dp and the experts (`ep_options`; ep 1
+  included): the EP group is carved from the DP ranks, as stp's runtime
+  carves it.
 
 A schedule that takes chunks (v stages per rank on the looped placement:
 1f1b-interleaved, zb-interleaved, looped-bfs) is tried at every v from 2 to
@@ -36,15 +40,18 @@ from functools import lru_cache
 
 from stp.costmodel.memory import Features
 from stp.costmodel.model import ModelSpec
+from stp.costmodel.moe import MoESpec
 from stp.plan.request import PlanRequest
 from stp.schedule.registry import SCHEDULES, generate
 
 __all__ = ["Mesh", "Config", "LEVERS", "BRAIDED", "meshes", "microbatchings", "schedules_for",
-           "levers_for", "stages_of", "MAX_STAGE_MICROBATCHES", "MAX_CHUNKS", "chunk_options"]
+           "ep_options", "levers_for", "stages_of", "MAX_STAGE_MICROBATCHES", "MAX_CHUNKS",
+           "chunk_options"]
 
 BRAIDED = ("stp", "dualpipev")
-"""Schedules whose blocks braid passes to hide TP collectives: considered
-only where TP > 1 (at tp 1 there is nothing to hide)."""
+"""Schedules whose blocks braid passes to hide TP collectives and a mixture of
+experts' all-to-alls: considered only where TP > 1 or EP > 1 (otherwise
+there is nothing to hide)."""
 
 MAX_CHUNKS = 8
 """Most stages per rank tried for a schedule that takes chunks: past 8 the
@@ -75,6 +82,9 @@ class Mesh:
     pp: int
     tp: int
     dp: int
+    ep: int = 1
+    """Expert-parallel ranks of a mixture of experts, carved from the dp ranks
+    (ep divides dp); 1 for a dense model."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +108,17 @@ class Config:
 def _divisors(n: int) -> list[int]:
     small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
+
+
+def ep_options(request: PlanRequest, dp: int) -> list[int]:
+    """The expert-parallel sizes a mesh with `dp` replicas may take: [1] for a dense
+    model; for a mixture of experts every divisor of dp that divides its experts
+    (only those of `request.ep` when given)."""
+    model = request.model
+    if not isinstance(model, MoESpec):
+        return [1]
+    return [ep for ep in _divisors(dp) if model.experts % ep == 0
+            and (request.ep is None or ep in request.ep)]
 
 
 def _tp_fits(model: ModelSpec, tp: int) -> bool:
@@ -124,11 +145,11 @@ def chunk_options(schedule: str, pp: int, layers: int) -> list[int | None]:
 def schedules_for(request: PlanRequest, mesh: Mesh) -> list[tuple[str, int | None]]:
     """The (schedule, chunks) a mesh may run: registered (or asked for),
     taking its pp, whose stages the model's layers fill; braided ones only
-    with TP; a schedule that takes chunks at each v of `chunk_options`."""
+    with TP or EP; a schedule that takes chunks at each v of `chunk_options`."""
     names = request.schedules or tuple(SCHEDULES)
     out = []
     for name in names:
-        if name in BRAIDED and mesh.tp == 1 and request.schedules is None:
+        if name in BRAIDED and mesh.tp == mesh.ep == 1 and request.schedules is None:
             continue
         for v in chunk_options(name, mesh.pp, request.model.layers):
             stages = stages_of(name, mesh.pp, v)
@@ -147,9 +168,10 @@ def meshes(request: PlanRequest) -> Iterator[Mesh]:
             dp = request.gpus // (tp * pp)
             if request.global_batch % dp or pp > model.layers:
                 continue
-            mesh = Mesh(pp, tp, dp)
-            if schedules_for(request, mesh):
-                yield mesh
+            for ep in ep_options(request, dp):
+                mesh = Mesh(pp, tp, dp, ep)
+                if schedules_for(request, mesh):
+                    yield mesh
 
 
 def microbatchings(request: PlanRequest, mesh: Mesh) -> list[tuple[int, int]]:

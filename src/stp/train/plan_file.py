@@ -1,8 +1,9 @@
 """`stp train --plan PLAN.json`: the settings of plan #1 of `stp plan --out`.
 
 A plan row's `job` object names `TrainJob` fields (`stp.plan.report.job_fields`):
-the mesh, the schedule, the partition, the microbatching, the sequence
-length, the dtype, and the memory levers the plan turned on. Each is checked
+the mesh (a mixture of experts' ep too), the schedule, the partition, the
+microbatching, the sequence length, the dtype, and the memory levers the
+plan turned on. Each is checked
 for its type here and for its meaning by the usual checks of the job
 (`stp.train.job.check`), as if given as a flag. A field this build of `stp
 train` does not have (a lever added in a later version) is refused in one
@@ -28,6 +29,7 @@ PLAN_KEYS: dict[str, type] = {
     "pp": int, "tp": int, "dp": int, "schedule": str, "microbatches": int,
     "microbatch_size": int, "seq_len": int, "dtype": str, "partition": str,
     "sequence_parallel": bool, "recompute": str, "shard_optimizer": bool, "offload": str,
+    "ep": int,
 }
 """The settings a plan may carry, and their JSON types."""
 _NESTED = {"seq_len"}
