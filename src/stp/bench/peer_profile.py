@@ -41,7 +41,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from stp.models.decoder.kernels import Kernels
 from stp.models.decoder.rope import apply_rope
 from stp.models.tp.layers import rms_norm, vocab_ce_grad, vocab_ce_stats
-from stp.models.tp.wgrad import GradTaps, NormGrad, WGradEntry
+from stp.models.tp.wgrad import GradTaps, LinearGrad, NormGrad, WGradEntry
 
 __all__ = ["CompileStats", "CompiledKernels", "compile_stats", "compile_stages",
            "compiled_kernels"]
@@ -193,6 +193,121 @@ class _SwiGLUFn(torch.autograd.Function):
         return (*ctx.kernels.swiglu_backward(grad, gate, act, up), None)
 
 
+def _qkv_rope_forward(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor,
+                      bq: torch.Tensor | None, bk: torch.Tensor | None, bv: torch.Tensor | None,
+                      cos: torch.Tensor, sin: torch.Tensor,
+                      head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, s, _ = h.shape
+    q, k, v = (F.linear(h, w, bias).view(b, s, -1, head_dim).transpose(1, 2)
+               for w, bias in ((wq, bq), (wk, bk), (wv, bv)))
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _qkv_rope_backward(gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, wq: torch.Tensor,
+                       wk: torch.Tensor, wv: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(dh, and the output gradients of the q, k, v projections [b, s, heads * hd])."""
+    gq, gk = gq * cos + _unrotate(gq * sin), gk * cos + _unrotate(gk * sin)
+    b, _, s, _ = gq.shape
+    dq, dk, dv = (g.transpose(1, 2).reshape(b, s, -1) for g in (gq, gk, gv))
+    return dq @ wq + dk @ wk + dv @ wv, dq, dk, dv
+
+
+def _mlp_forward(h: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                 w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(out, and what B needs: the gate, silu(gate), the up projection, w2's input)."""
+    gate, up = F.linear(h, w1), F.linear(h, w3)
+    act = F.silu(gate)
+    a = act * up
+    return F.linear(a, w2), gate, act, up, a
+
+
+def _mlp_backward(dy: torch.Tensor, gate: torch.Tensor, act: torch.Tensor, up: torch.Tensor,
+                  w1: torch.Tensor, w3: torch.Tensor,
+                  w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dh, and the output gradients of w1 and w3)."""
+    dgate, dup = _swiglu_backward(dy @ w2, gate, act, up)
+    return dgate @ w1 + dup @ w3, dgate, dup
+
+
+def _weight_work(sink: list[WGradEntry] | None, needs: tuple[bool, ...],
+                 linears: tuple[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
+                                      torch.Tensor], ...]) -> tuple[torch.Tensor | None, ...]:
+    """The weight side of a fused piece's B, per linear (weight, bias, input x, output
+    gradient dy): with a sink, W's records (LinearGrad, exactly what the taps or the
+    deferring Functions record), and no gradient returned; without one (a full BW in
+    plain autograd), the gradients themselves, weights then biases, as the
+    Function's backward returns them (`needs`: ctx.needs_input_grad of those)."""
+    if sink is not None:
+        sink.extend(LinearGrad(w, x, dy, bias) for w, bias, x, dy in linears)
+        return (None,) * (2 * len(linears))
+    grads: list[torch.Tensor | None] = []
+    for w, _, x, dy in linears:
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        grads.append((dy2.t() @ x2).to(w.dtype))
+    for _, bias, _, dy in linears:
+        grads.append(None if bias is None else dy.reshape(-1, dy.shape[-1]).sum(0))
+    return tuple(g if need else None for g, need in zip(grads, needs, strict=True))
+
+
+def _entries(sink: list[WGradEntry] | GradTaps | None) -> list[WGradEntry] | None:
+    return sink.sink if isinstance(sink, GradTaps) else sink
+
+
+def _fusable(sink: Any) -> bool:
+    """A sink a fused piece can serve: taps, a list, or none (plain autograd). Sequence
+    parallelism's RegatheredInput routes each linear itself: the pieces one by one."""
+    return sink is None or isinstance(sink, (GradTaps, list))
+
+
+class _QKVRopeFn(torch.autograd.Function):
+    """The q, k, v projections and the rotation of q and k: one compiled kernel each
+    way. Saves h and the tables, as the eager linears and rotation do."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor,
+                bq: torch.Tensor | None, bk: torch.Tensor | None, bv: torch.Tensor | None,
+                cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                sink: list[WGradEntry] | None, kernels: CompiledKernels):
+        ctx.save_for_backward(h, wq, wk, wv, cos, sin)
+        ctx.biases, ctx.sink, ctx.kernels = (bq, bk, bv), sink, kernels
+        return kernels.qkv_rope_forward(h.detach(), wq.detach(), wk.detach(), wv.detach(),
+                                        *(None if b is None else b.detach() for b in (bq, bk, bv)),
+                                        cos, sin, head_dim)
+
+    @staticmethod
+    def backward(ctx: Any, gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor):
+        h, wq, wk, wv, cos, sin = ctx.saved_tensors
+        dh, *dys = ctx.kernels.qkv_rope_backward(gq, gk, gv, wq, wk, wv, cos, sin)
+        linears = tuple((w, b, h, dy) for w, b, dy in zip((wq, wk, wv), ctx.biases, dys,
+                                                          strict=True))
+        grads = _weight_work(ctx.sink, ctx.needs_input_grad[1:7], linears)
+        return dh, *grads, None, None, None, None, None
+
+
+class _MLPFn(torch.autograd.Function):
+    """The SwiGLU MLP w2(silu(w1 h) * w3 h): one compiled kernel each way. Saves h, the
+    gate, silu(gate), the up projection and w2's input, as the eager ops do."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                sink: list[WGradEntry] | None, kernels: CompiledKernels):
+        out, gate, act, up, a = kernels.mlp_forward(h.detach(), w1.detach(), w3.detach(),
+                                                    w2.detach())
+        ctx.save_for_backward(h, gate, act, up, a, w1, w3, w2)
+        ctx.sink, ctx.kernels = sink, kernels
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):
+        h, gate, act, up, a, w1, w3, w2 = ctx.saved_tensors
+        dh, dgate, dup = ctx.kernels.mlp_backward(dy, gate, act, up, w1, w3, w2)
+        needs = ctx.needs_input_grad
+        grads = _weight_work(ctx.sink, (*needs[1:4], False, False, False),
+                             ((w1, None, h, dgate), (w3, None, h, dup), (w2, None, a, dy)))
+        return dh, *grads[:3], None, None
+
+
 class CompiledKernels(Kernels):
     """The units' pieces between linears, compiled (see the module doc)."""
 
@@ -205,6 +320,10 @@ class CompiledKernels(Kernels):
         self.rope_backward = _Compiled(_rope_backward)
         self.swiglu_forward = _Compiled(_swiglu_forward)
         self.swiglu_backward = _Compiled(_swiglu_backward)
+        self.qkv_rope_forward = _Compiled(_qkv_rope_forward)
+        self.qkv_rope_backward = _Compiled(_qkv_rope_backward)
+        self.mlp_forward = _Compiled(_mlp_forward)
+        self.mlp_backward = _Compiled(_mlp_backward)
         self._ce_stats = _Compiled(vocab_ce_stats)
         self._ce_grad = _Compiled(vocab_ce_grad)
 
@@ -230,6 +349,24 @@ class CompiledKernels(Kernels):
             return _SwiGLUFn.apply(gate, up, self)
         return self.swiglu_forward(gate, up)[0]
 
+    def qkv_rope(self, h: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                 biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+                 cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                 sink: list[WGradEntry] | GradTaps | None) -> tuple[torch.Tensor, ...]:
+        if not _fusable(sink):
+            return super().qkv_rope(h, weights, biases, cos, sin, head_dim, sink)
+        if not _needs_graph(h, *weights, *biases):
+            return self.qkv_rope_forward(h, *weights, *biases, cos, sin, head_dim)
+        return _QKVRopeFn.apply(h, *weights, *biases, cos, sin, head_dim, _entries(sink), self)
+
+    def mlp(self, h: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+            sink: list[WGradEntry] | GradTaps | None) -> torch.Tensor:
+        if not _fusable(sink):
+            return super().mlp(h, w1, w3, w2, sink)
+        if not _needs_graph(h, w1, w3, w2):
+            return self.mlp_forward(h, w1, w3, w2)[0]
+        return _MLPFn.apply(h, w1, w3, w2, _entries(sink), self)
+
     def ce_stats(self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
                  tp_size: int, tp_rank: int, vocab_valid: int | None) -> torch.Tensor:
         return self._ce_stats(logits, targets, vocab_start, tp_size, tp_rank, vocab_valid)
@@ -238,6 +375,10 @@ class CompiledKernels(Kernels):
                 vocab_start: int, grad_loss: torch.Tensor,
                 vocab_valid: int | None) -> torch.Tensor:
         return self._ce_grad(logits, targets, lse, vocab_start, grad_loss, vocab_valid)
+
+
+def _needs_graph(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 @functools.cache

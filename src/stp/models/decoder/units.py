@@ -290,12 +290,9 @@ class AttentionUnit(_ResidualUnit):
 
     def _body(self, h: torch.Tensor, sink: list[WGradEntry] | None) -> torch.Tensor:
         b, s, _ = h.shape
-        hd = self.head_dim
-        q = linear(h, self.wq, sink, self.bq).view(b, s, -1, hd).transpose(1, 2)  # [b, nq, s, hd]
-        k = linear(h, self.wk, sink, self.bk).view(b, s, -1, hd).transpose(1, 2)  # [b, nkv, ...]
-        v = linear(h, self.wv, sink, self.bv).view(b, s, -1, hd).transpose(1, 2)
         cos, sin = self.rope.get(s, h.device, h.dtype)
-        q, k = self.kernels.rope(q, k, cos, sin)
+        q, k, v = self.kernels.qkv_rope(h, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv),
+                                        cos, sin, self.head_dim, sink)  # [b, nq|nkv, s, hd]
         o = attention_core(q, k, v, causal=True, gqa=True, recompute=self.recompute)
         o = o.transpose(1, 2).reshape(b, s, -1)  # [b, s, nq * hd]
         return linear(o, self.wo, sink)  # [b, s, h], partial over TP
@@ -322,9 +319,7 @@ class MLPUnit(_ResidualUnit):
         return [self.w1, self.w3, self.w2]
 
     def _body(self, h: torch.Tensor, sink: list[WGradEntry] | None) -> torch.Tensor:
-        # [b, s, ffn / tp]
-        a = self.kernels.swiglu(linear(h, self.w1, sink), linear(h, self.w3, sink))
-        return linear(a, self.w2, sink)  # [b, s, h], partial over TP
+        return self.kernels.mlp(h, self.w1, self.w3, self.w2, sink)  # [b, s, h], partial over TP
 
 
 class LossUnit(Unit):
