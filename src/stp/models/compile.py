@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from stp.models.decoder.kernels import Kernels
 from stp.models.decoder.rope import apply_rope
-from stp.models.tp.layers import rms_norm, vocab_ce_grad, vocab_ce_stats
+from stp.models.tp.layers import vocab_ce_grad, vocab_ce_stats
 from stp.models.tp.wgrad import GradTaps, LinearGrad, NormGrad, WGradEntry
 
 __all__ = ["CompileStats", "CompiledKernels", "compile_stats", "compile_stages",
@@ -141,22 +141,34 @@ def _swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, act: torch.Tensor,
 
 class _NormFn(torch.autograd.Function):
     """stp.models.tp.layers._RMSNormFn with compiled kernels: saves xhat and rstd, defers
-    the gain's gradient to the sink."""
+    the gain's gradient to the sink. Without a sink (a full BW in plain autograd) it
+    returns the gain's gradient instead, and also keeps the input in the statistics'
+    dtype, as the eager ops do then (x itself in float32 and float64), so the bytes
+    kept stay eager's."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                sink: list[WGradEntry], kernels: CompiledKernels):
+                sink: list[WGradEntry] | None, kernels: CompiledKernels):
         y, xhat, rstd = kernels.norm_forward(x.detach(), weight.detach(), eps)
-        ctx.save_for_backward(xhat, rstd, weight)
+        if sink is None:
+            ctx.save_for_backward(xhat, rstd, weight,
+                                  x.detach().to(torch.promote_types(x.dtype, torch.float32)))
+        else:
+            ctx.save_for_backward(xhat, rstd, weight)
         ctx.sink, ctx.kernels = sink, kernels
         return y
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
-        xhat, rstd, weight = ctx.saved_tensors
-        ctx.sink.append(NormGrad(weight, xhat, grad_out))
+        xhat, rstd, weight = ctx.saved_tensors[:3]
+        grad_w = None
+        if ctx.sink is not None:
+            ctx.sink.append(NormGrad(weight, xhat, grad_out))
+        elif ctx.needs_input_grad[1]:
+            h = xhat.shape[-1]
+            grad_w = (grad_out.to(xhat.dtype) * xhat).reshape(-1, h).sum(0).to(weight.dtype)
         grad_x = ctx.kernels.norm_backward(grad_out, xhat, rstd, weight.detach())
-        return grad_x, None, None, None, None
+        return grad_x, grad_w, None, None, None
 
 
 class _RopeFn(torch.autograd.Function):
@@ -331,12 +343,8 @@ class CompiledKernels(Kernels):
              sink: list[WGradEntry] | GradTaps | None) -> torch.Tensor:
         if not torch.is_grad_enabled():  # no graph (full recomputation's forward, eval)
             return self.norm_forward(x, weight, eps)[0]
-        if sink is None:
-            # autograd's own weight gradient (a one-graph unit's full BW): the eager ops,
-            # so what they keep for it stays what the census counts
-            return rms_norm(x, weight, eps, None)
-        return _NormFn.apply(x, weight, eps, sink.sink if isinstance(sink, GradTaps) else sink,
-                             self)
+        # sink None: autograd's own weight gradient (a one-graph unit's full BW)
+        return _NormFn.apply(x, weight, eps, _entries(sink), self)
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
