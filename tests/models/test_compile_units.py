@@ -122,10 +122,11 @@ def test_compiled_units_really_run_compiled_kernels() -> None:
     _, compiled = _stages(False, "none")
     tokens, targets = _inputs()
     compiled.forward(0, tokens[0], targets[0])
-    # a unit's body between its norm and the attention core, and the whole MLP, are
-    # one compiled piece each (one node in B's graph, not one per op)
-    assert {"_QKVRopeFnBackward", "_MLPFnBackward", "_NormFnBackward"} <= _graph_nodes(
-        compiled, 0)
+    # the q/k/v projections with the rotation, the output projection and the whole
+    # MLP are one piece each (one node in B's graph, not one per op)
+    nodes = _graph_nodes(compiled, 0)
+    assert {"_QKVRopeFnBackward", "_AttnOutFnBackward", "_MLPFnBackward",
+            "_NormFnBackward"} <= nodes, nodes
     compiled.backward_input(0, None, 0.5)
     compiled.backward_weight(0)
     compiled.zero_grad()

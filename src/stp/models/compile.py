@@ -297,6 +297,29 @@ class _QKVRopeFn(torch.autograd.Function):
         return dh, *grads, None, None, None, None, None
 
 
+class _AttnOutFn(torch.autograd.Function):
+    """The output projection of the attention core's o [b, heads, s, hd]: one node in
+    B's graph instead of the transpose, reshape and linear's several (a matmul is
+    one BLAS call each way: nothing to compile). Saves the reshaped o, which the
+    eager linear saves (a view of o where o's layout allows, as eagerly)."""
+
+    @staticmethod
+    def forward(ctx: Any, o: torch.Tensor, wo: torch.Tensor, sink: list[WGradEntry] | None):
+        b, heads, s, _ = o.shape
+        o2 = o.detach().transpose(1, 2).reshape(b, s, -1)  # [b, s, heads * hd]
+        ctx.save_for_backward(o2, wo)
+        ctx.sink, ctx.heads = sink, heads
+        return F.linear(o2, wo.detach())
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):
+        o2, wo = ctx.saved_tensors
+        b, s, _ = dy.shape
+        do = (dy @ wo).view(b, s, ctx.heads, -1).transpose(1, 2)
+        grads = _weight_work(ctx.sink, (ctx.needs_input_grad[1], False), ((wo, None, o2, dy),))
+        return do, grads[0], None
+
+
 class _MLPFn(torch.autograd.Function):
     """The SwiGLU MLP w2(silu(w1 h) * w3 h): one compiled kernel each way. Saves h, the
     gate, silu(gate), the up projection and w2's input, as the eager ops do."""
@@ -366,6 +389,12 @@ class CompiledKernels(Kernels):
         if not _needs_graph(h, *weights, *biases):
             return self.qkv_rope_forward(h, *weights, *biases, cos, sin, head_dim)
         return _QKVRopeFn.apply(h, *weights, *biases, cos, sin, head_dim, _entries(sink), self)
+
+    def attn_out(self, o: torch.Tensor, wo: torch.Tensor,
+                 sink: list[WGradEntry] | GradTaps | None) -> torch.Tensor:
+        if not _fusable(sink) or not _needs_graph(o, wo):
+            return super().attn_out(o, wo, sink)
+        return _AttnOutFn.apply(o, wo, _entries(sink))
 
     def mlp(self, h: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
             sink: list[WGradEntry] | GradTaps | None) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """The pieces of a decoder unit between its linears, behind one object a stage can
 swap: RMSNorm, rotary embedding, the SwiGLU gate and the vocab-parallel
 cross-entropy's statistics and gradient; and two runs of a unit's body with
-their linears (`qkv_rope`: the q, k, v projections and their rotation; `mlp`:
-the whole SwiGLU MLP), which a compiled set runs as one kernel each way with
-the linears' weight work still going to the unit's sink.
+their linears (`qkv_rope`: the q, k, v projections and their rotation;
+`attn_out`: the output projection; `mlp`: the whole SwiGLU MLP), which a
+compiled set runs as one piece each way with the linears' weight work still
+going to the unit's sink.
 
 Everything the split backward hangs on stays outside them: the linears (whose
 inputs and output gradients W records, stp.models.tp.wgrad), the attention core
@@ -56,6 +57,13 @@ class Kernels:
                    for w, bias in zip(weights, biases, strict=True))
         q, k = self.rope(q, k, cos, sin)
         return q, k, v
+
+    def attn_out(self, o: torch.Tensor, wo: torch.Tensor,
+                 sink: list[WGradEntry] | GradTaps | None) -> torch.Tensor:
+        """The attention core's output o [b, heads, s, hd] through the output projection:
+        [b, s, hidden], a partial sum over TP."""
+        b, _, s, _ = o.shape
+        return linear(o.transpose(1, 2).reshape(b, s, -1), wo, sink)
 
     def mlp(self, h: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
             sink: list[WGradEntry] | GradTaps | None) -> torch.Tensor:

@@ -294,8 +294,7 @@ class AttentionUnit(_ResidualUnit):
         q, k, v = self.kernels.qkv_rope(h, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv),
                                         cos, sin, self.head_dim, sink)  # [b, nq|nkv, s, hd]
         o = attention_core(q, k, v, causal=True, gqa=True, recompute=self.recompute)
-        o = o.transpose(1, 2).reshape(b, s, -1)  # [b, s, nq * hd]
-        return linear(o, self.wo, sink)  # [b, s, h], partial over TP
+        return self.kernels.attn_out(o, self.wo, sink)  # [b, s, h], partial over TP
 
 
 class MLPUnit(_ResidualUnit):
