@@ -1,29 +1,34 @@
-"""`stp train --compile`: the pieces of a unit between its linears compiled with
-torch.compile (TorchInductor), the split backward left as it is.
+"""`stp train --compile`: the pieces of a unit between its all-reduce, its attention
+core and its deferred weight gradients compiled with torch.compile
+(TorchInductor), the split backward left as it is.
 
-Granularity (docs/compile.md says why): what gets compiled is the code between
-the linears of a unit -- RMSNorm, the rotary embedding of q and k, the SwiGLU
-gate, the cross-entropy's statistics and gradient -- each as a forward kernel
-and a backward kernel, called from an autograd Function of stp's own:
+Granularity (docs/compile.md says why): RMSNorm; the q, k, v projections with
+the rotation of q and k; the whole SwiGLU MLP (w1, w3, the gate, w2); the
+cross-entropy's statistics and gradient -- each as a forward kernel graph and
+a backward kernel graph, called from an autograd Function of stp's own:
 
-    h --[ norm fw* ]--> linear --[ rope fw* ]--> SDPA --> linear --> partial
-    dh <-[ norm bw* ]-- dx <----[ rope bw* ]---- dSDPA <-- dx <----- dy
-                          \\______ W: (x, dy) of every linear, eager ______/
-    (* compiled: an inference graph each, no autograd inside)
+    h --[ norm fw* ]--> [ wq,wk,wv + rope fw* ]--> SDPA --> [ wo ] --> partial
+    dh <-[ norm bw* ]-- [ dx, and dy per linear* ] <-- dSDPA <-- [ wo ] <-- dy
+                          \\______ W: (x, dy) of every linear, recorded _____/
+    (* compiled: an inference graph each, no autograd inside; the matmuls are
+       inductor's calls of the same BLAS kernels)
 
 So the things stp's runtime relies on are untouched:
-  - the linears stay eager F.linear (or the deferring Functions): B catches
-    their output gradients through gradient edges and W multiplies (x, dy)
-    where the schedule puts it (stp.models.tp.wgrad);
+  - B computes input gradients and each linear's output gradient only, and
+    records (x, dy) per linear in the unit's sink, as the eager linears'
+    gradient edges do (stp.models.tp.wgrad); W multiplies them where the
+    schedule puts it. A backward without a sink (a plain-autograd full BW at
+    one TP rank) returns the weight gradients instead;
   - a unit is still a unit: braiding launches each TP all-reduce between units;
   - each Function saves exactly the tensors the eager ops save (the norm's
-    float32 xhat and rstd, the gate's input, silu output and up projection),
-    chosen by stp, not by AOTAutograd's min-cut partitioner, so the activation
-    census (stp.costmodel.kept), `stp memory`, offload (which reads the saved
-    tensors of every node) and recomputation (which reruns the same Functions)
-    see what they see eagerly;
+    float32 xhat and rstd, the linears' inputs, the gate's input, silu output
+    and up projection), chosen by stp, not by AOTAutograd's min-cut
+    partitioner, so the activation census (stp.costmodel.kept), `stp memory`,
+    offload (which reads the saved tensors of every node) and recomputation
+    (which reruns the same Functions) see what they see eagerly;
   - the attention core stays F.scaled_dot_product_attention (a fused kernel
-    already), so selective recomputation is unchanged.
+    already), so selective recomputation is unchanged; under sequence
+    parallelism the linears stay eager (each routes its gathered input).
 
 Shapes are static per run (dynamic=False): each kernel compiles once per shape
 and dtype a run uses, and every kernel is called with gradients off so grad
