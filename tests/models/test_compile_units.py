@@ -125,11 +125,19 @@ def test_compiled_units_really_run_compiled_kernels() -> None:
     # the q/k/v projections with the rotation, the output projection and the whole
     # MLP are one piece each (one node in B's graph, not one per op)
     nodes = _graph_nodes(compiled, 0)
-    assert {"_QKVRopeFnBackward", "_AttnOutFnBackward", "_MLPFnBackward",
-            "_NormFnBackward"} <= nodes, nodes
+    assert {"QKVRopeFnBackward", "AttnOutFnBackward", "MLPFnBackward",
+            "NormFnBackward"} <= nodes, nodes
     compiled.backward_input(0, None, 0.5)
     compiled.backward_weight(0)
     compiled.zero_grad()
+    # at one TP rank a layer's branches run as one graph: the norm joins each piece
+    _, chunk = _stages(True, "none")
+    chunk.forward(0, tokens[0], targets[0])
+    nodes = _graph_nodes(chunk, 0)
+    assert {"NormQKVRopeFnBackward", "AttnOutFnBackward", "NormMLPFnBackward"} <= nodes, nodes
+    chunk.backward_input(0, None, 0.5)
+    chunk.backward_weight(0)
+    chunk.zero_grad()
     _split_backward(compiled)
     kinds = {type(u).__name__: getattr(u, "kernels", None) for u in compiled.units}
     assert kinds["EmbedUnit"] is None  # a lookup: nothing between linears to compile

@@ -70,6 +70,21 @@ class Kernels:
         """w2(silu(w1 h) * w3 h): the SwiGLU MLP, [b, s, hidden] -> [b, s, hidden]."""
         return linear(self.swiglu(linear(h, w1, sink), linear(h, w3, sink)), w2, sink)
 
+    def norm_qkv_rope(self, x: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                      weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                      biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+                      cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                      sink: GradTaps | None) -> tuple[torch.Tensor, ...]:
+        """RMSNorm then `qkv_rope`: an attention unit's branch at one TP rank, where no
+        all-reduce sits between them (stp.models.decoder.chunk)."""
+        h = self.norm(x, norm_w, eps, sink)
+        return self.qkv_rope(h, weights, biases, cos, sin, head_dim, sink)
+
+    def norm_mlp(self, x: torch.Tensor, norm_w: torch.Tensor, eps: float, w1: torch.Tensor,
+                 w3: torch.Tensor, w2: torch.Tensor, sink: GradTaps | None) -> torch.Tensor:
+        """RMSNorm then `mlp`: an MLP unit's branch at one TP rank."""
+        return self.mlp(self.norm(x, norm_w, eps, sink), w1, w3, w2, sink)
+
     def ce_stats(self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
                  tp_size: int, tp_rank: int, vocab_valid: int | None) -> torch.Tensor:
         """stp.models.tp.layers.vocab_ce_stats (logits detached)."""
