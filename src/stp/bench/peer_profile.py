@@ -175,7 +175,8 @@ def _profiled(fn: Callable[[], Any], steps: int) -> dict[str, Any]:
 
 def profile_worker(spec: ProfileSpec) -> dict[str, Any] | None:
     """Every schedule of spec.peer on this rank: per side, the median CPU ms per step
-    (unprofiled) and the profiled breakdown; rank 0 returns every rank's."""
+    (unprofiled: the process's, its communication threads included, and the main
+    thread's alone) and the profiled breakdown; rank 0 returns every rank's."""
     peer = spec.peer
     out: dict[str, Any] = {}
     for name in peer.schedules:
@@ -183,14 +184,15 @@ def profile_worker(spec: ProfileSpec) -> dict[str, Any] | None:
         for _ in range(peer.warmup):
             for fn in sides.values():
                 fn()
-        cpu: dict[str, list[float]] = {k: [] for k in sides}
+        cpu: dict[str, list[tuple[float, float]]] = {k: [] for k in sides}
         for _ in range(spec.rounds):
             for label, fn in sides.items():
                 dist.barrier()
-                start = time.process_time()
+                start, main = time.process_time(), time.thread_time()
                 fn()
-                cpu[label].append(time.process_time() - start)
-        row = {label: {"cpu_ms": 1e3 * statistics.median(cpu[label]),
+                cpu[label].append((time.process_time() - start, time.thread_time() - main))
+        row = {label: {"cpu_ms": 1e3 * statistics.median(c for c, _ in cpu[label]),
+                       "main_ms": 1e3 * statistics.median(m for _, m in cpu[label]),
                        **_profiled(fn, spec.steps)} for label, fn in sides.items()}
         out[name] = {"sides": row, "missing": missing}
     every = gather(out)
@@ -219,8 +221,8 @@ def format_breakdown(result: dict[str, Any]) -> str:
     the bucket sum (the profiled wall per step), the unprofiled CPU ms, and counts."""
     spec: ProfileSpec = result["spec"]
     lines = ["| setting | schedule | side | rank | " + " | ".join(BUCKETS)
-             + " | sum | CPU ms (unprofiled) | aten ops | BLAS calls | compiled calls "
-             "| autograd nodes |", "|---" * (len(BUCKETS) + 10) + "|"]
+             + " | sum | CPU ms (unprofiled) | of which main thread | aten ops | BLAS calls "
+             "| compiled calls | autograd nodes |", "|---" * (len(BUCKETS) + 11) + "|"]
     for name in spec.peer.schedules:
         for side in result["ranks"][0][name]["sides"]:
             for r, ranks in enumerate(result["ranks"]):
@@ -230,6 +232,7 @@ def format_breakdown(result: dict[str, Any]) -> str:
                     f"| {spec.peer.label} | {name} | {side} | {r} | "
                     + " | ".join(f"{d['ms'][b]:.1f}" for b in BUCKETS)
                     + f" | {sum(d['ms'].values()):.1f} | {d['cpu_ms']:.1f} | "
+                    f"{d['main_ms']:.1f} | "
                     f"{c.get('aten ops', 0):.0f} | {c.get('BLAS calls', 0):.0f} | "
                     f"{c.get('compiled graph calls', 0):.0f} | "
                     f"{c.get('autograd nodes', 0):.0f} |")

@@ -62,8 +62,10 @@ from stp.models.compile_pieces import (
     norm_backward,
     norm_forward,
     norm_mlp_backward,
+    norm_mlp_backward_w,
     norm_mlp_forward,
     norm_qkv_rope_backward,
+    norm_qkv_rope_backward_w,
     norm_qkv_rope_forward,
     qkv_rope_backward,
     qkv_rope_forward,
@@ -143,6 +145,8 @@ class CompiledKernels(Kernels):
         self.norm_qkv_rope_backward = _Compiled(norm_qkv_rope_backward)
         self.norm_mlp_forward = _Compiled(norm_mlp_forward)
         self.norm_mlp_backward = _Compiled(norm_mlp_backward)
+        self.norm_qkv_rope_backward_w = _Compiled(norm_qkv_rope_backward_w)
+        self.norm_mlp_backward_w = _Compiled(norm_mlp_backward_w)
         self._ce_stats = _Compiled(vocab_ce_stats)
         self._ce_grad = _Compiled(vocab_ce_grad)
 

@@ -188,6 +188,37 @@ def norm_mlp_backward(dy: torch.Tensor, gate: torch.Tensor, act: torch.Tensor, u
     return norm_backward(dh, xhat, rstd, g), dh, dgate, dup
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def norm_qkv_rope_backward_w(gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor,
+                             h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+                             wv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                             xhat: torch.Tensor, rstd: torch.Tensor, g: torch.Tensor,
+                             biased: bool) -> tuple[torch.Tensor | None, ...]:
+    """norm_qkv_rope_backward with the weight gradients in the same graph (a plain-autograd
+    full BW): (dx, dg, dWq, dWk, dWv, dbq, dbk, dbv; the biases' None if not biased)."""
+    dx, dh, *dys = norm_qkv_rope_backward(gq, gk, gv, wq, wk, wv, cos, sin, xhat, rstd, g)
+    dg = _rows(dh.to(xhat.dtype) * xhat).sum(0).to(g.dtype)
+    dws = [(_rows(dy).t() @ _rows(h)).to(w.dtype) for w, dy in zip((wq, wk, wv), dys,
+                                                                   strict=True)]
+    dbs = [_rows(dy).sum(0) if biased else None for dy in dys]
+    return dx, dg, *dws, *dbs
+
+
+def norm_mlp_backward_w(dy: torch.Tensor, h: torch.Tensor, gate: torch.Tensor,
+                        act: torch.Tensor, up: torch.Tensor, a: torch.Tensor, w1: torch.Tensor,
+                        w3: torch.Tensor, w2: torch.Tensor, xhat: torch.Tensor,
+                        rstd: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """norm_mlp_backward with the weight gradients in the same graph: (dx, dg, dW1, dW3,
+    dW2)."""
+    dx, dh, dgate, dup = norm_mlp_backward(dy, gate, act, up, w1, w3, w2, xhat, rstd, g)
+    dg = _rows(dh.to(xhat.dtype) * xhat).sum(0).to(g.dtype)
+    return (dx, dg, (_rows(dgate).t() @ _rows(h)).to(w1.dtype),
+            (_rows(dup).t() @ _rows(h)).to(w3.dtype), (_rows(dy).t() @ _rows(a)).to(w2.dtype))
+
+
 def norm_kept_input(x: torch.Tensor, sink: list[WGradEntry] | None) -> tuple[torch.Tensor, ...]:
     """What a norm keeps beyond xhat and rstd: in a plain-autograd full BW (no sink) the
     eager ops keep the input in the statistics' dtype (x itself in float32 and
@@ -331,6 +362,13 @@ class NormQKVRopeFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor):
         h, wq, wk, wv, cos, sin, xhat, rstd, g = ctx.saved_tensors[:9]
+        if ctx.sink is None:  # plain autograd: every gradient from one compiled graph
+            dx, *grads = ctx.kernels.norm_qkv_rope_backward_w(
+                gq, gk, gv, h, wq, wk, wv, cos, sin, xhat, rstd, g,
+                ctx.biases[0] is not None)
+            needs = (ctx.needs_input_grad[1], *ctx.needs_input_grad[3:9])  # g; weights, biases
+            grads = [gr if need else None for gr, need in zip(grads, needs, strict=True)]
+            return dx, grads[0], None, *grads[1:], None, None, None, None, None
         dx, dh, *dys = ctx.kernels.norm_qkv_rope_backward(gq, gk, gv, wq, wk, wv, cos, sin,
                                                           xhat, rstd, g)
         grad_g = norm_weight_work(ctx.sink, ctx.needs_input_grad[1], g, xhat, dh)
@@ -357,6 +395,13 @@ class NormMLPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):
         h, gate, act, up, a, w1, w3, w2, xhat, rstd, g = ctx.saved_tensors[:11]
+        if ctx.sink is None:  # plain autograd: every gradient from one compiled graph
+            dx, *grads = ctx.kernels.norm_mlp_backward_w(dy, h, gate, act, up, a, w1, w3, w2,
+                                                         xhat, rstd, g)
+            needs = ctx.needs_input_grad
+            dg, dw1, dw3, dw2 = (gr if need else None for gr, need in
+                                 zip(grads, (needs[1], *needs[3:6]), strict=True))
+            return dx, dg, None, dw1, dw3, dw2, None, None
         dx, dh, dgate, dup = ctx.kernels.norm_mlp_backward(dy, gate, act, up, w1, w3, w2,
                                                            xhat, rstd, g)
         grad_g = norm_weight_work(ctx.sink, ctx.needs_input_grad[1], g, xhat, dh)
