@@ -41,9 +41,12 @@ def _kept_bytes(stage, mb: int) -> int:
     return sum(n for ptr, n in storages.items() if ptr not in shared)
 
 
-def _split_backward(stage, recompute: str = "none") -> dict:
-    """F of two microbatches, then B of each with W after both Bs; what was seen."""
+def _split_backward(stage, recompute: str = "none", at_once: bool = False) -> dict:
+    """F of two microbatches, then B of each with W after both Bs; what was seen.
+    at_once: both backwards are full BWs (plain autograd computes the weight
+    gradients in B's walk, kept until W adds them)."""
     tokens, targets = _inputs()
+    stage.weights_in_backward((0, 1) if at_once else ())
     losses = [stage.forward(mb, x, t) for mb, (x, t) in enumerate(zip(tokens, targets,
                                                                       strict=True))]
     kept = _kept_bytes(stage, 0)
@@ -91,8 +94,50 @@ def test_compiled_stage_equals_eager_keeps_its_bytes_and_defers_w(fuse: bool,
     assert compile_stats().graphs == graphs
 
 
+def test_a_full_backward_in_plain_autograd_equals_eager_and_keeps_its_bytes() -> None:
+    # one TP rank, every backward a full BW (1F1B, GPipe): the fused pieces hand the
+    # weight gradients to autograd instead of recording (x, dy) for W
+    eager, compiled = _stages(True, "none")
+    want, got = (_split_backward(s, at_once=True) for s in (eager, compiled))
+    for a, b in zip(got["losses"], want["losses"], strict=True):
+        assert _rel(a, b) <= SAME
+    worst = max(_rel(got["grads"][n], want["grads"][n]) for n in want["grads"])
+    assert worst <= SAME, worst
+    assert got["kept"] == want["kept"]
+
+
+def _graph_nodes(stage, mb: int) -> set[str]:
+    seen, todo, names = set(), [t.grad_fn for t in stage.kept_tensors(mb)], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo += [n for n, _ in node.next_functions]
+    return names
+
+
 def test_compiled_units_really_run_compiled_kernels() -> None:
     _, compiled = _stages(False, "none")
+    tokens, targets = _inputs()
+    compiled.forward(0, tokens[0], targets[0])
+    # the q/k/v projections with the rotation, the output projection and the whole
+    # MLP are one piece each (one node in B's graph, not one per op)
+    nodes = _graph_nodes(compiled, 0)
+    assert {"QKVRopeFnBackward", "AttnOutFnBackward", "MLPFnBackward",
+            "NormFnBackward"} <= nodes, nodes
+    compiled.backward_input(0, None, 0.5)
+    compiled.backward_weight(0)
+    compiled.zero_grad()
+    # at one TP rank a layer's branches run as one graph: the norm joins each piece
+    _, chunk = _stages(True, "none")
+    chunk.forward(0, tokens[0], targets[0])
+    nodes = _graph_nodes(chunk, 0)
+    assert {"NormQKVRopeFnBackward", "AttnOutFnBackward", "NormMLPFnBackward"} <= nodes, nodes
+    chunk.backward_input(0, None, 0.5)
+    chunk.backward_weight(0)
+    chunk.zero_grad()
     _split_backward(compiled)
     kinds = {type(u).__name__: getattr(u, "kernels", None) for u in compiled.units}
     assert kinds["EmbedUnit"] is None  # a lookup: nothing between linears to compile

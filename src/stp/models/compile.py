@@ -1,29 +1,34 @@
-"""`stp train --compile`: the pieces of a unit between its linears compiled with
-torch.compile (TorchInductor), the split backward left as it is.
+"""`stp train --compile`: the pieces of a unit between its all-reduce, its attention
+core and its deferred weight gradients compiled with torch.compile
+(TorchInductor), the split backward left as it is.
 
-Granularity (docs/compile.md says why): what gets compiled is the code between
-the linears of a unit -- RMSNorm, the rotary embedding of q and k, the SwiGLU
-gate, the cross-entropy's statistics and gradient -- each as a forward kernel
-and a backward kernel, called from an autograd Function of stp's own:
+Granularity (docs/compile.md says why): RMSNorm; the q, k, v projections with
+the rotation of q and k; the whole SwiGLU MLP (w1, w3, the gate, w2); the
+cross-entropy's statistics and gradient -- each as a forward kernel graph and
+a backward kernel graph, called from an autograd Function of stp's own:
 
-    h --[ norm fw* ]--> linear --[ rope fw* ]--> SDPA --> linear --> partial
-    dh <-[ norm bw* ]-- dx <----[ rope bw* ]---- dSDPA <-- dx <----- dy
-                          \\______ W: (x, dy) of every linear, eager ______/
-    (* compiled: an inference graph each, no autograd inside)
+    h --[ norm fw* ]--> [ wq,wk,wv + rope fw* ]--> SDPA --> [ wo ] --> partial
+    dh <-[ norm bw* ]-- [ dx, and dy per linear* ] <-- dSDPA <-- [ wo ] <-- dy
+                          \\______ W: (x, dy) of every linear, recorded _____/
+    (* compiled: an inference graph each, no autograd inside; the matmuls are
+       inductor's calls of the same BLAS kernels)
 
 So the things stp's runtime relies on are untouched:
-  - the linears stay eager F.linear (or the deferring Functions): B catches
-    their output gradients through gradient edges and W multiplies (x, dy)
-    where the schedule puts it (stp.models.tp.wgrad);
+  - B computes input gradients and each linear's output gradient only, and
+    records (x, dy) per linear in the unit's sink, as the eager linears'
+    gradient edges do (stp.models.tp.wgrad); W multiplies them where the
+    schedule puts it. A backward without a sink (a plain-autograd full BW at
+    one TP rank) returns the weight gradients instead;
   - a unit is still a unit: braiding launches each TP all-reduce between units;
   - each Function saves exactly the tensors the eager ops save (the norm's
-    float32 xhat and rstd, the gate's input, silu output and up projection),
-    chosen by stp, not by AOTAutograd's min-cut partitioner, so the activation
-    census (stp.costmodel.kept), `stp memory`, offload (which reads the saved
-    tensors of every node) and recomputation (which reruns the same Functions)
-    see what they see eagerly;
+    float32 xhat and rstd, the linears' inputs, the gate's input, silu output
+    and up projection), chosen by stp, not by AOTAutograd's min-cut
+    partitioner, so the activation census (stp.costmodel.kept), `stp memory`,
+    offload (which reads the saved tensors of every node) and recomputation
+    (which reruns the same Functions) see what they see eagerly;
   - the attention core stays F.scaled_dot_product_attention (a fused kernel
-    already), so selective recomputation is unchanged.
+    already), so selective recomputation is unchanged; under sequence
+    parallelism the linears stay eager (each routes its gathered input).
 
 Shapes are static per run (dynamic=False): each kernel compiles once per shape
 and dtype a run uses, and every kernel is called with gradients off so grad
@@ -40,12 +45,38 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from stp.models.compile_pieces import (
+    AttnOutFn,
+    MLPFn,
+    NormFn,
+    NormMLPFn,
+    NormQKVRopeFn,
+    QKVRopeFn,
+    RopeFn,
+    SwiGLUFn,
+    entries,
+    fusable,
+    mlp_backward,
+    mlp_forward,
+    norm_backward,
+    norm_forward,
+    norm_mlp_backward,
+    norm_mlp_backward_w,
+    norm_mlp_forward,
+    norm_qkv_rope_backward,
+    norm_qkv_rope_backward_w,
+    norm_qkv_rope_forward,
+    qkv_rope_backward,
+    qkv_rope_forward,
+    rope_backward,
+    rope_forward,
+    swiglu_backward,
+    swiglu_forward,
+)
 from stp.models.decoder.kernels import Kernels
-from stp.models.decoder.rope import apply_rope
-from stp.models.tp.layers import rms_norm, vocab_ce_grad, vocab_ce_stats
-from stp.models.tp.wgrad import GradTaps, NormGrad, WGradEntry
+from stp.models.tp.layers import vocab_ce_grad, vocab_ce_stats
+from stp.models.tp.wgrad import GradTaps, WGradEntry
 
 __all__ = ["CompileStats", "CompiledKernels", "compile_stats", "compile_stages",
            "compiled_kernels"]
@@ -94,117 +125,28 @@ class _Compiled:
         return out
 
 
-# The kernels: the eager maths of stp.models.tp.layers and stp.models.decoder.rope,
-# split into forward and backward functions without autograd.
-
-def _norm_forward(x: torch.Tensor, weight: torch.Tensor,
-                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    xhat = xf * rstd
-    return (xhat * weight).to(x.dtype), xhat, rstd
-
-
-def _norm_backward(grad_out: torch.Tensor, xhat: torch.Tensor, rstd: torch.Tensor,
-                   weight: torch.Tensor) -> torch.Tensor:
-    dxhat = grad_out.to(xhat.dtype) * weight
-    grad_x = rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
-    return grad_x.to(grad_out.dtype)
-
-
-def _rope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-
-def _unrotate(u: torch.Tensor) -> torch.Tensor:
-    """The transpose of rotate_half (x1, x2 -> -x2, x1): u1, u2 -> u2, -u1."""
-    u1, u2 = u.chunk(2, dim=-1)
-    return torch.cat([u2, -u1], dim=-1)
-
-
-def _rope_backward(gq: torch.Tensor, gk: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return gq * cos + _unrotate(gq * sin), gk * cos + _unrotate(gk * sin)
-
-
-def _swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    act = F.silu(gate)
-    return act * up, act
-
-
-def _swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, act: torch.Tensor,
-                     up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    sig = torch.sigmoid(gate)  # silu'(x) = sigmoid(x) (1 + x (1 - sigmoid(x)))
-    return grad * up * (sig * (1 + gate * (1 - sig))), grad * act
-
-
-class _NormFn(torch.autograd.Function):
-    """stp.models.tp.layers._RMSNormFn with compiled kernels: saves xhat and rstd, defers
-    the gain's gradient to the sink."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                sink: list[WGradEntry], kernels: CompiledKernels):
-        y, xhat, rstd = kernels.norm_forward(x.detach(), weight.detach(), eps)
-        ctx.save_for_backward(xhat, rstd, weight)
-        ctx.sink, ctx.kernels = sink, kernels
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor):
-        xhat, rstd, weight = ctx.saved_tensors
-        ctx.sink.append(NormGrad(weight, xhat, grad_out))
-        grad_x = ctx.kernels.norm_backward(grad_out, xhat, rstd, weight.detach())
-        return grad_x, None, None, None, None
-
-
-class _RopeFn(torch.autograd.Function):
-    """Rotary embedding of q and k in one kernel each way; saves the tables only, as the
-    eager multiplications do."""
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, kernels: CompiledKernels):
-        ctx.save_for_backward(cos, sin)
-        ctx.kernels = kernels
-        return kernels.rope_forward(q.detach(), k.detach(), cos, sin)
-
-    @staticmethod
-    def backward(ctx: Any, gq: torch.Tensor, gk: torch.Tensor):
-        cos, sin = ctx.saved_tensors
-        return (*ctx.kernels.rope_backward(gq, gk, cos, sin), None, None, None)
-
-
-class _SwiGLUFn(torch.autograd.Function):
-    """silu(gate) * up in one kernel; saves gate, silu(gate) and up, as the eager ops do."""
-
-    @staticmethod
-    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, kernels: CompiledKernels):
-        gate, up = gate.detach(), up.detach()
-        out, act = kernels.swiglu_forward(gate, up)
-        ctx.save_for_backward(gate, act, up)
-        ctx.kernels = kernels
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        gate, act, up = ctx.saved_tensors
-        return (*ctx.kernels.swiglu_backward(grad, gate, act, up), None)
-
-
 class CompiledKernels(Kernels):
     """The units' pieces between linears, compiled (see the module doc)."""
 
     compiled = True
 
     def __init__(self) -> None:
-        self.norm_forward = _Compiled(_norm_forward)
-        self.norm_backward = _Compiled(_norm_backward)
-        self.rope_forward = _Compiled(_rope_forward)
-        self.rope_backward = _Compiled(_rope_backward)
-        self.swiglu_forward = _Compiled(_swiglu_forward)
-        self.swiglu_backward = _Compiled(_swiglu_backward)
+        self.norm_forward = _Compiled(norm_forward)
+        self.norm_backward = _Compiled(norm_backward)
+        self.rope_forward = _Compiled(rope_forward)
+        self.rope_backward = _Compiled(rope_backward)
+        self.swiglu_forward = _Compiled(swiglu_forward)
+        self.swiglu_backward = _Compiled(swiglu_backward)
+        self.qkv_rope_forward = _Compiled(qkv_rope_forward)
+        self.qkv_rope_backward = _Compiled(qkv_rope_backward)
+        self.mlp_forward = _Compiled(mlp_forward)
+        self.mlp_backward = _Compiled(mlp_backward)
+        self.norm_qkv_rope_forward = _Compiled(norm_qkv_rope_forward)
+        self.norm_qkv_rope_backward = _Compiled(norm_qkv_rope_backward)
+        self.norm_mlp_forward = _Compiled(norm_mlp_forward)
+        self.norm_mlp_backward = _Compiled(norm_mlp_backward)
+        self.norm_qkv_rope_backward_w = _Compiled(norm_qkv_rope_backward_w)
+        self.norm_mlp_backward_w = _Compiled(norm_mlp_backward_w)
         self._ce_stats = _Compiled(vocab_ce_stats)
         self._ce_grad = _Compiled(vocab_ce_grad)
 
@@ -212,23 +154,64 @@ class CompiledKernels(Kernels):
              sink: list[WGradEntry] | GradTaps | None) -> torch.Tensor:
         if not torch.is_grad_enabled():  # no graph (full recomputation's forward, eval)
             return self.norm_forward(x, weight, eps)[0]
-        if sink is None:
-            # autograd's own weight gradient (a one-graph unit's full BW): the eager ops,
-            # so what they keep for it stays what the census counts
-            return rms_norm(x, weight, eps, None)
-        return _NormFn.apply(x, weight, eps, sink.sink if isinstance(sink, GradTaps) else sink,
-                             self)
+        # sink None: autograd's own weight gradient (a one-graph unit's full BW)
+        return NormFn.apply(x, weight, eps, entries(sink), self)
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-            return _RopeFn.apply(q, k, cos, sin, self)
+            return RopeFn.apply(q, k, cos, sin, self)
         return self.rope_forward(q, k, cos, sin)
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-            return _SwiGLUFn.apply(gate, up, self)
+            return SwiGLUFn.apply(gate, up, self)
         return self.swiglu_forward(gate, up)[0]
+
+    def qkv_rope(self, h: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                 biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+                 cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                 sink: list[WGradEntry] | GradTaps | None) -> tuple[torch.Tensor, ...]:
+        if not fusable(sink):
+            return super().qkv_rope(h, weights, biases, cos, sin, head_dim, sink)
+        if not _needs_graph(h, *weights, *biases):
+            return self.qkv_rope_forward(h, *weights, *biases, cos, sin, head_dim)
+        return QKVRopeFn.apply(h, *weights, *biases, cos, sin, head_dim, entries(sink), self)
+
+    def attn_out(self, o: torch.Tensor, wo: torch.Tensor,
+                 sink: list[WGradEntry] | GradTaps | None) -> torch.Tensor:
+        if not fusable(sink) or not _needs_graph(o, wo):
+            return super().attn_out(o, wo, sink)
+        return AttnOutFn.apply(o, wo, entries(sink))
+
+    def mlp(self, h: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+            sink: list[WGradEntry] | GradTaps | None) -> torch.Tensor:
+        if not fusable(sink):
+            return super().mlp(h, w1, w3, w2, sink)
+        if not _needs_graph(h, w1, w3, w2):
+            return self.mlp_forward(h, w1, w3, w2)[0]
+        return MLPFn.apply(h, w1, w3, w2, entries(sink), self)
+
+    def norm_qkv_rope(self, x: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                      weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                      biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+                      cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                      sink: GradTaps | None) -> tuple[torch.Tensor, ...]:
+        if not fusable(sink):
+            return super().norm_qkv_rope(x, norm_w, eps, weights, biases, cos, sin, head_dim, sink)
+        if not _needs_graph(x, norm_w, *weights, *biases):
+            return self.norm_qkv_rope_forward(x, norm_w, eps, *weights, *biases, cos, sin,
+                                              head_dim)[:3]
+        return NormQKVRopeFn.apply(x, norm_w, eps, *weights, *biases, cos, sin, head_dim,
+                                   entries(sink), self)
+
+    def norm_mlp(self, x: torch.Tensor, norm_w: torch.Tensor, eps: float, w1: torch.Tensor,
+                 w3: torch.Tensor, w2: torch.Tensor, sink: GradTaps | None) -> torch.Tensor:
+        if not fusable(sink):
+            return super().norm_mlp(x, norm_w, eps, w1, w3, w2, sink)
+        if not _needs_graph(x, norm_w, w1, w3, w2):
+            return self.norm_mlp_forward(x, norm_w, eps, w1, w3, w2)[0]
+        return NormMLPFn.apply(x, norm_w, eps, w1, w3, w2, entries(sink), self)
 
     def ce_stats(self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
                  tp_size: int, tp_rank: int, vocab_valid: int | None) -> torch.Tensor:
@@ -238,6 +221,10 @@ class CompiledKernels(Kernels):
                 vocab_start: int, grad_loss: torch.Tensor,
                 vocab_valid: int | None) -> torch.Tensor:
         return self._ce_grad(logits, targets, lse, vocab_start, grad_loss, vocab_valid)
+
+
+def _needs_graph(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 @functools.cache

@@ -1,6 +1,10 @@
 """The pieces of a decoder unit between its linears, behind one object a stage can
 swap: RMSNorm, rotary embedding, the SwiGLU gate and the vocab-parallel
-cross-entropy's statistics and gradient.
+cross-entropy's statistics and gradient; and two runs of a unit's body with
+their linears (`qkv_rope`: the q, k, v projections and their rotation;
+`attn_out`: the output projection; `mlp`: the whole SwiGLU MLP), which a
+compiled set runs as one piece each way with the linears' weight work still
+going to the unit's sink.
 
 Everything the split backward hangs on stays outside them: the linears (whose
 inputs and output gradients W records, stp.models.tp.wgrad), the attention core
@@ -17,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from stp.models.decoder.rope import apply_rope
-from stp.models.tp.layers import rms_norm, vocab_ce_grad, vocab_ce_stats
+from stp.models.tp.layers import linear, rms_norm, vocab_ce_grad, vocab_ce_stats
 from stp.models.tp.wgrad import GradTaps, WGradEntry
 
 __all__ = ["Kernels", "EAGER"]
@@ -41,6 +45,45 @@ class Kernels:
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up, the input of the MLP's down projection."""
         return F.silu(gate) * up
+
+    def qkv_rope(self, h: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                 biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+                 cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                 sink: list[WGradEntry] | GradTaps | None) -> tuple[torch.Tensor, ...]:
+        """h [b, s, hidden] -> q, k, v [b, heads, s, head_dim], q and k rotated; the
+        projections' weight work deferred to `sink` (stp.models.tp.layers.linear)."""
+        b, s, _ = h.shape
+        q, k, v = (linear(h, w, sink, bias).view(b, s, -1, head_dim).transpose(1, 2)
+                   for w, bias in zip(weights, biases, strict=True))
+        q, k = self.rope(q, k, cos, sin)
+        return q, k, v
+
+    def attn_out(self, o: torch.Tensor, wo: torch.Tensor,
+                 sink: list[WGradEntry] | GradTaps | None) -> torch.Tensor:
+        """The attention core's output o [b, heads, s, hd] through the output projection:
+        [b, s, hidden], a partial sum over TP."""
+        b, _, s, _ = o.shape
+        return linear(o.transpose(1, 2).reshape(b, s, -1), wo, sink)
+
+    def mlp(self, h: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+            sink: list[WGradEntry] | GradTaps | None) -> torch.Tensor:
+        """w2(silu(w1 h) * w3 h): the SwiGLU MLP, [b, s, hidden] -> [b, s, hidden]."""
+        return linear(self.swiglu(linear(h, w1, sink), linear(h, w3, sink)), w2, sink)
+
+    def norm_qkv_rope(self, x: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                      weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                      biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+                      cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                      sink: GradTaps | None) -> tuple[torch.Tensor, ...]:
+        """RMSNorm then `qkv_rope`: an attention unit's branch at one TP rank, where no
+        all-reduce sits between them (stp.models.decoder.chunk)."""
+        h = self.norm(x, norm_w, eps, sink)
+        return self.qkv_rope(h, weights, biases, cos, sin, head_dim, sink)
+
+    def norm_mlp(self, x: torch.Tensor, norm_w: torch.Tensor, eps: float, w1: torch.Tensor,
+                 w3: torch.Tensor, w2: torch.Tensor, sink: GradTaps | None) -> torch.Tensor:
+        """RMSNorm then `mlp`: an MLP unit's branch at one TP rank."""
+        return self.mlp(self.norm(x, norm_w, eps, sink), w1, w3, w2, sink)
 
     def ce_stats(self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
                  tp_size: int, tp_rank: int, vocab_valid: int | None) -> torch.Tensor:

@@ -289,16 +289,22 @@ class AttentionUnit(_ResidualUnit):
         return [self.wq, self.wk, self.wv, self.wo, self.bq, self.bk, self.bv]
 
     def _body(self, h: torch.Tensor, sink: list[WGradEntry] | None) -> torch.Tensor:
-        b, s, _ = h.shape
-        hd = self.head_dim
-        q = linear(h, self.wq, sink, self.bq).view(b, s, -1, hd).transpose(1, 2)  # [b, nq, s, hd]
-        k = linear(h, self.wk, sink, self.bk).view(b, s, -1, hd).transpose(1, 2)  # [b, nkv, ...]
-        v = linear(h, self.wv, sink, self.bv).view(b, s, -1, hd).transpose(1, 2)
-        cos, sin = self.rope.get(s, h.device, h.dtype)
-        q, k = self.kernels.rope(q, k, cos, sin)
+        cos, sin = self.rope.get(h.shape[1], h.device, h.dtype)
+        q, k, v = self.kernels.qkv_rope(h, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv),
+                                        cos, sin, self.head_dim, sink)  # [b, nq|nkv, s, hd]
+        return self._attend(q, k, v, sink)
+
+    def branch(self, x: torch.Tensor, sink: GradTaps | None) -> torch.Tensor:
+        cos, sin = self.rope.get(x.shape[1], x.device, x.dtype)
+        q, k, v = self.kernels.norm_qkv_rope(x, self.norm_w, self.eps, (self.wq, self.wk, self.wv),
+                                             (self.bq, self.bk, self.bv), cos, sin, self.head_dim,
+                                             sink)
+        return self._attend(q, k, v, sink)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                sink: list[WGradEntry] | GradTaps | None) -> torch.Tensor:
         o = attention_core(q, k, v, causal=True, gqa=True, recompute=self.recompute)
-        o = o.transpose(1, 2).reshape(b, s, -1)  # [b, s, nq * hd]
-        return linear(o, self.wo, sink)  # [b, s, h], partial over TP
+        return self.kernels.attn_out(o, self.wo, sink)  # [b, s, h], partial over TP
 
 
 class MLPUnit(_ResidualUnit):
@@ -322,9 +328,10 @@ class MLPUnit(_ResidualUnit):
         return [self.w1, self.w3, self.w2]
 
     def _body(self, h: torch.Tensor, sink: list[WGradEntry] | None) -> torch.Tensor:
-        # [b, s, ffn / tp]
-        a = self.kernels.swiglu(linear(h, self.w1, sink), linear(h, self.w3, sink))
-        return linear(a, self.w2, sink)  # [b, s, h], partial over TP
+        return self.kernels.mlp(h, self.w1, self.w3, self.w2, sink)  # [b, s, h], partial over TP
+
+    def branch(self, x: torch.Tensor, sink: GradTaps | None) -> torch.Tensor:
+        return self.kernels.norm_mlp(x, self.norm_w, self.eps, self.w1, self.w3, self.w2, sink)
 
 
 class LossUnit(Unit):
