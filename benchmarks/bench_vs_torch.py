@@ -47,6 +47,23 @@ SETTINGS = {"tp1-eager": (1, False), "tp1-compiled": (1, True),
             "tp2-eager": (2, False), "tp2-compiled": (2, True)}
 
 
+def check_choices(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit 2 (argparse's error) on a size or setting not in SIZES / SETTINGS."""
+    for value, known, what in ((args.sizes, SIZES, "size"), (args.settings, SETTINGS, "setting")):
+        bad = [s for s in value.split(",") if s not in known]
+        if bad:
+            p.error(f"unknown {what} {bad[0]!r}; choose from {', '.join(known)}")
+
+
+def model_of(size: str, layers: int):  # -> stp.shapes.ModelConfig (imported late: argparse first)
+    """The decoder of a named size (SIZES), 4 heads, `layers` layers."""
+    from stp.shapes import ModelConfig
+
+    shape = SIZES[size]
+    return ModelConfig(hidden=shape["hidden"], num_layers=layers, num_heads=4, num_kv_heads=4,
+                       max_seq_len=shape["seq_len"])
+
+
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="issue,compute,overhead",
@@ -63,12 +80,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                  "vs_torch.md"))
     args = p.parse_args(argv)
-    bad = [s for s in args.sizes.split(",") if s not in SIZES]
-    if bad:
-        p.error(f"unknown size {bad[0]!r}; choose from {', '.join(SIZES)}")
-    bad = [s for s in args.settings.split(",") if s not in SETTINGS]
-    if bad:
-        p.error(f"unknown setting {bad[0]!r}; choose from {', '.join(SETTINGS)}")
+    check_choices(p, args)
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
     return args
@@ -78,13 +90,11 @@ def main(argv: list[str]) -> int:
     args = _args(argv)
     from stp.bench.peer import PeerSpec, run_peer
     from stp.bench.peer_table import failed_setting, format_tables
-    from stp.shapes import ModelConfig
 
     sections = []
     for size in args.sizes.split(","):
         shape = SIZES[size]
-        model = ModelConfig(hidden=shape["hidden"], num_layers=args.layers, num_heads=4,
-                            num_kv_heads=4, max_seq_len=shape["seq_len"])
+        model = model_of(size, args.layers)
         results = []
         for setting in args.settings.split(","):
             tp, compiled = SETTINGS[setting]

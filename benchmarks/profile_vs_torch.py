@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_vs_torch import SETTINGS, SIZES  # noqa: E402
+from bench_vs_torch import SETTINGS, SIZES, check_choices, model_of  # noqa: E402
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -45,10 +45,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the tables to this file")
     args = p.parse_args(argv)
-    for value, known, what in ((args.sizes, SIZES, "size"), (args.settings, SETTINGS, "setting")):
-        bad = [s for s in value.split(",") if s not in known]
-        if bad:
-            p.error(f"unknown {what} {bad[0]!r}; choose from {', '.join(known)}")
+    check_choices(p, args)
     if args.steps < 1 or args.rounds < 1:
         p.error(f"--steps and --rounds must be >= 1, got {args.steps}, {args.rounds}")
     return args
@@ -58,13 +55,11 @@ def main(argv: list[str]) -> int:
     args = _args(argv)
     from stp.bench.peer import PeerSpec
     from stp.bench.peer_profile import ProfileSpec, format_breakdown, run_profile
-    from stp.shapes import ModelConfig
 
     sections = []
     for size in args.sizes.split(","):
         shape = SIZES[size]
-        model = ModelConfig(hidden=shape["hidden"], num_layers=args.layers, num_heads=4,
-                            num_kv_heads=4, max_seq_len=shape["seq_len"])
+        model = model_of(size, args.layers)
         tables = []
         for setting in args.settings.split(","):
             tp, compiled = SETTINGS[setting]

@@ -13,7 +13,7 @@ from stp.plan import NoPlan, PlanRequest, plan
 from stp.plan.experts import bound_memory, bound_time, priced
 from stp.plan.planner import priced_at
 from stp.plan.price import price
-from stp.plan.space import BRAIDED, Config, Mesh, levers_for, meshes, microbatchings, schedules_for
+from stp.plan.space import BRAIDED, Config, Mesh, every_config, levers_for, meshes, schedules_for
 from stp.schedule.ir import passes_of
 from stp.schedule.registry import SCHEDULES, generate
 
@@ -33,14 +33,6 @@ def _request(**kw):
                 gpus_per_node=1, schedules=("1f1b",), partition="even", top=3)
     base.update(kw)
     return PlanRequest(**base)
-
-
-def _all_configs(request):
-    for mesh in meshes(request):
-        for b, m in microbatchings(request, mesh):
-            for name, chunks in schedules_for(request, mesh):
-                for _, feats in levers_for(request, mesh):
-                    yield Config(mesh, b, m, name, feats, chunks)
 
 
 def test_ep_ranges_over_the_divisors_of_dp_that_divide_the_experts():
@@ -63,7 +55,7 @@ def test_bounds_stay_below_the_simulated_price_at_every_ep():
     # unbraided schedules (exposed all-to-alls) and sharded experts too.
     request = _request(model=replace(MOE, layers=4), gpus_per_node=2,
                        schedules=("1f1b", "zb-v", "stp", "1f1b-interleaved"))
-    configs = list(_all_configs(request))
+    configs = list(every_config(request))
     assert {c.mesh.ep for c in configs} == {1, 2, 4, 8}
     for cfg in configs[::5]:
         got = priced(request, cfg)
@@ -85,7 +77,7 @@ def test_top_k_equals_the_exhaustive_ranking_over_ep():
     request = _request(model=replace(MOE, layers=4), gpus_per_node=2, memory_budget=budget,
                        schedules=("1f1b", "zb-v", "stp"))
     best: dict[tuple, float] = {}
-    for cfg in _all_configs(request):
+    for cfg in every_config(request):
         key = (cfg.mesh, cfg.microbatch_size, cfg.schedule, cfg.chunks)
         if key not in best:
             got = priced(request, cfg)

@@ -10,7 +10,7 @@ from stp.costmodel import HARDWARE
 from stp.costmodel.model import ModelSpec
 from stp.plan import NoPlan, PlanRequest, plan
 from stp.plan.price import memory_bound, price, time_bound
-from stp.plan.space import Config, levers_for, meshes, microbatchings, schedules_for
+from stp.plan.space import every_config
 
 SMALL = ModelSpec(layers=8, hidden=1024, heads=16, kv_heads=4, ffn=4096, vocab=32000,
                   sequence=2048, gated_mlp=True, flash_attention=True, name="small")
@@ -26,18 +26,10 @@ def _request(**kw):
     return PlanRequest(**base)
 
 
-def _all_configs(request):
-    for mesh in meshes(request):
-        for b, m in microbatchings(request, mesh):
-            for name, chunks in schedules_for(request, mesh):
-                for _, feats in levers_for(request, mesh):
-                    yield Config(mesh, b, m, name, feats, chunks)
-
-
 def test_bounds_never_exceed_the_simulated_price():
     # The planner skips a configuration on these bounds, so they must hold.
     request = _request()
-    for cfg in list(_all_configs(request))[::7]:
+    for cfg in list(every_config(request))[::7]:
         got = price(SMALL, HW, cfg, 2048)
         assert time_bound(SMALL, HW, cfg, 2048) <= got.step_s * (1 + 1e-9), cfg
         assert memory_bound(SMALL, HW, cfg, 2048) <= got.peak_bytes * (1 + 1e-9), cfg
@@ -49,7 +41,7 @@ def test_top_k_equals_the_exhaustive_ranking_under_a_tight_budget():
     budget = 6.0e9
     request = _request(memory_budget=budget)
     best: dict[tuple, float] = {}
-    for cfg in _all_configs(request):
+    for cfg in every_config(request):
         key = (cfg.mesh, cfg.microbatch_size, cfg.schedule, cfg.chunks)
         if key in best:
             continue  # a lower lever already fits: later levers are not faster

@@ -46,7 +46,7 @@ from stp.schedule.registry import SCHEDULES, generate
 
 __all__ = ["Mesh", "Config", "LEVERS", "BRAIDED", "meshes", "microbatchings", "schedules_for",
            "ep_options", "levers_for", "stages_of", "MAX_STAGE_MICROBATCHES", "MAX_CHUNKS",
-           "chunk_options"]
+           "chunk_options", "every_config"]
 
 BRAIDED = ("stp", "dualpipev")
 """Schedules whose blocks braid passes to hide TP collectives and a mixture of
@@ -205,3 +205,13 @@ def levers_for(request: PlanRequest, mesh: Mesh) -> list[tuple[str, Features]]:
             seen.add(feats)
             out.append((name, feats))
     return out
+
+
+def every_config(request: PlanRequest) -> Iterator[Config]:
+    """Every configuration of the space, before any pruning (the planner walks the
+    same loops, trying a mesh's lever ladder rung by rung instead of all of it)."""
+    for mesh in meshes(request):
+        for b, m in microbatchings(request, mesh):
+            for name, chunks in schedules_for(request, mesh):
+                for _, features in levers_for(request, mesh):
+                    yield Config(mesh, b, m, name, features, chunks)
