@@ -157,6 +157,7 @@ def _options(run: Run) -> TrainerOptions:
         lr_schedule=LRSchedule(job.lr_schedule, job.steps, job.warmup, job.min_lr),
         partition=run.built_partition, sequence_parallel=job.sequence_parallel,
         shard_optimizer=job.shard_optimizer,
+        overlap_grad_sync=job.overlap_grad_sync,
         recompute=job.recompute,
         compile=job.compile,
     )

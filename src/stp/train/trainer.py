@@ -13,10 +13,13 @@ One `step` = one iteration over m microbatches of the global batch:
     2. the executor runs this pipeline rank's lowered program (stp.runtime.executor);
        the last stage seeds each backward with 1/m, so .grad holds the
        gradient of the mean of microbatch means = the full-batch mean loss;
+       as each stage's last W ends, its DP reduction is launched under the
+       rest of the pipeline (`overlap_grad_sync`, stp.train.grad_sync);
     3. the step's collectives (stp.train.grad_sync): shared gradients summed,
        the loss (mean over microbatches and replicas) summed over the world
        from the ranks holding it, so every rank returns the same number,
-       gradients averaged over DP replicas (one flat all-reduce; with
+       gradients averaged over DP replicas (the reductions in flight waited
+       for, the rest run now; one flat all-reduce per stage; with
        `shard_optimizer` a reduce-scatter, each replica keeping its rows:
        stp.train.zero), and the global gradient norm taken over the whole model;
     4. the gradients are clipped by that norm (stp.train.clip; inf/NaN: the
@@ -255,6 +258,7 @@ class Trainer:
         for st in self.stages.values():
             st.zero_grad()
         self.precision.zero_grad()
+        self.parts.sync.start_step()
         # the mean over the valid (not ignored) targets of the whole global batch
         ratio = valid_token_ratio(targets)
         if self.aux is not None:
