@@ -229,7 +229,7 @@ class GradSync:
         over their replicas, module doc). With `async_op` the all-reduces are
         returned in flight (finish each); else they are finished."""
         grads = self.precision.grads()
-        wanted = range(len(grads)) if indices is None else indices
+        wanted = range(len(grads)) if indices is None else list(indices)
         experts = set(self.expert_index)
         dense = [grads[i] for i in wanted if i not in experts]
         flights = [self._mean(dense, "dp", self.mesh.dp_group, "DP gradient all-reduce")]
