@@ -39,7 +39,12 @@ then runs, on every rank:
        gradients the optimizer reads (with sharding: each rank's shards).
 
 The optimizer then steps (stp.train.precision); with the sharded optimizer
-its parameter all-gather stays after the step, exposed. There is no
+its parameter all-gather stays after the step, exposed. A reduction in
+flight holds a flat fp32 copy of its stage's gradients (the sharded
+optimizer's: the packed buffer), as the reduction after the drain did, but
+now during the last backwards: it is released when the reduction is seen
+complete at the next stage's launch, or at the latest in `after_backward`
+(not in `stp memory`'s estimate, which counts no DP buffer either way). There is no
 gradient accumulation across executor runs: a step is one run over its m
 microbatches, whose gradients the stages sum as they go.
 
@@ -155,7 +160,13 @@ class GradSync:
         idx = [i for i in self.stage_params[stage] if i not in self.late]
         if self.precision.mixed:
             self.precision.fold(idx)  # into the fp32 main grads first
+        self._finish_completed()  # their flat copies go before this stage's come
         self._in_flight += self._reduce(idx, stage, async_op=True)
+
+    def _finish_completed(self) -> None:
+        """Finish the oldest reductions in flight that are done (in launch order)."""
+        while self._in_flight and self._in_flight[0].completed():
+            self._in_flight.pop(0).finish()
 
     def finish_reductions(self) -> None:
         """Wait for the reductions in flight and use their results, oldest first."""

@@ -35,6 +35,10 @@ class InFlight:
     watched: Any = None
     """The trace's record of it (stp.runtime.trace.Watched), stamped when waited for."""
 
+    def completed(self) -> bool:
+        """The work is done (finishing it will not wait)."""
+        return self.work is None or bool(self.work.is_completed())
+
     def finish(self) -> None:
         """Wait for the work, then use its result. Call once."""
         if self.work is not None:
