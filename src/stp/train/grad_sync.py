@@ -44,7 +44,8 @@ flight holds a flat fp32 copy of its stage's gradients (the sharded
 optimizer's: the packed buffer), as the reduction after the drain did, but
 now during the last backwards: it is released when the reduction is seen
 complete at the next stage's launch, or at the latest in `after_backward`
-(not in `stp memory`'s estimate, which counts no DP buffer either way). There is no
+(`stp memory`'s estimate counts what the copies add to the activations' peak
+in its buffers, taking the latest: stp.costmodel.memory). There is no
 gradient accumulation across executor runs: a step is one run over its m
 microbatches, whose gradients the stages sum as they go.
 
