@@ -163,6 +163,14 @@ def test_dp_reduction_copies_at_the_drain_add_what_exceeds_the_activations():
         want = [max(0.0, 4 * r.parameters - r.activations_peak) for r in base.ranks]
         assert _extra(est, base) == pytest.approx(want, abs=1)
         assert want[1] > 0 and want[0] == 0  # both cases of the max taken
+    # sharded: the packed copy, and with the overlap the stage's reduce-scattered
+    # segment (P / dp) too, besides the shard of the drain's reduction (4 P / dp)
+    for overlap, segment in ((True, 1), (False, 0)):
+        est = estimate(spec, HW, replace(dp1, dp=4),
+                       Features(overlap_grad_sync=overlap, shard_optimizer=True))
+        want = [4 * r.parameters / 4 + max(0.0, 4 * r.parameters * (1 + segment / 4)
+                                           - r.activations_peak) for r in base.ranks]
+        assert _extra(est, base) == pytest.approx(want, abs=1)
 
 
 def test_overlapped_copies_are_held_from_their_stage_final():

@@ -420,13 +420,17 @@ def memory_of_run(spec: ModelSpec, res: SimResult, bytes_per_unit: float,
     params = rank_parameters(spec, sch.num_stages, sch.stage_to_rank, tuple(counts))
     experts = rank_parameters(spec, sch.num_stages, sch.stage_to_rank, tuple(counts),
                               experts_only=True)
-    stage_params = rank_parameters(spec, sch.num_stages, tuple(range(sch.num_stages)),
-                                   tuple(counts))
+    each = tuple(range(sch.num_stages))
+    stage_params = rank_parameters(spec, sch.num_stages, each, tuple(counts))
+    stage_experts = rank_parameters(spec, sch.num_stages, each, tuple(counts),
+                                    experts_only=True)
+    ep = min(spec.ep if isinstance(spec, MoESpec) else 1, dp)
     ranks = []
     for r, n in enumerate(params):
         rank = _rank(r, n, res.ranks[r].peak_activation * act_scale, spec, sch.chunks, layout,
                      features, experts[r])
-        copies = _reduction_copies(sch, r, stage_params, features, layout.dp)
+        copies = _reduction_copies(sch, r, stage_params, stage_experts, features,
+                                   layout.dp, ep)
         added = _copies_over_peak(res, r, copies, act_scale, features.overlap_grad_sync)
         ranks.append(replace(rank, buffers=rank.buffers + added))
     notes = []
@@ -437,18 +441,25 @@ def memory_of_run(spec: ModelSpec, res: SimResult, bytes_per_unit: float,
     return MemoryEstimate(tuple(ranks), layout, features, tuple(notes), res.makespan)
 
 
-def _reduction_copies(sch: Schedule, rank: int, stage_params: list[int], f: Features,
-                      dp: int) -> dict[int, float]:
+def _reduction_copies(sch: Schedule, rank: int, stage_params: list[int],
+                      stage_experts: list[int], f: Features, dp: int,
+                      ep: int) -> dict[int, float]:
     """{stage of `rank`: bytes of the flat copy its DP gradient reduction holds} (module
     doc): grad bytes x its parameters; with the sharded optimizer and the overlap also
-    the stage's reduce-scattered segment (without it the one reduction's segment is the
-    shard `_rank` counts). Empty at dp = 1 (no reduction)."""
+    the stage's reduce-scattered segment, its dense parameters over dp and its experts
+    over the dp / ep ranks holding them (without the overlap the one reduction's
+    segment is the shard `_rank` counts). Empty at dp = 1 (no reduction)."""
     if dp == 1:
         return {}
     width = 4 if f.sixteen_bit else DTYPE_BYTES[f.dtype]
     segment = f.shard_optimizer and f.overlap_grad_sync
-    return {s: width * stage_params[s] + (width * stage_params[s] / dp if segment else 0)
-            for s in range(sch.num_stages) if sch.stage_to_rank[s] == rank}
+
+    def copy(s: int) -> float:
+        whole, experts = stage_params[s], stage_experts[s]
+        out = width * whole
+        return out + width * ((whole - experts) / dp + experts * ep / dp) if segment else out
+
+    return {s: copy(s) for s in range(sch.num_stages) if sch.stage_to_rank[s] == rank}
 
 
 def _copies_over_peak(res: SimResult, rank: int, copies: dict[int, float], act_scale: float,
