@@ -86,3 +86,7 @@ def test_the_overlap_is_on_by_default_and_the_flag_turns_it_off() -> None:
     off = from_args(TrainJob, parser.parse_args(["--overlap-grad-sync", "off"]))
     assert on.overlap_grad_sync and not off.overlap_grad_sync
     assert TrainerOptions().overlap_grad_sync
+    # and the pre-launch memory estimate prices the flat copies where the flag puts them
+    from stp.train.memory_check import run_features
+
+    assert run_features(on).overlap_grad_sync and not run_features(off).overlap_grad_sync
