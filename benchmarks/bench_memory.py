@@ -54,6 +54,8 @@ CONFIGS: dict[str, list[str]] = {
     "1f1b-recompute-full": ["--pp", "2", "--schedule", "1f1b", "--recompute", "full"],
     "zb-v-tp2-sp-recompute-full": ["--pp", "2", "--tp", "2", "--schedule", "zb-v",
                                    "--sequence-parallel", "--recompute", "full"],
+    "zb-v-dp2-bf16-overlap": ["--pp", "2", "--dp", "2", "--schedule", "zb-v",
+                              "--dtype", "bfloat16", "--overlap-grad-sync", "on"],
     "1f1b-dp2-shard-optimizer": ["--pp", "2", "--dp", "2", "--schedule", "1f1b",
                                  "--dtype", "bfloat16", "--shard-optimizer"],
     "moe-1f1b": ["--pp", "2", "--schedule", "1f1b", *MOE],
