@@ -203,9 +203,12 @@ class RankMemory:
     optimizer: float
     activations_peak: float
     buffers: float
+    copies: float = 0.0
+    """Of `buffers`, what the DP reductions' flat gradient copies add to the
+    activations' peak (module doc; `stp train --json`'s measured `dp_copies`)."""
 
     def __post_init__(self) -> None:
-        for key in ("rank", "parameters", *CATEGORIES):
+        for key in ("rank", "parameters", *CATEGORIES, "copies"):
             val = getattr(self, key)
             if isinstance(val, bool) or not isinstance(val, int | float) or not val >= 0:
                 raise ValueError(f"rank memory {key}={val!r} must be a number >= 0")
@@ -241,8 +244,8 @@ class MemoryEstimate:
 
     def to_json(self) -> dict[str, object]:
         return {"memory": self.peak.to_json(), "peak_rank": self.peak.rank,
-                "ranks": [{"rank": r.rank, "parameters": r.parameters, **r.to_json()}
-                          for r in self.ranks],
+                "ranks": [{"rank": r.rank, "parameters": r.parameters, **r.to_json(),
+                           "dp_copies": r.copies} for r in self.ranks],
                 "notes": list(self.notes), "step_ms": self.step_time}
 
 
@@ -432,7 +435,7 @@ def memory_of_run(spec: ModelSpec, res: SimResult, bytes_per_unit: float,
         copies = _reduction_copies(sch, r, stage_params, stage_experts, features,
                                    layout.dp, ep)
         added = _copies_over_peak(res, r, copies, act_scale, features.overlap_grad_sync)
-        ranks.append(replace(rank, buffers=rank.buffers + added))
+        ranks.append(replace(rank, buffers=rank.buffers + added, copies=added))
     notes = []
     splits = any(p.kind is Kind.W for acts in sch.actions for a in acts for p in passes_of(a))
     if spec.recompute == "full" and splits and features.runtime != "stp":

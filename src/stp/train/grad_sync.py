@@ -131,6 +131,9 @@ class GradSync:
         """Parameters reduced after the shared sum even with the overlap (module doc)."""
         self._in_flight: list[InFlight] = []
         self._reduced: set[int] = set()
+        self.sampler: Callable[[], None] | None = None
+        """Called after each launch: the activation offloader's `sample`, so the copies'
+        bytes (`held_bytes`) are measured with the activations (stp.train.setup)."""
 
     def _late_indices(self) -> frozenset[int]:
         if not isinstance(self.precision, ShardedPrecision) or self.shared is None:
@@ -163,6 +166,14 @@ class GradSync:
             self.precision.fold(idx)  # into the fp32 main grads first
         self._finish_completed()  # their flat copies go before this stage's come
         self._in_flight += self._reduce(idx, stage, async_op=True)
+        if self.sampler is not None:
+            self.sampler()
+
+    def held_bytes(self) -> int:
+        """Bytes of the buffers the reductions in flight hold (each storage once)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for f in self._in_flight for t in f.keep}
+        return sum(storages.values())
 
     def _finish_completed(self) -> None:
         """Finish the oldest reductions in flight that are done (in launch order)."""

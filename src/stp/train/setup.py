@@ -156,6 +156,8 @@ def build(
     sync.recorder = executor.recorder
     if sync.overlap:  # each stage's DP reduction under the passes after its last W
         executor.grads_final = sync.stage_final
+        if offloader is not None:  # its copies measured with the activations
+            offloader.held, sync.sampler = sync.held_bytes, offloader.sample
     return Parts(mesh=mesh, dims=dims, schedule=schedule, options=opts, device=device,
                  hidden=hidden, source=source, family=family, model_config=model_config,
                  stages=stages,

@@ -232,9 +232,13 @@ class Trainer:
         if self.offloader is None:
             return None
         peaks: list[Any] = [None] * self.dims.world_size
+        mem = self.offloader.memory
         self.parts.sync.collective("memory gather", WORLD, dist.all_gather_object, peaks,
-                                   self.offloader.memory.peak_bytes)
-        return [int(p) for p in peaks]
+                                   (mem.peak_bytes, max(0, mem.peak_with_held - mem.peak_bytes)))
+        self.copy_peaks = [int(c) for _, c in peaks]
+        """What the DP reductions' copies in flight added to each rank's peak of resident
+        activations in the last step (`StepMemory.peak_with_held`), set with the peaks."""
+        return [int(p) for p, _ in peaks]
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(global name, local tensor) of every parameter this rank holds."""
