@@ -63,7 +63,10 @@ to the peak of resident activations:
 zero where the copies come when enough activations are freed (1F1B's
 single stage per rank, at this scale), up to grad bytes x P per rank where
 they do not (a copy larger than the activations' peak, or a V schedule's
-first stage finishing before its second).
+first stage finishing before its second). That part of `buffers` is
+`RankMemory.copies` (`dp_copies` in `stp memory --json`'s ranks), which
+`stp train --json` measures (stp.train.memory_measure); on the small runs of
+benchmarks/results/memory.md the bound is at most 5% of the total over.
 
 Whose activations (`Features.runtime`): `megatron`, Korthikanti's counting
 (`stp.costmodel.model`; `stp memory --model`), or `stp`, what stp's own
