@@ -54,7 +54,8 @@ def _line(name: str, p, request: PlanRequest) -> str:
     return (f"  {name:28s} step {row['step_time_s']:7.3f} s  MFU {row['mfu']:6.1%}  "
             f"peak {p.peak_bytes / 2**30:5.1f} GiB  [compute {crit.compute / 1e3:.2f} "
             f"idle {crit.idle / 1e3:.2f} TP {crit.exposed_tp / 1e3:.2f} "
-            f"DP {p.dp_sync_s:.2f} s]  levers {','.join(levers) or '-'}")
+            f"DP {p.dp_sync_s:.2f} exposed of {p.dp_sync_total_s:.2f} s]  "
+            f"levers {','.join(levers) or '-'}")
 
 
 LLAMA3_PARTITION = (1, *([2] * 62), 1)

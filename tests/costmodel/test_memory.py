@@ -30,7 +30,8 @@ def test_states_per_parameter_bfloat16_and_float32():
 
 def test_sharded_optimizer_divides_masters_and_moments_by_dp():
     plain = estimate(SPEC, HW, LAYOUT).ranks
-    sharded = estimate(SPEC, HW, LAYOUT, Features(shard_optimizer=True)).ranks
+    sharded = estimate(SPEC, HW, LAYOUT, Features(shard_optimizer=True,
+                                                  overlap_grad_sync=False)).ranks
     for a, b in zip(plain, sharded, strict=True):
         assert b.masters == a.masters / 4 and b.optimizer == a.optimizer / 4
         assert b.weights == a.weights and b.grads == a.grads
@@ -143,3 +144,77 @@ def test_an_explicit_partition_moves_the_parameters():
     assert sum(r.parameters for r in uneven) == sum(r.parameters for r in even)
     with pytest.raises(ValueError, match="sums to 7"):
         estimate(SPEC, HW, replace(LAYOUT, partition=(1, 3, 2, 1)))
+
+
+def _extra(est_on, est_dp1):
+    return [a.buffers - b.buffers for a, b in zip(est_on.ranks, est_dp1.ranks, strict=True)]
+
+
+def test_dp_reduction_copies_at_the_drain_add_what_exceeds_the_activations():
+    """1F1B, one stage per rank: its reduction's flat fp32 copy (4 bytes a parameter)
+    comes as the last backward ends, activations freed, overlap or not: it adds
+    what it exceeds the activations' peak by, to the byte (rank 1 holds the output
+    layer: its copy is the larger)."""
+    spec = SPEC
+    dp1 = replace(LAYOUT, dp=1, schedule="1f1b")
+    base = estimate(spec, HW, dp1)
+    for overlap in (True, False):
+        est = estimate(spec, HW, replace(dp1, dp=4), Features(overlap_grad_sync=overlap))
+        want = [max(0.0, 4 * r.parameters - r.activations_peak) for r in base.ranks]
+        assert _extra(est, base) == pytest.approx(want, abs=1)
+        assert want[1] > 0 and want[0] == 0  # both cases of the max taken
+    # sharded: the packed copy, and with the overlap the stage's reduce-scattered
+    # segment (P / dp) too, besides the shard of the drain's reduction (4 P / dp)
+    for overlap, segment in ((True, 1), (False, 0)):
+        est = estimate(spec, HW, replace(dp1, dp=4),
+                       Features(overlap_grad_sync=overlap, shard_optimizer=True))
+        want = [4 * r.parameters / 4 + max(0.0, 4 * r.parameters * (1 + segment / 4)
+                                           - r.activations_peak) for r in base.ranks]
+        assert _extra(est, base) == pytest.approx(want, abs=1)
+
+
+def test_overlapped_copies_are_held_from_their_stage_final():
+    """ZB-V: rank 0 holds stages 0 and 3, and stage 3's gradients are final first; with
+    the overlap its copy is held under stage 0's last backwards, counted in buffers
+    as what it adds to the activations' peak (to the byte); off, every copy comes
+    after the drain."""
+    from stp.costmodel.memory import estimate_run, rank_parameters
+
+    spec = replace(SPEC, vocab=16384)
+    layout = replace(LAYOUT, dp=4)
+    base = estimate(spec, HW, replace(layout, dp=1))
+    est, res = estimate_run(spec, HW, layout, Features(overlap_grad_sync=True))
+    off = estimate(spec, HW, layout, Features(overlap_grad_sync=False))
+    per_stage = rank_parameters(replace(spec, tp=2), 4, (0, 1, 2, 3), (2, 2, 2, 2))
+    scale = base.ranks[0].activations_peak / res.ranks[0].peak_activation
+    final = res.ranks[0].grads_final
+    assert final[3] < final[0]
+    best = 0.0
+    for t, acts in res.memory[0]:
+        held = sum(4 * per_stage[s] for s in (0, 3) if final[s] <= t)
+        if held:
+            best = max(best, acts * scale + held)
+    want = max(0.0, best - base.ranks[0].activations_peak)
+    assert want > 0
+    assert _extra(est, base)[0] == pytest.approx(want, abs=1)
+    want_off = max(0.0, 4 * base.ranks[0].parameters - base.ranks[0].activations_peak)
+    assert _extra(off, base)[0] == pytest.approx(want_off, abs=1)
+    assert want >= want_off
+
+
+def test_a_copy_held_under_later_activations_adds_to_their_peak():
+    """A copy launched while activations are still resident counts from then: stage 3's
+    copy (3 bytes) at t=2 over 5 bytes of activations gives 8, above the peak 6 and
+    above both copies at the end (3 + 1): 2 bytes added; off, only the end's 4 (below
+    6) and nothing added."""
+    from types import SimpleNamespace
+
+    from stp.costmodel.memory import _copies_over_peak
+
+    rank = SimpleNamespace(grads_final={3: 2.0, 0: 4.0}, peak_activation=6.0)
+    res = SimpleNamespace(memory=[[(0.0, 0.0), (1.0, 6.0), (2.0, 5.0), (4.0, 0.0)]],
+                          ranks=[rank])
+    copies = {0: 1.0, 3: 3.0}
+    assert _copies_over_peak(res, 0, copies, 1.0, True) == 2.0
+    assert _copies_over_peak(res, 0, copies, 1.0, False) == 0.0
+    assert _copies_over_peak(res, 0, {}, 1.0, True) == 0.0

@@ -3,6 +3,7 @@ and the loss sum, and a replica that goes away reported as lost, not as a timeou
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import pytest
@@ -10,8 +11,11 @@ import torch
 from _dist import DistFailure, run_dist
 from torch import nn
 
+from stp.cli.flags import add_flags, from_args
 from stp.runtime.mesh import Mesh, ParallelDims
+from stp.train.config import TrainJob
 from stp.train.grad_sync import GradSync
+from stp.train.parts import TrainerOptions
 from stp.train.precision import Precision
 
 
@@ -28,15 +32,18 @@ class _OneWeight:
         return None
 
 
-def _replica(rank: int, world: int, leave: bool) -> tuple[list[float], float, float]:
+def _replica(rank: int, world: int, leave: bool,
+             overlap: bool = False) -> tuple[list[float], float, float]:
     mesh = Mesh.from_world(ParallelDims(1, 1, 2), timeout=30)
     weight = nn.Parameter(torch.zeros(3, dtype=torch.float64))
     weight.grad = torch.full((3,), float(rank + 1), dtype=torch.float64)  # 1 and 2
     precision = Precision([("w", weight)])
     sync = GradSync(mesh, precision, {0: _OneWeight(weight)}, shared=None, holds_loss=True,
-                    device=torch.device("cpu"))
+                    device=torch.device("cpu"), overlap=overlap)
     if leave and rank == 1:
         os._exit(0)  # gone without a word, after the replicas agreed on the norm's owners
+    if overlap:
+        sync.stage_final(0)  # launched in flight, as the executor tells it during a step
     losses = {0: torch.tensor(2.0 + rank, dtype=torch.float64)}  # one microbatch each
     loss, norm = sync.after_backward(losses, 1, 1.0)
     return weight.grad.tolist(), loss, norm
@@ -56,3 +63,30 @@ def test_a_dp_replica_that_leaves_is_reported_lost_not_timed_out() -> None:
     err = info.value.errors[0]
     assert err.startswith("PeerLost: rank 0 (pp 0, tp 0, dp 0) in "), err
     assert "closed the connection" in err and "timed out" not in err, err
+
+
+def test_an_overlapped_reduction_averages_and_its_lost_peer_is_named() -> None:
+    """Launched by `stage_final` (async) and finished in `after_backward`: the same
+    average; a peer gone while it is in flight is the same one-line rank error,
+    naming the DP all-reduce and the group it waited on."""
+    for grads, loss, _ in run_dist(_replica, 2, False, True, timeout=60):
+        assert grads == [1.5, 1.5, 1.5] and loss == 2.5
+    with pytest.raises(DistFailure) as info:
+        run_dist(_replica, 2, True, True, timeout=60, pg_timeout=30)
+    err = info.value.errors[0].splitlines()[0]
+    assert err.startswith("PeerLost: rank 0 (pp 0, tp 0, dp 0) in DP gradient all-reduce: "
+                          "a rank in "), err
+    assert "closed the connection" in err, err
+
+
+def test_the_overlap_is_on_by_default_and_the_flag_turns_it_off() -> None:
+    parser = argparse.ArgumentParser()
+    add_flags(parser, TrainJob)
+    on = from_args(TrainJob, parser.parse_args([]))
+    off = from_args(TrainJob, parser.parse_args(["--overlap-grad-sync", "off"]))
+    assert on.overlap_grad_sync and not off.overlap_grad_sync
+    assert TrainerOptions().overlap_grad_sync
+    # and the pre-launch memory estimate prices the flat copies where the flag puts them
+    from stp.train.memory_check import run_features
+
+    assert run_features(on).overlap_grad_sync and not run_features(off).overlap_grad_sync

@@ -193,20 +193,22 @@ def _four_ranks(rank: int, world: int, root: str) -> dict:
 
 def _skip_step(trainer: Trainer, rank: int) -> dict:
     """A step with an inf planted in one whole gradient of global rank 3 only (before
-    the reduce-scatter), then a clean step."""
+    its reduce-scatter, which the overlap launches during the backward), then a
+    clean step."""
     before = {n: p.detach().clone() for n, p in trainer.named_parameters()}
-    fold = trainer.precision.fold
+    full_grads = trainer.precision.full_grads
 
-    def poisoned() -> None:
-        fold()
-        trainer.precision.full_grads()[0].view(-1)[0] = float("inf")
+    def poisoned() -> list[torch.Tensor]:
+        grads = full_grads()
+        grads[0].view(-1)[0] = float("inf")
+        return grads
 
     if rank == 3:
-        trainer.precision.fold = poisoned
+        trainer.precision.full_grads = poisoned
     trainer.step(batch(STEPS))
     skipped = trainer.last_update
     unchanged = all(torch.equal(before[n], p) for n, p in trainer.named_parameters())
-    trainer.precision.fold = fold
+    trainer.precision.full_grads = full_grads
     trainer.step(batch(STEPS + 1))
     return {"skipped": skipped.skipped, "unchanged": unchanged,
             "next_skipped": trainer.last_update.skipped}

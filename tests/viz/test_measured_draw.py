@@ -55,6 +55,17 @@ def test_hidden_under_compute_counts_the_overlap_only():
     assert hidden_under_compute(spans, 0, "AR") == pytest.approx((1e-3, 0.0))
 
 
+def test_a_dp_gradient_reduction_is_drawn_on_its_lane_with_its_share_hidden(tmp_path):
+    """A stage's DP reduction launched during the backward (stp.train.grad_sync): half
+    of it under the compute that follows, half after it."""
+    spans = [*_spans(), Span(0, "dp", 0.003, 0.005, "DP-AR stage 1", "DP-AR", 1, 0, 1)]
+    svg = tmp_path / "run.svg"
+    assert main(["draw", "--measured", str(_write(tmp_path, spans)), "--out", str(svg)]) == 0
+    text = svg.read_text()
+    assert "DP gradient reduction" in text and "DP-AR of DP-AR stage 1" in text
+    assert "DP gradient reductions, all ranks: 2 ms (50% under compute)" in text
+
+
 def test_simulated_sequence_parallel_picture_names_rs_and_ag(tmp_path, capsys):
     svg = tmp_path / "sim.svg"
     assert main(["draw", "--schedule", "stp", "--pp", "2", "-m", "4", "--cost",

@@ -39,9 +39,34 @@ on the first stage, the final norm and output layer on the last):
                  two passes a braided block runs at once; with a sharded
                  optimizer, the reduce-scattered fp32 gradient shard `4 P /
                  dp` (experts' over dp/ep); with ep > 1, one all-to-all's send
-                 and receive buffers, `s b k h` each, for each of two passes.
-                 All-reduces run in place and are not counted, nor is the
-                 allocator's fragmentation or the CUDA context.
+                 and receive buffers, `s b k h` each, for each of two passes;
+                 with dp > 1, what the DP gradient reductions' flat copies add
+                 to the activations' peak (below). TP all-reduces run in place
+                 and are not counted, nor is the allocator's fragmentation or
+                 the CUDA context.
+
+The DP gradient reduction (stp.train.grad_sync) reduces a flat copy of a
+stage's gradients (grad bytes x its parameters P_s; with the sharded
+optimizer the packed buffer, P_s, and a stage's reduce-scattered segment,
+P_s / dp, the whole run's being the shard counted above). With the overlap
+(`Features.overlap_grad_sync`, `stp train`'s default) a stage's copy is
+allocated when its gradients are final (the simulator's `grads_final`), so
+it is held during the rank's last backwards; off, every copy comes after
+the pipeline drains. The runtime frees a copy once its reduction is seen
+complete, at the next stage's launch at the earliest, at the rank's compute
+end at the latest: the estimate takes the latest (an upper bound: every
+copy launched is still held), and counts in `buffers` what the copies add
+to the peak of resident activations:
+
+    max over t of (activations(t) + copies held at t) - max of activations(t)
+
+zero where the copies come when enough activations are freed (1F1B's
+single stage per rank, at this scale), up to grad bytes x P per rank where
+they do not (a copy larger than the activations' peak, or a V schedule's
+first stage finishing before its second). That part of `buffers` is
+`RankMemory.copies` (`dp_copies` in `stp memory --json`'s ranks), which
+`stp train --json` measures (stp.train.memory_measure); on the small runs of
+benchmarks/results/memory.md the bound is at most 5% of the total over.
 
 Whose activations (`Features.runtime`): `megatron`, Korthikanti's counting
 (`stp.costmodel.model`; `stp memory --model`), or `stp`, what stp's own
@@ -149,6 +174,10 @@ class Features:
     """Whose activations: `megatron` (Korthikanti's formulas, stp.costmodel.model)
     or `stp` (what stp's own decoder units keep, stp.costmodel.kept: the
     estimate of a `stp train` run)."""
+    overlap_grad_sync: bool = True
+    """Each stage's DP gradient reduction launched as soon as its gradients are final
+    (`stp train --overlap-grad-sync`): its flat copy is held during the last
+    backwards (module doc)."""
 
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:
@@ -177,9 +206,12 @@ class RankMemory:
     optimizer: float
     activations_peak: float
     buffers: float
+    copies: float = 0.0
+    """Of `buffers`, what the DP reductions' flat gradient copies add to the
+    activations' peak (module doc; `stp train --json`'s measured `dp_copies`)."""
 
     def __post_init__(self) -> None:
-        for key in ("rank", "parameters", *CATEGORIES):
+        for key in ("rank", "parameters", *CATEGORIES, "copies"):
             val = getattr(self, key)
             if isinstance(val, bool) or not isinstance(val, int | float) or not val >= 0:
                 raise ValueError(f"rank memory {key}={val!r} must be a number >= 0")
@@ -215,8 +247,8 @@ class MemoryEstimate:
 
     def to_json(self) -> dict[str, object]:
         return {"memory": self.peak.to_json(), "peak_rank": self.peak.rank,
-                "ranks": [{"rank": r.rank, "parameters": r.parameters, **r.to_json()}
-                          for r in self.ranks],
+                "ranks": [{"rank": r.rank, "parameters": r.parameters, **r.to_json(),
+                           "dp_copies": r.copies} for r in self.ranks],
                 "notes": list(self.notes), "step_ms": self.step_time}
 
 
@@ -394,15 +426,71 @@ def memory_of_run(spec: ModelSpec, res: SimResult, bytes_per_unit: float,
     params = rank_parameters(spec, sch.num_stages, sch.stage_to_rank, tuple(counts))
     experts = rank_parameters(spec, sch.num_stages, sch.stage_to_rank, tuple(counts),
                               experts_only=True)
-    ranks = tuple(_rank(r, n, res.ranks[r].peak_activation * act_scale, spec, sch.chunks,
-                        layout, features, experts[r])
-                  for r, n in enumerate(params))
+    each = tuple(range(sch.num_stages))
+    stage_params = rank_parameters(spec, sch.num_stages, each, tuple(counts))
+    stage_experts = rank_parameters(spec, sch.num_stages, each, tuple(counts),
+                                    experts_only=True)
+    ep = min(spec.ep if isinstance(spec, MoESpec) else 1, dp)
+    ranks = []
+    for r, n in enumerate(params):
+        rank = _rank(r, n, res.ranks[r].peak_activation * act_scale, spec, sch.chunks, layout,
+                     features, experts[r])
+        copies = _reduction_copies(sch, r, stage_params, stage_experts, features,
+                                   layout.dp, ep)
+        added = _copies_over_peak(res, r, copies, act_scale, features.overlap_grad_sync)
+        ranks.append(replace(rank, buffers=rank.buffers + added, copies=added))
     notes = []
     splits = any(p.kind is Kind.W for acts in sch.actions for a in acts for p in passes_of(a))
     if spec.recompute == "full" and splits and features.runtime != "stp":
         notes.append(f"{sch.name} defers W: full recomputation's inputs kept for a "
                      "deferred W are not counted (stp.costmodel.model)")
-    return MemoryEstimate(ranks, layout, features, tuple(notes), res.makespan)
+    return MemoryEstimate(tuple(ranks), layout, features, tuple(notes), res.makespan)
+
+
+def _reduction_copies(sch: Schedule, rank: int, stage_params: list[int],
+                      stage_experts: list[int], f: Features, dp: int,
+                      ep: int) -> dict[int, float]:
+    """{stage of `rank`: bytes of the flat copy its DP gradient reduction holds} (module
+    doc): grad bytes x its parameters; with the sharded optimizer and the overlap also
+    the stage's reduce-scattered segment, its dense parameters over dp and its experts
+    over the dp / ep ranks holding them (without the overlap the one reduction's
+    segment is the shard `_rank` counts). Empty at dp = 1 (no reduction)."""
+    if dp == 1:
+        return {}
+    width = 4 if f.sixteen_bit else DTYPE_BYTES[f.dtype]
+    segment = f.shard_optimizer and f.overlap_grad_sync
+
+    def copy(s: int) -> float:
+        whole, experts = stage_params[s], stage_experts[s]
+        out = width * whole
+        return out + width * ((whole - experts) / dp + experts * ep / dp) if segment else out
+
+    return {s: copy(s) for s in range(sch.num_stages) if sch.stage_to_rank[s] == rank}
+
+
+def _copies_over_peak(res: SimResult, rank: int, copies: dict[int, float], act_scale: float,
+                      overlap: bool) -> float:
+    """What the reductions' copies add to the rank's peak of resident activations
+    (module doc): each held from its stage's `grads_final` (overlap; else from the
+    rank's compute end) to the compute end, the activations a step curve in units of
+    `act_scale` bytes."""
+    if not copies:
+        return 0.0
+    curve = res.memory[rank]
+    end = max(curve[-1][0], *res.ranks[rank].grads_final.values(), 0.0)
+    starts = {s: res.ranks[rank].grads_final.get(s, end) if overlap else end for s in copies}
+    peak = res.ranks[rank].peak_activation * act_scale
+    best, held, acts = peak, 0.0, 0.0
+    events = sorted([(u, 0, v) for u, v in curve]
+                    + [(t, 1, copies[s]) for s, t in starts.items()])
+    for k, (t, is_copy, x) in enumerate(events):  # at equal times: the curve's value first
+        if is_copy:
+            held += x
+        else:
+            acts = x * act_scale
+        if held and (k + 1 == len(events) or events[k + 1][0] > t):
+            best = max(best, acts + held)
+    return best - peak
 
 
 def _rank(rank: int, params: int, activations: float, spec: ModelSpec, chunks: int,

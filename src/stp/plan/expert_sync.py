@@ -5,27 +5,30 @@ stp's runtime carves the expert-parallel group from the data-parallel ranks
 consecutive DP ranks hold different experts, and the dp / ep ranks that hold
 the same experts form the expert-data-parallel (EDP) group. `GradSync`
 all-reduces the dense gradients over dp and the experts' over the EDP group
-(`train.grad_sync`), one after the other on the inter-node link, so a rank
-with `P` parameters of which `P_e` are expert weights syncs in
+(`train.grad_sync`), one after the other on the inter-node link, so a stage
+with `P` parameters of which `P_e` are expert weights reduces in
 
-    T = AR(4 (P - P_e) bytes over dp) + AR(4 P_e bytes over dp / ep)
+    T = C(4 (P - P_e) bytes over dp) + C(4 P_e bytes over dp / ep)
 
-(fp32 gradients, ring all-reduce `stp.costmodel.hardware.allreduce_time`).
-At ep = dp the experts need no sync at all. A dense model (P_e = 0) syncs in
-AR(4 P over dp), `stp.plan.price.dp_sync_seconds`, to the bit.
+(fp32 gradients; C a ring all-reduce, or with the sharded optimizer a
+reduce-scatter, and the all-gather of the updated weights likewise in their
+dtype: `stp.costmodel.hardware`). At ep = dp the experts need no sync at all.
+A dense model (P_e = 0) reduces over dp alone. `stp.plan.price` places each
+stage's reduction on the simulated timeline (`stp.sim.dp_overlap`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
-from stp.costmodel.hardware import HardwareSpec, allreduce_time
+from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.memory import MemoryEstimate, rank_parameters
 from stp.costmodel.model import ModelSpec
 from stp.costmodel.moe import MoESpec
 from stp.sim.result import SimResult
 
-__all__ = ["expert_parameters", "grad_sync_seconds", "slowest_grad_sync"]
+__all__ = ["expert_parameters", "group_seconds", "rank_experts"]
 
 
 def _ep(spec: ModelSpec) -> int:
@@ -38,29 +41,29 @@ def expert_parameters(spec: ModelSpec) -> float:
     return spec.layers * spec.mlp_parameters()[1] / (spec.tp * _ep(spec))
 
 
-def grad_sync_seconds(spec: ModelSpec, parameters: float, experts: float, dp: int,
-                      hardware: HardwareSpec) -> float:
-    """Seconds to sync `parameters` gradients, `experts` of them expert weights
-    (module doc): the dense rest over dp, the experts over dp / ep."""
+def group_seconds(collective: Callable[[float, int, float, float], float], width: float,
+                  parameters: float, experts: float, dp: int, ep: int,
+                  hardware: HardwareSpec) -> float:
+    """`collective` (stp.costmodel.hardware: allreduce_time, reduce_scatter_time,
+    allgather_time) of `width` bytes a parameter for `parameters` weights, `experts`
+    of them expert weights (module doc): the dense rest over dp, the experts over
+    dp / ep, one after the other on the inter-node link."""
     bw, lat = hardware.pp_bandwidth, hardware.pp_latency
-    dense = allreduce_time(4.0 * (parameters - experts), dp, bw, lat)
+    dense = collective(width * (parameters - experts), dp, bw, lat)
     if experts <= 0:
         return dense
-    return dense + allreduce_time(4.0 * experts, dp // _ep(spec), bw, lat)
+    return dense + collective(width * experts, dp // ep, bw, lat)
 
 
-def slowest_grad_sync(spec: ModelSpec, est: MemoryEstimate, res: SimResult,
-                      hardware: HardwareSpec) -> float:
-    """The sync of the rank that takes longest (module doc); `spec` cut as the run
-    was (tp, ep), `est` and `res` its estimate and simulated step."""
-    dp = est.layout.dp
+def rank_experts(spec: ModelSpec, est: MemoryEstimate, res: SimResult) -> tuple[int, list[float]]:
+    """(the ep the estimate priced, the expert weights among each pipeline rank's
+    parameters; all 0 for a dense model or at ep 1, where every weight syncs over dp)."""
     if isinstance(spec, MoESpec) and est.layout.ep not in (None, spec.ep):
         spec = replace(spec, ep=est.layout.ep)  # the ep the estimate priced (memory.Layout.ep)
-    if _ep(spec) == 1:  # one group for every weight: the rank with the most parameters
-        return grad_sync_seconds(spec, max(r.parameters for r in est.ranks), 0.0, dp, hardware)
+    ep = _ep(spec)
+    if ep == 1:
+        return 1, [0.0] * len(est.ranks)
     sch = res.schedule
     counts = tuple(est.layout.partition or ())
-    experts = rank_parameters(spec, sch.num_stages, sch.stage_to_rank, counts,
-                              experts_only=True)
-    return max(grad_sync_seconds(spec, r.parameters, experts[r.rank], dp, hardware)
-               for r in est.ranks)
+    experts = rank_parameters(spec, sch.num_stages, sch.stage_to_rank, counts, experts_only=True)
+    return ep, [float(experts[r.rank]) for r in est.ranks]

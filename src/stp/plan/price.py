@@ -7,7 +7,10 @@ them before it simulates anything):
                the layers of the stages before the rank's first stage (it
                cannot start earlier), then m x (F + B + W) of its own layers
                (one compute stream runs them one after another), with the
-               even split; + the DP gradient sync of the average rank. The
+               even split; + the DP reduction of the smallest stage (a
+               rank's last action is a gradient pass of one of its stages,
+               whose reduction can only start after it), + with the sharded
+               optimizer the parameter all-gather of the average rank. The
                sends, exposed collectives, the embedding and the output
                layer's work and any idle time only add to it.
     memory  >= max over ranks of its model states (weights, fp32 gradients,
@@ -19,11 +22,17 @@ them before it simulates anything):
 
 The price is exactly `stp memory`'s estimate of the same configuration
 (`stp.costmodel.memory.estimate_run`: the simulated step and the bytes per
-rank), plus the DP gradient sync the simulator does not model: a ring
-all-reduce of the fp32 gradients of the rank with the most parameters, over
-`dp` replicas on the inter-node link (`pp_bandwidth`, `pp_latency`; with the
-sharded optimizer a reduce-scatter and an all-gather of the same volume),
-run after the pipeline drains, as stp's runtime runs it (`train.grad_sync`).
+rank), plus the exposed part of the DP gradient sync, placed on the
+simulated timeline as stp's runtime runs it (`train.grad_sync`): per rank,
+each stage's ring all-reduce of its fp32 gradients over `dp` replicas on the
+inter-node link (`pp_bandwidth`, `pp_latency`; with the sharded optimizer a
+reduce-scatter) starts when the stage's last W (or full backward) ends, the
+rank's reductions one after another (`stp.sim.dp_overlap`); what ends after
+the rank's compute is exposed. With the sharded optimizer the all-gather of
+the updated parameters (in the model's dtype) follows the optimizer step,
+exposed. `overlap_grad_sync=False` prices the runtime's other mode: every
+reduction after the pipeline drains. A stage's parameters are the rank's
+(`estimate_run`'s count) in the shares `rank_parameters` gives its stages.
 """
 
 from __future__ import annotations
@@ -32,7 +41,12 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from stp.costmodel.decoder_costs import derive_decoder
-from stp.costmodel.hardware import HardwareSpec, allreduce_time
+from stp.costmodel.hardware import (
+    HardwareSpec,
+    allgather_time,
+    allreduce_time,
+    reduce_scatter_time,
+)
 from stp.costmodel.memory import (
     DTYPE_BYTES,
     Layout,
@@ -42,14 +56,15 @@ from stp.costmodel.memory import (
 )
 from stp.costmodel.model import ModelSpec, layer_flops, num_parameters
 from stp.costmodel.stages import head_flops
-from stp.plan.expert_sync import expert_parameters, grad_sync_seconds, slowest_grad_sync
+from stp.plan.expert_sync import expert_parameters, group_seconds, rank_experts
 from stp.plan.space import Config
 from stp.schedule.registry import generate
+from stp.sim.dp_overlap import dp_timeline
 from stp.sim.layered import even_partition
 from stp.sim.result import SimResult
 
 __all__ = ["Priced", "spec_for", "time_bound", "memory_bound", "price", "dp_sync_seconds",
-           "model_flops_per_sequence"]
+           "model_flops_per_sequence", "dp_sync_parts"]
 
 
 @dataclass(frozen=True)
@@ -60,8 +75,13 @@ class Priced:
     estimate: MemoryEstimate
     result: SimResult
     dp_sync_s: float
+    """What the DP gradient sync adds to the pipeline's step: its exposed part (the
+    reductions that end after the compute, the sharded optimizer's all-gather)."""
     partition: tuple[int, ...] | None = None
     """Explicit layers per stage, or None (the even split)."""
+    dp_sync_total_s: float = 0.0
+    """The DP gradient sync's whole time on the rank with the most parameters, hidden
+    or not (the reductions, one after another, and the all-gather)."""
 
     @property
     def pipeline_s(self) -> float:
@@ -87,6 +107,49 @@ def spec_for(model: ModelSpec, config: Config, seq_len: int) -> ModelSpec:
 def dp_sync_seconds(parameters: float, dp: int, hardware: HardwareSpec) -> float:
     """Ring all-reduce of `parameters` fp32 gradients over `dp` replicas."""
     return allreduce_time(4.0 * parameters, dp, hardware.pp_bandwidth, hardware.pp_latency)
+
+
+def _reduction_seconds(parameters: float, dp: int, hardware: HardwareSpec, sharded: bool, *,
+                       experts: float = 0.0, ep: int = 1) -> float:
+    """One DP gradient reduction of `parameters` fp32 gradients, `experts` of them
+    expert weights (over dp / ep, stp.plan.expert_sync): ring all-reduces, or with
+    the sharded optimizer reduce-scatters."""
+    collective = reduce_scatter_time if sharded else allreduce_time
+    return group_seconds(collective, 4.0, parameters, experts, dp, ep, hardware)
+
+
+def _gather_seconds(parameters: float, dp: int, hardware: HardwareSpec, width: int, *,
+                    experts: float = 0.0, ep: int = 1) -> float:
+    """The sharded optimizer's all-gather of the updated parameters (`width` bytes)."""
+    return group_seconds(allgather_time, width, parameters, experts, dp, ep, hardware)
+
+
+def dp_sync_parts(res: SimResult, rank_params: list[float], stage_shares: list[float],
+                  dp: int, hardware: HardwareSpec, *, sharded: bool, width: int,
+                  overlap: bool = True, expert_params: list[float] | None = None,
+                  ep: int = 1) -> tuple[float, float]:
+    """(seconds the DP gradient sync adds to the simulated step, its whole time on the
+    rank with the most parameters) (module doc). `rank_params`: parameters of each
+    pipeline rank; `stage_shares`: each global stage's weight in its rank's count;
+    `expert_params`: the expert weights among each rank's parameters (synced over
+    dp / ep; None: a dense model), spread over its stages in the same shares."""
+    owner = res.schedule.stage_to_rank
+    ends, totals = [], []
+    for stats in res.ranks:
+        mine = [s for s, r in enumerate(owner) if r == stats.rank]
+        weight = sum(stage_shares[s] for s in mine) or 1.0
+        params = rank_params[stats.rank]
+        experts = expert_params[stats.rank] if expert_params else 0.0
+        times = {s: 1e3 * _reduction_seconds(params * stage_shares[s] / weight, dp, hardware,
+                                              sharded, experts=experts * stage_shares[s] / weight,
+                                              ep=ep) for s in mine}
+        line = dp_timeline(stats.grads_final, times, stats.end, overlap=overlap)
+        gather = 1e3 * _gather_seconds(params, dp, hardware, width, experts=experts, ep=ep) \
+            if sharded else 0.0
+        ends.append(line.end + gather)
+        totals.append((rank_params[stats.rank], (line.total + gather) / 1e3))
+    added = max(0.0, max(ends, default=0.0) - res.makespan) / 1e3
+    return added, max(totals, default=(0.0, 0.0))[1]
 
 
 def _shard_parameters(spec: ModelSpec) -> float:
@@ -126,10 +189,19 @@ def time_bound(model: ModelSpec, hardware: HardwareSpec, config: Config, seq_len
     f, fbw = c.f * per_layer, (c.f + c.b + c.w) * per_layer
     busiest = max(before * f + config.microbatches * mine * fbw
                   for before, mine in _rank_layers(config, spec.layers))
-    average = _shard_parameters(spec) / pp
-    # experts sync over dp / ep (stp.plan.expert_sync); a dense model as dp_sync_seconds
-    return busiest / 1e3 + grad_sync_seconds(spec, average, expert_parameters(spec) / pp,
-                                             config.mesh.dp, hardware)
+    dp, sharded = config.mesh.dp, config.features.shard_optimizer
+    ep = getattr(spec, "ep", 1)
+    shares = _stage_shares(spec, _placement(config.schedule, pp, spec.layers, config.chunks)[1])
+    smallest = _shard_parameters(spec) * min(shares) / sum(shares)
+    # a lower bound: the smallest stage's reduction, taken as all experts when the
+    # model has any (experts reduce over dp / ep, the cheaper group)
+    experts = smallest if expert_parameters(spec) > 0 else 0.0
+    sync = _reduction_seconds(smallest, dp, hardware, sharded, experts=experts, ep=ep)
+    if sharded:
+        sync += _gather_seconds(_shard_parameters(spec) / pp, dp, hardware,
+                                DTYPE_BYTES[config.features.dtype],
+                                experts=expert_parameters(spec) / pp, ep=ep)
+    return busiest / 1e3 + sync
 
 
 def memory_bound(model: ModelSpec, hardware: HardwareSpec, config: Config,
@@ -154,16 +226,30 @@ def memory_bound(model: ModelSpec, hardware: HardwareSpec, config: Config,
 
 
 def price(model: ModelSpec, hardware: HardwareSpec, config: Config, seq_len: int,
-          partition: tuple[int, ...] | None = None) -> Priced:
+          partition: tuple[int, ...] | None = None, *,
+          overlap_grad_sync: bool = True) -> Priced:
     """Simulate `config` (module doc); ValueError when it cannot run."""
     mesh = config.mesh
     layout = Layout(pp=mesh.pp, tp=mesh.tp, dp=mesh.dp, microbatches=config.microbatches,
                     microbatch_size=config.microbatch_size, seq_len=seq_len,
                     schedule=config.schedule, partition=partition, chunks=config.chunks)
     est, res = estimate_run(model, hardware, layout, config.features)
-    # experts sync over dp / ep (stp.plan.expert_sync); a dense model as dp_sync_seconds
-    sync = slowest_grad_sync(spec_for(model, config, seq_len), est, res, hardware)
-    return Priced(config, est, res, sync, partition)
+    counts = partition or even_partition(model.layers, res.schedule.num_stages)
+    spec = spec_for(model, config, seq_len)
+    ep, experts = rank_experts(spec, est, res)  # experts sync over dp / ep (expert_sync)
+    added, total = dp_sync_parts(
+        res, [r.parameters for r in est.ranks], _stage_shares(spec, counts),
+        mesh.dp, hardware, sharded=config.features.shard_optimizer,
+        width=DTYPE_BYTES[config.features.dtype], overlap=overlap_grad_sync,
+        expert_params=experts, ep=ep)
+    return Priced(config, est, res, added, partition, total)
+
+
+def _stage_shares(spec: ModelSpec, counts: tuple[int, ...]) -> list[float]:
+    """Each stage's parameters (its layers; the embedding on the first, the output
+    layer on the last), as weights of its rank's count."""
+    return [float(x) for x in rank_parameters(spec, len(counts), tuple(range(len(counts))),
+                                              counts)]
 
 
 def model_flops_per_sequence(model: ModelSpec, seq_len: int) -> float:

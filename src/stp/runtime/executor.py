@@ -27,6 +27,19 @@ goes out at once), and before this rank blocks on anything. `braid=False`
 runs units pass by pass with every all-reduce waited for at once (the
 unbraided baseline).
 
+Gradients final: `grads_final(stage)` (optional) is called once per run for
+each stage this rank holds, as soon as that stage's gradients on this rank
+are final for the step: right after its last gradient-producing action (its
+last W, or its last full backward where B and W are fused), once that
+action's held tail has finished (a braided block's last backward finish may
+still add a norm gain's gradient). The schedule is data, so each stage's
+last such action is known before the run. The trainer launches the stage's
+data-parallel gradient reduction there (stp.train.grad_sync); the executor
+knows nothing of it:
+
+    compute:  .. F(7) | B(6) | W(6) stage 2 | F(7) stage 0 | B(7) | W(7) stage 0
+    DP:                                 [reduce stage 2 ..............][stage 0]
+
 Scaling: the last stage's backward seeds the loss gradient with `scale`,
 1/m by default, so weight gradients are the sum over microbatches of each
 microbatch's mean-loss gradient divided by m: the gradient of the mean of
@@ -49,10 +62,25 @@ from stp.runtime.offload import ActivationOffloader
 from stp.runtime.p2p import P2P, Transfer
 from stp.runtime.stage_api import PipelineStage, as_unit_stage
 from stp.runtime.trace import Recorder
-from stp.schedule.ir import Action, Kind, Pass
+from stp.schedule.ir import Action, Kind, Pass, passes_of
 from stp.schedule.lower import Comm, LoweredSchedule, Message
 
-__all__ = ["Executor", "ExecutorOptions"]
+__all__ = ["Executor", "ExecutorOptions", "last_gradient_actions"]
+
+
+def last_gradient_actions(program: Sequence[Action | Comm]) -> dict[int, int]:
+    """{stage: index among the program's compute actions of the last one that runs a
+    gradient pass (B, W or a full backward) of that stage}."""
+    last: dict[int, int] = {}
+    index = 0
+    for action in program:
+        if isinstance(action, Comm):
+            continue
+        for p in passes_of(action):
+            if p.kind is not Kind.F:
+                last[p.stage] = index
+        index += 1
+    return last
 
 
 @dataclass(frozen=True)
@@ -81,7 +109,8 @@ class Executor:
     keywords. `offload` (stp.runtime.offload) measures resident activations
     and moves them to the host and back as its plan says; `recorder`
     (stp.runtime.trace) records every unit, all-reduce, send and receive of
-    each run.
+    each run; `grads_final(stage)` is told when a stage's gradients are final
+    (module doc).
     """
 
     def __init__(
@@ -94,6 +123,7 @@ class Executor:
         *,
         offload: ActivationOffloader | None = None,
         recorder: Recorder | None = None,
+        grads_final: Callable[[int], None] | None = None,
         **option_overrides: Any,
     ) -> None:
         if "boundary_shape" in option_overrides:
@@ -116,6 +146,10 @@ class Executor:
         self.where = opts.where or f"pipeline rank {pp_rank}"
         self.collective_peers = opts.collective_peers
         self.offload, self.recorder = offload, recorder
+        self.grads_final = grads_final
+        self.last_grad_action = last_gradient_actions(self.program)
+        """{stage: index among this rank's compute actions of its last gradient pass}."""
+        self._final_due: list[tuple[int, Message]] = []  # ran, tail maybe still held
         self._open: list[tuple[Transfer, float]] = []  # posted, not yet seen complete
         self.sends_deferred = 0
         """Sends posted after their batch, their all-reduce held (all runs so far)."""
@@ -164,6 +198,7 @@ class Executor:
         self._losses: dict[int, torch.Tensor] = {}
         self._deferred: dict[Message, Comm] = {}  # sends waiting for a held all-reduce
         self._index = 0  # compute actions run so far
+        self._final_due = []
         self.runner.reset()
         self.runner.scale = self._scale
         if self.recorder is not None:
@@ -184,6 +219,7 @@ class Executor:
                 self._compute(action)
                 i += 1
         self._guard("end of step", self.runner.release)  # the last block's held all-reduces
+        self._tell_final()
         assert not self._deferred, f"{self.where}: sends never posted {sorted(self._deferred)}"
         if self.p2p is not None:
             self.p2p.drain()
@@ -267,6 +303,24 @@ class Executor:
             raise
         except RuntimeError as e:
             raise self._failure(e, str(action)) from e
+        if self.grads_final is not None:
+            self._final_due += [(p.stage, Message.output_of(p)) for p in passes_of(action)
+                                if self.last_grad_action.get(p.stage) == index
+                                and p.kind is not Kind.F]
+            self._tell_final()
+
+    def _tell_final(self) -> None:
+        """Call `grads_final` for each stage whose last gradient pass has run and whose
+        held tail (a braided block's last backward finish) is finished."""
+        if self.grads_final is None:
+            return
+        due = []
+        for stage, key in self._final_due:
+            if self.runner.holds(key):
+                due.append((stage, key))
+            else:
+                self.grads_final(stage)
+        self._final_due = due
 
     # -- the runner's inputs and outputs --------------------------------------------
 

@@ -42,7 +42,7 @@ maximum (the simulator's `peak_activation`, in bytes).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,6 +141,10 @@ class StepMemory:
     """Bytes each split backward kept for its W (M_W)."""
     offloaded_bytes: int = 0
     """Bytes copied to the host (and back)."""
+    peak_with_held: int = 0
+    """Maximum of resident activation bytes plus what `ActivationOffloader.held`
+    reports (stp.train: the DP reductions' gradient copies in flight), over the same
+    samples and those the holder asks for (`sample`)."""
 
 
 class ActivationOffloader:
@@ -187,6 +191,9 @@ class ActivationOffloader:
             copier = CudaCopier(self.device) if self.device.type == "cuda" else HostCopier()
         self.copier = copier
         self.poison = poison
+        self.held: Callable[[], int] | None = None
+        """Bytes something else holds on the device now, sampled with the activations
+        (`StepMemory.peak_with_held`); None: nothing."""
         self._reset()
 
     # -- the executor's calls ---------------------------------------------------------
@@ -403,5 +410,12 @@ class ActivationOffloader:
             if not (c.copy_out.query() and (c.copy_in is None or c.copy_in.query()))
         ]
 
+    def sample(self) -> None:
+        """Sample the resident bytes now (after every pass; the holder of `held` calls
+        it when what it holds grows between passes)."""
+        self._sample()
+
     def _sample(self) -> None:
         self.memory.peak_bytes = max(self.memory.peak_bytes, self._now)
+        held = self.held() if self.held is not None else 0
+        self.memory.peak_with_held = max(self.memory.peak_with_held, self._now + held)

@@ -22,7 +22,13 @@ A `Recorder` on each rank collects, for one run of the executor:
   needs it, so at or after the data arrived); a send ends when its receive
   does (matched across ranks in `gather_spans`; gloo reports a point-to-point
   work complete only to `wait`, and the sender waits only at the end of the
-  step).
+  step);
+* dp lane: every data-parallel gradient reduction the trainer launched
+  (stp.train.grad_sync; kind `DP-AR` an all-reduce, `DP-RS` the sharded
+  optimizer's reduce-scatter), named after the stage whose gradients it
+  carries, from its launch to its completion (as an all-reduce above):
+  launched when the stage's last gradient pass ends, it runs under the
+  compute of the passes still to come.
 
 Events of one lane must nest (trace viewers drop overlapping ones), so a
 span that would end after the span it starts inside is drawn from that
@@ -58,7 +64,37 @@ from stp.schedule.lower import Message
 from stp.sim.result import Span
 from stp.viz.trace import trace_events
 
-__all__ = ["Recorder", "TransferRecord", "gather_spans", "write_trace", "lane_layout"]
+__all__ = ["Recorder", "TransferRecord", "Watched", "gather_spans", "write_trace",
+           "lane_layout"]
+
+
+class Watched:
+    """A collective in flight as a Recorder watches it: launched at `launched`,
+    complete at `done_at` (None: not seen complete yet)."""
+
+    __slots__ = ("launched", "done_at")
+
+    def __init__(self, launched: float) -> None:
+        self.launched, self.done_at = launched, None
+
+    def done(self, now: float) -> None:
+        """Seen complete at `now` (the earliest sighting wins)."""
+        self.done_at = now if self.done_at is None else min(self.done_at, now)
+
+
+def _stamp_on_completion(work: Any, watched: Any) -> None:
+    """Stamp `watched.done_at` from the work's completion callback, where the
+    backend has one (else whoever waits for it stamps it)."""
+    try:
+        fut = work.get_future()
+    except (AttributeError, RuntimeError):
+        return
+
+    def stamp(_: Any) -> None:
+        now = time.perf_counter()
+        watched.done_at = now if watched.done_at is None else min(watched.done_at, now)
+
+    fut.then(stamp)
 
 
 class TransferRecord(NamedTuple):
@@ -90,12 +126,14 @@ class Recorder:
         self._gathers: list[Span] = []
         self._ars: list[tuple[Any, Pass, tuple[int | None, str | None], int, bool, str]] = []
         self._xfers: list[TransferRecord] = []
+        self._dp: list[tuple[Watched, str, str, int]] = []
         self._layer_index: dict[int, list[tuple[int | None, str | None]]] = {}
 
     def start(self) -> None:
         """Forget the previous run; times count from now."""
         self.origin = time.perf_counter()
         self._spans, self._gathers, self._ars, self._xfers = [], [], [], []
+        self._dp = []
 
     def _unit_index(self, stage: Any, u: int) -> tuple[int | None, str | None]:
         """(index of unit u among the stage's transformer units, its name), (None,
@@ -123,16 +161,19 @@ class Recorder:
         """Watch all-reduce `ar` (stp.runtime.braid) of unit u of pass p; `kind` "RS":
         the reduce-scatter that replaces it under sequence parallelism."""
         self._ars.append((ar, p, self._unit_index(stage, u), index, braided, kind))
-        try:
-            fut = ar.work.get_future()
-        except (AttributeError, RuntimeError):
-            return  # no completion callback: the executor's polls stamp it
+        _stamp_on_completion(ar.work, ar)  # no callback: the executor's polls stamp it
 
-        def stamp(_: Any) -> None:
-            now = time.perf_counter()
-            ar.done_at = now if ar.done_at is None else min(ar.done_at, now)
-
-        fut.then(stamp)
+    def reduction(self, work: Any, name: str, kind: str, stage: int,
+                  launched: float) -> Watched:
+        """Watch a data-parallel gradient collective (kind DP-AR / DP-RS) of `stage`'s
+        gradients, launched at `launched`; whoever waits for it calls `done`."""
+        watched = Watched(launched)
+        self._dp.append((watched, name, kind, stage))
+        if work is not None:
+            _stamp_on_completion(work, watched)
+        else:
+            watched.done(launched)
+        return watched
 
     def gather(self, p: Pass, stage: Any, u: int, start: float, end: float, index: int,
                braided: bool) -> None:
@@ -156,7 +197,10 @@ class Recorder:
             done = ar.done_at if ar.done_at is not None else ar.launched
             ars.append(Span(self.rank, "tp", ar.launched, done, str(p), kind, p.stage, p.mb,
                             self.chunk_of[p.stage], unit, index, braided, label))
-        return self._spans + lane_layout(ars + self._gathers)
+        dp = [Span(self.rank, "dp", w.launched, w.done_at if w.done_at is not None
+                   else w.launched, name, kind, stage, 0, self.chunk_of[stage])
+              for w, name, kind, stage in self._dp]
+        return self._spans + lane_layout(ars + self._gathers) + lane_layout(dp)
 
     def transfers(self) -> list[TransferRecord]:
         return list(self._xfers)

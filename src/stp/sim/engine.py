@@ -149,6 +149,8 @@ class _Rank:
         self.first_f = float("inf")
         self.last_end = self.busy = self.tp_wait = self.off_wait = self.tp_total = 0.0
         self.a2a_wait = self.a2a_total = 0.0
+        self.grads_final: dict[int, float] = {}
+        """Stage -> end of its last gradient pass (B, W or a full backward) so far."""
         self.mem_events: list[MemEvent] = []
         self.waiting: Done | None = None
         """A result the next action needs that was missing when last checked."""
@@ -167,6 +169,7 @@ class _Rank:
             tp_total=self.tp_total,
             exposed_a2a=self.a2a_wait,
             a2a_total=self.a2a_total,
+            grads_final=dict(self.grads_final),
         )
 
 
@@ -378,6 +381,8 @@ class _Simulation:
             rank.mem_events.append((rank.d2h, -self.table.chunk_act[p.stage]))
             self.sink.offload(chain, start, rank.d2h)
         rank.last_end = max(rank.last_end, fin)
+        if p.kind is not _F:
+            rank.grads_final[p.stage] = max(rank.grads_final.get(p.stage, 0.0), fin)
         for kind in p.provides():
             self.done[(p.stage, kind, p.mb)] = fin
         self.sink.sent(chain, fin)

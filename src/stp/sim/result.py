@@ -15,9 +15,10 @@ from stp.sim.stages import StageCosts
 
 __all__ = ["Span", "RankStats", "SimResult", "LANES"]
 
-LANES = ("compute", "tp", "send", "d2h", "h2d")
+LANES = ("compute", "tp", "send", "d2h", "h2d", "dp")
 """Lanes of a rank: compute stream, TP-communication stream, point-to-point
-sends, and (offload) device-to-host / host-to-device copies."""
+sends, (offload) device-to-host / host-to-device copies, and the DP gradient
+reductions (measured traces: stp.runtime.trace)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,9 @@ class RankStats:
     """Compute-lane time spent waiting on expert-parallel all-to-alls."""
     a2a_total: float = 0.0
     """Time of every all-to-all the rank runs (two per MoE layer and pass)."""
+    grads_final: dict[int, float] = field(default_factory=dict)
+    """Stage (of this rank) -> when its last gradient pass (B, W or a full backward)
+    ends: from then its DP gradient reduction may run (stp.sim.dp_overlap)."""
 
     @property
     def hidden_tp(self) -> float:

@@ -213,6 +213,11 @@ class TrainJob:
         "over the --dp ranks, gradients reduce-scattered and parameters all-gathered instead "
         "of one all-reduce; checkpoints resume with or without it, on any --dp (no effect "
         "at --dp 1)")
+    overlap_grad_sync: bool = option(
+        True, "launch each stage's DP gradient all-reduce (reduce-scatter with "
+        "--shard-optimizer) as soon as its last weight gradient is done, under the rest "
+        "of the pipeline (Megatron-LM's --overlap-grad-reduce); off: all of them after "
+        "the pipeline drains. The same losses and gradients either way")
     recompute: str = option(
         "none", "activation recomputation: none, selective (the attention core again in the "
         "backward), full (each unit keeps its input only and runs its forward again in the "

@@ -1,14 +1,34 @@
-"""A step's collectives after the backward, in the one order every rank runs them.
+"""A step's gradient and loss collectives, in the one order every rank runs them.
+
+During the backward, with the overlap on (the default; Megatron-LM's
+`--overlap-grad-reduce`, FSDP's reduce-scatter under the backward): as soon
+as a stage's gradients on this rank are final for the step (its last W, or
+its last full backward; the executor tells `stage_final`, stp.runtime.
+executor), that stage's DP reduction is launched asynchronously, so it runs
+under the compute of the passes still to come:
+
+    compute:  .. B(3) W(3) stage 1 | F(7) B(7) W(7) stage 0 |
+    DP:                             [AR stage 1 ...........][AR stage 0]
+                                                            ^ pipeline drained
+
+Off, every reduction runs in step 3 below, after the pipeline drains.
 
 After the executor's backward each rank holds its own gradients and, on the
 ranks of the last stage, its microbatches' losses. `GradSync.after_backward`
 then runs, on every rank:
 
-    1. the shared-gradient sum: tied embedding / head copies and replicated
-       kv heads (the decoder's SharedGrads), before the DP average (they commute);
+    0. it waits for the reductions in flight (and uses their results);
+    1. the shared-gradient sum: tied embedding / head copies, replicated kv
+       heads, sequence-parallel norm gains (the decoder's SharedGrads). The sums
+       commute with the DP average (both are linear), so with the all-reduce
+       the stages already averaged are summed here; the sharded optimizer's
+       shards are not whole tensors, so there the parameters a sum touches
+       (`SharedGrads.names`; every parameter when the sum does not say) wait
+       for step 3 and are reduced after their sum, as without the overlap;
     2. the loss sum over the world: the mean over microbatches and replicas,
        so every rank returns the same number;
-    3. the DP average of the gradients (fp32 main grads in mixed precision),
+    3. the DP average of the gradients not reduced yet (fp32 main grads in
+       mixed precision: a stage's are folded into them before its reduction),
        one flat all-reduce; with the sharded optimizer (stp.train.zero) one
        reduce-scatter instead, each rank keeping the mean of its shard. With
        expert parallelism an expert's gradient already holds the tokens of
@@ -18,16 +38,30 @@ then runs, on every rank:
     4. the global gradient norm's all-reduce (stp.train.clip), over the
        gradients the optimizer reads (with sharding: each rank's shards).
 
+The optimizer then steps (stp.train.precision); with the sharded optimizer
+its parameter all-gather stays after the step, exposed. A reduction in
+flight holds a flat fp32 copy of its stage's gradients (the sharded
+optimizer's: the packed buffer), as the reduction after the drain did, but
+now during the last backwards: it is released when the reduction is seen
+complete at the next stage's launch, or at the latest in `after_backward`
+(`stp memory`'s estimate counts what the copies add to the activations' peak
+in its buffers, taking the latest: stp.costmodel.memory). There is no
+gradient accumulation across executor runs: a step is one run over its m
+microbatches, whose gradients the stages sum as they go.
+
 Every collective goes through `collective`, so a backend error becomes one
 rank error the one way (stp.runtime.errors.wrap): a lost DP peer is reported
 as lost, a stalled one as a timeout, both naming this rank, the collective
-and the group it waited on.
+and the group it waited on; an asynchronous one the same, when waited for.
+The DP reductions are recorded in the trace (`stp train --trace`, the dp
+lane of `stp draw --measured`).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -36,6 +70,7 @@ import torch.distributed as dist
 from stp.runtime.errors import RankError, wrap
 from stp.runtime.mesh import Mesh
 from stp.train.clip import counted_mask, grad_norm
+from stp.train.in_flight import InFlight
 from stp.train.precision import Precision
 from stp.train.shards import box_of, norm_key
 from stp.train.zero import ShardedPrecision
@@ -68,12 +103,16 @@ class GradSync:
     the gradients (by global name) of parameters held in several places (the
     decoder's SharedGrads; None: a user's stage builder); `holds_loss`: this
     pipeline rank runs the last stage; `device`: where this rank's tensors
-    live. Building it is collective: the ranks agree on which of them counts
-    each gradient in the norm.
+    live; `overlap`: launch each stage's DP reduction as soon as the executor
+    says its gradients are final (`stage_final`; nothing to do at dp=1);
+    `recorder` (stp.runtime.trace): records the DP reductions. Building it
+    is collective: the ranks agree on which of them counts each gradient in
+    the norm.
     """
 
     def __init__(self, mesh: Mesh, precision: Precision, stages: Mapping[int, Any], *,
-                 shared: SharedSum | None, holds_loss: bool, device: torch.device) -> None:
+                 shared: SharedSum | None, holds_loss: bool, device: torch.device,
+                 overlap: bool = False, recorder: Any = None) -> None:
         self.mesh, self.precision, self.shared = mesh, precision, shared
         self.holds_loss, self.device = holds_loss, device
         self.collective = functools.partial(collective, mesh)
@@ -83,6 +122,26 @@ class GradSync:
         """Which of the precision's parameters are experts held by this EP rank only."""
         self.counted = self._norm_mask(stages)
         """Which of this rank's gradients it adds to the global norm (stp.train.clip)."""
+        self.overlap = overlap and mesh.dims.dp > 1
+        """Each stage's DP reduction is launched by `stage_final` (module doc)."""
+        self.recorder = recorder
+        self.stage_params = _stage_params(stages, len(precision.names))
+        """{stage: indices of its parameters in the precision's lists}."""
+        self.late = self._late_indices()
+        """Parameters reduced after the shared sum even with the overlap (module doc)."""
+        self._in_flight: list[InFlight] = []
+        self._reduced: set[int] = set()
+        self.sampler: Callable[[], None] | None = None
+        """Called after each launch: the activation offloader's `sample`, so the copies'
+        bytes (`held_bytes`) are measured with the activations (stp.train.setup)."""
+
+    def _late_indices(self) -> frozenset[int]:
+        if not isinstance(self.precision, ShardedPrecision) or self.shared is None:
+            return frozenset()
+        names = getattr(self.shared, "names", None)
+        every = range(len(self.precision.names))
+        return frozenset(every if names is None else
+                         (i for i in every if self.precision.names[i] in names))
 
     def _norm_mask(self, stages: Mapping[int, Any]) -> list[bool]:
         tp, tp_rank = self.mesh.dims.tp, self.mesh.coord.tp
@@ -92,6 +151,41 @@ class GradSync:
             self.collective, "gradient keys gather", WORLD, dist.all_gather_object)
         return counted_mask(self.precision.norm_keys(keys), rank=self.mesh.rank, gather=gather)
 
+    def start_step(self) -> None:
+        """Forget the last step's reductions (call before the executor runs)."""
+        self.finish_reductions()
+        self._reduced = set()
+
+    def stage_final(self, stage: int) -> None:
+        """The executor's `grads_final`: `stage`'s gradients on this rank are final for
+        the step; launch its DP reduction (the parameters not in `late`)."""
+        if not self.overlap:
+            return
+        idx = [i for i in self.stage_params[stage] if i not in self.late]
+        if self.precision.mixed:
+            self.precision.fold(idx)  # into the fp32 main grads first
+        self._finish_completed()  # their flat copies go before this stage's come
+        self._in_flight += self._reduce(idx, stage, async_op=True)
+        if self.sampler is not None:
+            self.sampler()
+
+    def held_bytes(self) -> int:
+        """Bytes of the buffers the reductions in flight hold (each storage once)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for f in self._in_flight for t in f.keep}
+        return sum(storages.values())
+
+    def _finish_completed(self) -> None:
+        """Finish the oldest reductions in flight that are done (in launch order)."""
+        while self._in_flight and self._in_flight[0].completed():
+            self._in_flight.pop(0).finish()
+
+    def finish_reductions(self) -> None:
+        """Wait for the reductions in flight and use their results, oldest first."""
+        flights, self._in_flight = self._in_flight, []
+        for f in flights:
+            f.finish()
+
     def after_backward(self, losses: Mapping[int, torch.Tensor], microbatches: int,
                        valid_ratio: float) -> tuple[float, float]:
         """(the step's mean loss, the global gradient norm), both the same on every
@@ -99,13 +193,38 @@ class GradSync:
         `losses`: this rank's microbatch mean losses (empty off the last stage);
         `valid_ratio`: the global batch's share of counted targets (each
         microbatch's mean is over its own valid targets). Collective."""
+        self.finish_reductions()
         self.sum_shared()
         loss = self.world_loss(losses, microbatches, valid_ratio)
-        if isinstance(self.precision, ShardedPrecision):
-            self.precision.reduce_scatter()
-        elif self.mesh.dims.dp > 1:
-            self.average_dp()
+        rest = [i for i in range(len(self.precision.names)) if i not in self._reduced]
+        if rest:
+            self._reduce(rest, None, async_op=False)
+        self._reduced = set()
         return loss, self.grad_norm()
+
+    def _reduce(self, idx: list[int], stage: int | None, *, async_op: bool) -> list[InFlight]:
+        """The DP reduction of parameters `idx` (of `stage`; None: whatever is left):
+        the sharded optimizer's reduce-scatter, or the all-reduce. Finished unless
+        `async_op`. Nothing at dp=1."""
+        self._reduced.update(idx)
+        if not idx:
+            return []
+        if isinstance(self.precision, ShardedPrecision):
+            flights, kind = self.precision.reduce_scatter(idx, async_op=True), "DP-RS"
+        elif self.mesh.dims.dp > 1:
+            flights, kind = self.average_dp(idx, async_op=True), "DP-AR"
+        else:
+            return []
+        if self.recorder is not None:
+            what = "left" if stage is None else f"stage {stage}"
+            for f in flights:
+                f.watched = self.recorder.reduction(f.work, f"{kind} {what}", kind,
+                                                    min(self.stage_params) if stage is None
+                                                    else stage, f.launched)
+        if not async_op:
+            for f in flights:
+                f.finish()
+        return flights
 
     def sum_shared(self) -> None:
         """Sum the gradients of parameters held in more than one place."""
@@ -126,30 +245,49 @@ class GradSync:
         self.collective(action, WORLD, dist.all_reduce, total)
         return float(total)
 
-    def average_dp(self) -> None:
-        """Average the gradients (fp32 main grads in mixed precision) over the DP
-        replicas in one flat all-reduce (experts': over their replicas, module doc)."""
+    def average_dp(self, indices: Iterable[int] | None = None, *,
+                   async_op: bool = False) -> list[InFlight]:
+        """Average the gradients (fp32 main grads in mixed precision; `indices`: of
+        those parameters only) over the DP replicas in one flat all-reduce (experts':
+        over their replicas, module doc). With `async_op` the all-reduces are
+        returned in flight (finish each); else they are finished."""
         grads = self.precision.grads()
+        wanted = range(len(grads)) if indices is None else list(indices)
         experts = set(self.expert_index)
-        dense = [g for i, g in enumerate(grads) if i not in experts]
-        self._mean(dense, "dp", self.mesh.dp_group, "DP gradient all-reduce")
-        if experts:
-            self._mean([grads[i] for i in self.expert_index], "edp", self.mesh.edp_group,
-                       "expert gradient all-reduce")
+        dense = [grads[i] for i in wanted if i not in experts]
+        flights = [self._mean(dense, "dp", self.mesh.dp_group, "DP gradient all-reduce")]
+        mine = [grads[i] for i in wanted if i in experts]
+        if mine:
+            flights.append(self._mean(mine, "edp", self.mesh.edp_group,
+                                      "expert gradient all-reduce"))
+        flights = [f for f in flights if f is not None]
+        if not async_op:
+            for f in flights:
+                f.finish()
+        return flights
 
-    def _mean(self, grads: list[torch.Tensor], axis: str, group: Any, action: str) -> None:
-        """Sum `grads` over the group of `axis` in one flat all-reduce, divide by dp."""
+    def _mean(self, grads: list[torch.Tensor], axis: str, group: Any,
+              action: str) -> InFlight | None:
+        """Sum `grads` over the group of `axis` in one flat all-reduce launched now, to
+        be divided by dp and copied back when finished (None: no gradients)."""
         if not grads:
-            return
+            return None
         flat = torch.cat([g.reshape(-1) for g in grads])
+        work, peers = None, f"a rank in {self.mesh.describe_group(axis)}"
+        launched = time.perf_counter()
         if len(self.mesh.ranks[axis]) > 1:
-            peers = f"a rank in {self.mesh.describe_group(axis)}"
-            self.collective(action, peers, dist.all_reduce, flat, group=group)
-        flat /= self.mesh.dims.dp
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+            work = self.collective(action, peers, dist.all_reduce, flat, group=group,
+                                   async_op=True)
+
+        def then() -> None:
+            flat.div_(self.mesh.dims.dp)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+        return InFlight(work, lambda: self.collective(action, peers, work.wait), then,
+                        launched, keep=(flat,))
 
     def grad_norm(self) -> float:
         """The global L2 norm of the gradients (stp.train.clip). Collective."""
@@ -158,3 +296,15 @@ class GradSync:
             world_sum = functools.partial(self.collective, "grad-norm all-reduce", WORLD,
                                           dist.all_reduce)
         return grad_norm(self.precision.grads(), self.counted, world_sum)
+
+
+def _stage_params(stages: Mapping[int, Any], total: int) -> dict[int, list[int]]:
+    """{stage: indices of its parameters}, in the order the precision lists them
+    (stage by stage, each stage's `named_parameters()`)."""
+    out, offset = {}, 0
+    for s, st in stages.items():
+        n = sum(1 for _ in st.named_parameters())
+        out[s] = list(range(offset, offset + n))
+        offset += n
+    assert offset == total, f"{offset} stage parameters, {total} in the precision"
+    return out

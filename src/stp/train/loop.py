@@ -84,7 +84,8 @@ class RunSummary:
     """The last sharded checkpoint written (what --resume loads; None: none written)."""
     memory: list[dict[str, int]] | None = None
     """Each global rank's measured bytes by category and its pipeline rank `pp`
-    (stp.train.memory_measure)."""
+    (stp.train.memory_measure; `dp_copies`: what the DP reductions' gradient copies
+    in flight added to the peak of resident activations, `StepMemory.peak_with_held`)."""
     compile_s: float | None = None
     """With --compile: the steps' compile seconds (StepReport.compile_s), summed."""
 
@@ -157,6 +158,7 @@ def _options(run: Run) -> TrainerOptions:
         lr_schedule=LRSchedule(job.lr_schedule, job.steps, job.warmup, job.min_lr),
         partition=run.built_partition, sequence_parallel=job.sequence_parallel,
         shard_optimizer=job.shard_optimizer,
+        overlap_grad_sync=job.overlap_grad_sync,
         recompute=job.recompute,
         compile=job.compile,
     )
@@ -179,6 +181,7 @@ def run(resolved: Run,
     tokens_per_step = job.global_batch * job.model.seq_len
     losses, times = [], []
     peaks: list[int] | None = None
+    copies: list[int] | None = None  # what the DP reductions' copies added to them
     skips = SkipCounter(job.max_skipped_steps)  # a run that trains nothing stops
     compiling = 0.0  # seconds the steps spent compiling (--compile)
     for step in range(trainer.steps_done, job.steps):
@@ -195,6 +198,8 @@ def run(resolved: Run,
         if resident is not None:
             old = peaks or resident
             peaks = [max(a, b) for a, b in zip(old, resident, strict=True)]
+            copies = [max(a, b) for a, b in zip(copies or trainer.copy_peaks,
+                                                trainer.copy_peaks, strict=True)]
         update = trainer.last_update
         skips.update(update is not None and update.skipped, step + 1)
         eval_loss, saved = _after_step(job, trainer, step, evals)
@@ -221,7 +226,7 @@ def run(resolved: Run,
         except StorageFault as e:  # on every rank: one line naming the file and the cause
             raise StorageFault(f"--save-full: {e}; the sharded checkpoints in {job.out} "
                                "are intact") from None
-    memory = _measured_memory(trainer, peaks, mesh.rank)  # collective
+    memory = _measured_memory(trainer, peaks, mesh.rank, copies)  # collective
     parameters = trainer.parameter_count()  # collective; from shapes, nothing gathered
     if mesh.rank != 0:
         return None
@@ -242,11 +247,12 @@ def _slowest(seconds: float, device: torch.device) -> float:
     return float(value.item())
 
 
-def _measured_memory(trainer: Trainer, peaks: list[int] | None,
-                     rank: int) -> list[dict[str, int]] | None:
+def _measured_memory(trainer: Trainer, peaks: list[int] | None, rank: int,
+                     copies: list[int] | None = None) -> list[dict[str, int]] | None:
     """Every global rank's measured bytes by category (stp.train.memory_measure), with
     its pipeline rank, on global rank 0 (None elsewhere). Collective."""
     mine = measure(trainer, None if peaks is None else peaks[rank])
+    mine["dp_copies"] = 0 if copies is None else copies[rank]
     mine["pp"] = trainer.mesh.coord.pp
     everyone: list[Any] = [None] * trainer.dims.world_size
     dist.all_gather_object(everyone, mine)

@@ -70,7 +70,8 @@ def run_features(job: Any, *, recompute: str | None = None,
         shard_optimizer = bool(getattr(job, "shard_optimizer", False))
     return Features(dtype=job.dtype, offload=job.offload, recompute=recompute,
                     sequence_parallel=job.sequence_parallel and job.tp > 1,
-                    shard_optimizer=shard_optimizer, runtime="stp")
+                    shard_optimizer=shard_optimizer, runtime="stp",
+                    overlap_grad_sync=bool(getattr(job, "overlap_grad_sync", True)))
 
 
 def run_estimate(run: Any, hardware: HardwareSpec | None = None,

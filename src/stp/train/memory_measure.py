@@ -16,7 +16,9 @@ Bytes of the live tensors of this rank, each counted once (by storage):
                       hold between a forward and its backward)
 
 The same definitions as `stp.costmodel.memory` (whose `buffers`, receive and
-collective buffers, are not measured here), so `stp memory` can be checked
+collective buffers, are not measured here, except the DP reductions' gradient
+copies: `stp.train.loop` adds `dp_copies`, what they added to the peak of
+resident activations, StepMemory.peak_with_held), so `stp memory` can be checked
 against a run (benchmarks/bench_memory.py). Counting by storage is what makes
 the figures true to the bytes held: a parameter that is a view of a larger
 tensor keeps all of it (this found random-init TP shards holding their whole

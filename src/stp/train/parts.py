@@ -75,6 +75,10 @@ class TrainerOptions:
     compile: bool = False
     """torch.compile the units' pieces between their linears (stp.models.compile): the
     split backward, braiding, offload and recomputation unchanged."""
+    overlap_grad_sync: bool = True
+    """Launch each stage's DP gradient reduction as soon as its gradients are final
+    (its last W), under the rest of the pipeline (stp.train.grad_sync); False: all
+    of them after the pipeline drains."""
 
     def __post_init__(self) -> None:
         check_recompute(self.recompute)

@@ -104,10 +104,11 @@ class Precision:
                 self._main_grad(i).add_(p.grad)
                 p.grad = None
 
-    def fold(self) -> None:
-        """Fold what is left in the model's `.grad` (call after the backward)."""
+    def fold(self, indices: Iterable[int] | None = None) -> None:
+        """Fold what is left in the model's `.grad` (call after the backward; `indices`:
+        of those parameters only, e.g. a stage's once its gradients are final)."""
         if self.mixed:
-            self._fold(range(len(self.model)))
+            self._fold(range(len(self.model)) if indices is None else indices)
 
     def zero_grad(self) -> None:
         """Zero the main grads (mixed; the model's own `.grad` the stages zero)."""

@@ -149,10 +149,15 @@ def build(
     precision = _precision(named, units, mesh, opts.shard_optimizer, experts)
     holds_loss = schedule.stage_to_rank[-1] == mesh.coord.pp
     sync = GradSync(mesh, precision, stages, shared=shared, holds_loss=holds_loss,
-                    device=device)
+                    device=device, overlap=opts.overlap_grad_sync)
     offloader = None if opts.offload is None else ActivationOffloader(
         schedule, mesh.coord.pp, stages, runtime_plan(schedule, opts.offload), device=device)
     executor = _executor(schedule, mesh, stages, offloader, opts, hidden, device)
+    sync.recorder = executor.recorder
+    if sync.overlap:  # each stage's DP reduction under the passes after its last W
+        executor.grads_final = sync.stage_final
+        if offloader is not None:  # its copies measured with the activations
+            offloader.held, sync.sampler = sync.held_bytes, offloader.sample
     return Parts(mesh=mesh, dims=dims, schedule=schedule, options=opts, device=device,
                  hidden=hidden, source=source, family=family, model_config=model_config,
                  stages=stages,

@@ -13,10 +13,13 @@ One `step` = one iteration over m microbatches of the global batch:
     2. the executor runs this pipeline rank's lowered program (stp.runtime.executor);
        the last stage seeds each backward with 1/m, so .grad holds the
        gradient of the mean of microbatch means = the full-batch mean loss;
+       as each stage's last W ends, its DP reduction is launched under the
+       rest of the pipeline (`overlap_grad_sync`, stp.train.grad_sync);
     3. the step's collectives (stp.train.grad_sync): shared gradients summed,
        the loss (mean over microbatches and replicas) summed over the world
        from the ranks holding it, so every rank returns the same number,
-       gradients averaged over DP replicas (one flat all-reduce; with
+       gradients averaged over DP replicas (the reductions in flight waited
+       for, the rest run now; one flat all-reduce per stage; with
        `shard_optimizer` a reduce-scatter, each replica keeping its rows:
        stp.train.zero), and the global gradient norm taken over the whole model;
     4. the gradients are clipped by that norm (stp.train.clip; inf/NaN: the
@@ -229,9 +232,13 @@ class Trainer:
         if self.offloader is None:
             return None
         peaks: list[Any] = [None] * self.dims.world_size
+        mem = self.offloader.memory
         self.parts.sync.collective("memory gather", WORLD, dist.all_gather_object, peaks,
-                                   self.offloader.memory.peak_bytes)
-        return [int(p) for p in peaks]
+                                   (mem.peak_bytes, max(0, mem.peak_with_held - mem.peak_bytes)))
+        self.copy_peaks = [int(c) for _, c in peaks]
+        """What the DP reductions' copies in flight added to each rank's peak of resident
+        activations in the last step (`StepMemory.peak_with_held`), set with the peaks."""
+        return [int(p) for p, _ in peaks]
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(global name, local tensor) of every parameter this rank holds."""
@@ -255,6 +262,7 @@ class Trainer:
         for st in self.stages.values():
             st.zero_grad()
         self.precision.zero_grad()
+        self.parts.sync.start_step()
         # the mean over the valid (not ignored) targets of the whole global batch
         ratio = valid_token_ratio(targets)
         if self.aux is not None:

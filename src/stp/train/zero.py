@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stp.train.in_flight import InFlight
 from stp.train.precision import Precision
 from stp.train.shards import Box
 
@@ -193,7 +194,9 @@ class ShardedPrecision(Precision):
     """stp.train.precision.Precision with the optimizer's parameters sharded over DP
     (module doc). `params` and `grads()` are this rank's shards; the model's
     whole gradients are `full_grads()`; `reduce_scatter` replaces the DP
-    all-reduce and `copy_to_model` all-gathers. Both are collectives."""
+    all-reduce (whole, or a stage's parameters at a time while the pipeline still
+    runs: stp.train.grad_sync) and `copy_to_model` all-gathers. Both are
+    collectives."""
 
     def __init__(self, named: Sequence[tuple[str, nn.Parameter]], units: Iterable[Any],
                  dp: DPGroup, experts: tuple[DPGroup, frozenset[str]] | None = None) -> None:
@@ -282,21 +285,52 @@ class ShardedPrecision(Precision):
     def optimizer_box(self, i: int, box: Any) -> Any:
         return row_box(box, *self._rows(i))
 
-    def reduce_scatter(self) -> None:
-        """The DP mean of this rank's shard of every gradient: the whole gradients
-        packed rank-major, one reduce-scatter (sum) per section, divided by dp.
-        Collective."""
+    def reduce_scatter(self, indices: Iterable[int] | None = None, *,
+                       async_op: bool = False) -> list[InFlight]:
+        """The DP mean of this rank's shard of every gradient (`indices`: of those
+        parameters only): the whole gradients packed rank-major, one reduce-scatter
+        (sum) per section, divided by dp. With `async_op` the reduce-scatters are
+        returned in flight (finish each); else they are finished. A subset is
+        packed in a layout of its own (each parameter's chunk the same rows) and
+        its result copied to the parameters' places in the segment: the sharded
+        layout, hence checkpoints, is the same whatever the subsets. Collective."""
         full = self.full_grads()
+        wanted = None if indices is None else set(indices)
+        flights = []
         for sec in self.sections:
-            if not sec.index:  # a stage of dense layers only: no experts (on every peer)
-                continue
-            g = sec.group
-            packed = torch.empty(g.size * sec.layout.segment, dtype=self.grad_dtype,
-                                 device=sec.shard_grads.device)
-            sec.layout.pack([full[i] for i in sec.index], packed)
-            g.run("DP gradient reduce-scatter", g.peers, dist.reduce_scatter_single,
-                  sec.shard_grads, packed, group=g.group)
-            sec.shard_grads /= g.divisor
+            positions = [j for j, i in enumerate(sec.index) if wanted is None or i in wanted]
+            if positions:  # empty: no experts on this stage (nor on any peer's)
+                flights.append(self._reduce_scatter_section(sec, positions, full, async_op))
+        if not async_op:
+            for f in flights:
+                f.finish()
+        return flights
+
+    def _reduce_scatter_section(self, sec: _Section, positions: list[int],
+                                full: list[torch.Tensor], async_op: bool) -> InFlight:
+        g, whole = sec.group, len(positions) == len(sec.index)
+        layout = sec.layout if whole else ShardLayout(
+            [self.model[sec.index[j]].shape for j in positions], g.size)
+        device = sec.shard_grads.device
+        out = sec.shard_grads if whole else torch.empty(layout.segment, dtype=self.grad_dtype,
+                                                        device=device)
+        packed = torch.empty(g.size * layout.segment, dtype=self.grad_dtype, device=device)
+        layout.pack([full[sec.index[j]] for j in positions], packed)
+        action = "DP gradient reduce-scatter"
+        work = g.run(action, g.peers, dist.reduce_scatter_single, out, packed, group=g.group,
+                     async_op=async_op)
+
+        def then() -> None:
+            out.div_(g.divisor)
+            if not whole:
+                for j, sub in zip(positions, layout.splits, strict=True):
+                    dst = sec.layout.splits[j]
+                    sec.shard_grads[dst.offset : dst.offset + dst.size].copy_(
+                        out[sub.offset : sub.offset + sub.size])
+
+        wait = (lambda: g.run(action, g.peers, work.wait)) if work is not None else (
+            lambda: None)
+        return InFlight(work, wait, then, keep=(out, packed))
 
     @torch.no_grad()
     def copy_to_model(self) -> None:

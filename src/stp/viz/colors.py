@@ -18,6 +18,7 @@ __all__ = [
     "TP_NAMES",
     "tp_parts",
     "SEND_COLOR",
+    "DP_COLOR",
     "COPY_COLORS",
     "MEM_LINE",
     "MEM_FILL",
@@ -41,6 +42,8 @@ combine, stp.models.moe.dispatch) dark gold."""
 TP_NAMES = {"AR": "TP all-reduce", "RS": "reduce-scatter (RS)", "AG": "all-gather (AG)",
             "A2A": "expert all-to-all (A2A)"}
 SEND_COLOR = "#7f7f7f"
+DP_COLOR = "#2e7d32"
+"""Data-parallel gradient reductions (the dp lane of a measured trace)."""
 COPY_COLORS = {"D2H": "#b5651d", "H2D": "#1d8fb5"}
 MEM_LINE = "#444444"
 MEM_FILL = "#d9d9d9"

@@ -5,7 +5,10 @@ runtime ran it, F / B / W in the simulated picture's colours, a braided
 block's units framed together and labelled `F-mb|other-mb`), the TP lane
 (each collective in its colour: all-reduce, and under sequence parallelism
 the reduce-scatter that ends a unit and the all-gather that starts one), and
-the send lane (sends and receives). Times are the measured milliseconds. A
+the send lane (sends and receives) and the DP lane (each stage's gradient
+reduction over the data-parallel replicas, from its launch to its
+completion: under the compute of the passes after that stage's last W when
+the overlap is on). Times are the measured milliseconds. A
 TP span drawn under a unit of the other pass of its block is communication
 hidden by braiding (STP paper, arXiv 2510.27257, Fig. 3); the header counts,
 per kind, how much of the collectives' time ran under the rank's compute.
@@ -26,18 +29,22 @@ from stp.viz.timeline import tp_kinds, tp_rect
 __all__ = ["measured_scene", "hidden_under_compute"]
 
 _LEFT, _RIGHT, _TOP = 92.0, 24.0, 106.0
-_LANES = ("compute", "tp", "send")
-_LANE_H = {"compute": 26.0, "tp": 9.0, "send": 6.0}
+_LANES = ("compute", "tp", "send", "dp")
+_LANE_H = {"compute": 26.0, "tp": 9.0, "send": 6.0, "dp": 6.0}
 _GAP, _RANK_GAP = 3.0, 16.0
 
 
 def hidden_under_compute(spans: Sequence[Span], rank: int, kind: str) -> tuple[float, float]:
     """(total time, time under the rank's compute spans) of the rank's tp spans of
-    `kind`: how much of that collective ran while the stream computed."""
+    `kind` (or with kind "dp" its DP gradient reductions): how much of that
+    collective ran while the stream computed."""
     busy = sorted((s.start, s.end) for s in spans if s.rank == rank and s.lane == "compute")
     total = hidden = 0.0
     for s in spans:
-        if s.rank != rank or s.lane != "tp" or kind not in C.tp_parts(s.kind):
+        if s.rank != rank:
+            continue
+        if not (s.lane == "dp" if kind == "dp" else
+                s.lane == "tp" and kind in C.tp_parts(s.kind)):
             continue
         total += s.end - s.start
         hidden += sum(max(0.0, min(s.end, b) - max(s.start, a)) for a, b in busy
@@ -92,7 +99,7 @@ def measured_scene(trace: MeasuredTrace, *, title: str | None = None,
             sc.add(Rect(_LEFT, L.lane_y(band, ln), L.plot_w, _LANE_H[ln], fill=C.LANE_BG))
             if ln != "compute":
                 sc.add(Text(_LEFT - 8, L.lane_y(band, ln) + _LANE_H[ln] - 0.5,
-                            {"tp": "TP", "send": "send"}[ln], size=8, color=C.MUTED,
+                            {"tp": "TP", "send": "send", "dp": "DP"}[ln], size=8, color=C.MUTED,
                             anchor="end"))
         sc.add(Text(_LEFT - 8, L.lane_y(band, "compute") + 17, f"rank {r}", size=12,
                     bold=True, color=C.INK, anchor="end"))
@@ -124,6 +131,13 @@ def _summary(trace: MeasuredTrace, L: _Layout) -> list[str]:
         parts.append(f"{kind} {fmt_num(total)} ms ({share:.0%} under compute)")
     if parts:
         lines.append("TP collectives, all ranks: " + ", ".join(parts))
+    dp = [s for s in trace.spans if s.lane == "dp"]
+    if dp:
+        total = sum(s.end - s.start for s in dp)
+        hidden = sum(hidden_under_compute(trace.spans, r, "dp")[1] for r in L.ranks)
+        share = hidden / total if total > 0 else 0.0
+        lines.append(f"DP gradient reductions, all ranks: {fmt_num(total)} ms "
+                     f"({share:.0%} under compute)")
     return lines
 
 
@@ -153,6 +167,10 @@ def _legend(sc: Scene, L: _Layout, trace: MeasuredTrace) -> None:
         sc.add(Rect(x, y + 3, sw, sh - 6, fill=C.SEND_COLOR))
         x += sw + 4
         label("send / receive")
+    if "dp" in L.lanes:
+        sc.add(Rect(x, y + 3, sw, sh - 6, fill=C.DP_COLOR))
+        x += sw + 4
+        label("DP gradient reduction")
     sc.width = max(sc.width, x + 12)
 
 
@@ -188,5 +206,7 @@ def _comm(sc: Scene, L: _Layout, band: int, r: int) -> None:
             tip = f"{s.kind} of {s.name} {s.start:.3f}-{s.end:.3f} ms"
             if ln == "tp":
                 tp_rect(sc, x, y, w, _LANE_H[ln], s.kind, tip)
+            elif ln == "dp":
+                sc.add(Rect(x, y, w, _LANE_H[ln], fill=C.DP_COLOR, title=tip))
             else:
                 sc.add(Rect(x, y, w, _LANE_H[ln], fill=C.SEND_COLOR, title=tip))

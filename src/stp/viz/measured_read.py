@@ -5,7 +5,7 @@ A trace is a file a user hands stp, so every field is checked as it is read:
 one ValueError naming the file, the event and what was expected, never a
 traceback; the file is read up to 256 MiB and at most 500,000 spans, ranks
 below 4096. Events of other categories and the metadata and counter events
-are skipped; the compute, tp and send lanes and the action events are kept.
+are skipped; the compute, tp, send and dp lanes and the action events are kept.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ MAX_TRACE_BYTES = 256 << 20
 MAX_SPANS = 500_000
 MAX_RANKS = 4096
 _KINDS = {"compute": ("F", "B", "W"), "tp": ("AR", "RS", "AG", "RS+AG", "A2A"),
-          "send": ("SEND", "RECV")}
+          "send": ("SEND", "RECV"), "dp": ("DP-AR", "DP-RS")}
 """The span kinds of each lane stp.runtime.trace writes."""
 
 
 @dataclass(frozen=True)
 class MeasuredTrace:
     spans: tuple[Span, ...]
-    """Compute, tp and send spans; times in milliseconds from the trace's zero."""
+    """Compute, tp, send and dp spans; times in milliseconds from the trace's zero."""
     actions: Mapping[tuple[int, int], str]
     """(rank, action index) -> the action's name (`7F3`, `(7F1;7I0)OVERLAP_F_B`)."""
     schedule: str

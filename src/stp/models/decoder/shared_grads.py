@@ -85,6 +85,14 @@ class SharedGrads:
                    embed_rank=embed_rank, head_rank=head_rank, peer=mesh.pp_peer_rank(other),
                    pp_group=mesh.pp_group, tp_group=mesh.tp_group)
 
+    @property
+    def names(self) -> frozenset[str]:
+        """The parameters whose gradients a call changes (stp.train.grad_sync reduces
+        the sharded optimizer's shards of these only after the sum)."""
+        tied = {"embed.weight"} if self.holds_embed else set()
+        tied |= {"head.weight"} if self.holds_head else set()
+        return frozenset(self.replicated) | frozenset(self.row_sums) | tied
+
     def __call__(self, grads: Mapping[str, torch.Tensor]) -> None:
         if self.replicated:
             self._sum_replicas(grads)
