@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import run_ranks
 
 
 def _config(hidden: int, layers: int, seq: int):
@@ -122,18 +121,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default=None, help="also write the table to this file")
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     world = args.pp * args.tp
-    procs = [ctx.Process(target=_worker, args=(r, port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join()
+    results = run_ranks(_worker, world, args, timeout=3600)
     lines = [f"{args.schedule} on pp={args.pp} tp={args.tp}, m={args.microbatches} "
              f"microbatches of 1 sequence, {args.dtype}, {args.rounds} alternating rounds, "
              "one thread per rank, gloo on the CPU",

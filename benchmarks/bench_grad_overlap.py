@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import run_ranks
 from torch import nn
 
 HIDDEN, SEQ, LAYERS = 64, 16, 4
@@ -125,17 +124,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--shard", action="store_true", help="the sharded optimizer")
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, args, queue)) for r in range(4)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
+    results = run_ranks(_worker, 4, args, timeout=1800)
     print(f"pp2 x dp2, emulated compute {args.cost} ms, m {args.m}, {args.params:,} fp32 "
           f"gradient elements per stage, {'reduce-scatter' if args.shard else 'all-reduce'}, "
           f"{args.steps - 1} steps each, alternating; rank 0's step times (every rank ends "

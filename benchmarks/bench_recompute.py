@@ -22,12 +22,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import run_ranks
 
 MODES = ("none", "selective", "full")
 
@@ -102,18 +101,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--out", default=None, help="also write the table to this file")
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     world = args.pp * args.tp
-    procs = [ctx.Process(target=_worker, args=(r, port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    measured = dict(queue.get(timeout=1200) for _ in procs)
-    for p in procs:
-        p.join()
+    measured = run_ranks(_worker, world, args, timeout=1200)
     est, units = _estimates(args), _estimates(args, "stp")
     lines = [f"pp={args.pp} tp={args.tp} schedule {args.schedule} m={args.microbatches} "
              f"microbatch {args.microbatch_size} seq {args.seq_len} hidden {args.hidden} "

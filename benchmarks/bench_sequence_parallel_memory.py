@@ -29,12 +29,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import run_ranks
 
 
 def _storages(tensors, exclude: set[int]) -> dict[int, int]:
@@ -101,17 +100,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=2)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, args, queue)) for r in range(args.tp)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join()
+    results = run_ranks(_worker, args.tp, args, timeout=600)
     print(f"tp={args.tp} seq={args.seq_len} hidden={args.hidden} layers={args.layers} "
           "float32, microbatch 1, pp=1, schedule 1f1b (m=4)")
     print(f"{'rank':>4} {'what':>7} {'SP off':>12} {'SP on':>12} {'off / on':>9}")
