@@ -8,7 +8,9 @@ process per rank running `worker(rank, port, args, queue)`, which puts
 
 from __future__ import annotations
 
+import queue as queues
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +20,9 @@ import torch.multiprocessing as mp
 def run_ranks(worker: Callable[..., None], world: int, args: Any, *,
               timeout: float) -> dict[int, Any]:
     """Run `worker` on `world` local ranks (module doc); `timeout` seconds bounds the
-    wait for each rank's result."""
+    wait for the results. A rank that dies without reporting ends the run at once
+    (SystemExit naming it; the others are terminated), instead of a wait for the
+    timeout."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))  # the ranks meet on this machine only
         port = s.getsockname()[1]
@@ -27,7 +31,23 @@ def run_ranks(worker: Callable[..., None], world: int, args: Any, *,
     procs = [ctx.Process(target=worker, args=(r, port, args, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=timeout) for _ in procs)
-    for p in procs:
-        p.join()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world:
+            try:
+                rank, value = queue.get(timeout=0.5)
+                results[rank] = value
+            except queues.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                        and r not in results]
+                if dead or time.monotonic() > deadline:
+                    why = f"rank {dead[0]} exited with status {procs[dead[0]].exitcode}" \
+                        if dead else f"no result within {timeout:g} s"
+                    raise SystemExit(f"benchmark failed: {why}") from None
+    finally:
+        for p in procs:
+            if p.is_alive() and len(results) < world:
+                p.terminate()
+            p.join()
     return results
