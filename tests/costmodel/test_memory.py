@@ -209,12 +209,12 @@ def test_a_copy_held_under_later_activations_adds_to_their_peak():
     6) and nothing added."""
     from types import SimpleNamespace
 
-    from stp.costmodel.memory import _copies_over_peak
+    from stp.costmodel.dp_copies import copies_over_peak
 
     rank = SimpleNamespace(grads_final={3: 2.0, 0: 4.0}, peak_activation=6.0)
     res = SimpleNamespace(memory=[[(0.0, 0.0), (1.0, 6.0), (2.0, 5.0), (4.0, 0.0)]],
                           ranks=[rank])
     copies = {0: 1.0, 3: 3.0}
-    assert _copies_over_peak(res, 0, copies, 1.0, True) == 2.0
-    assert _copies_over_peak(res, 0, copies, 1.0, False) == 0.0
-    assert _copies_over_peak(res, 0, {}, 1.0, True) == 0.0
+    assert copies_over_peak(res, 0, copies, 1.0, True) == 2.0
+    assert copies_over_peak(res, 0, copies, 1.0, False) == 0.0
+    assert copies_over_peak(res, 0, {}, 1.0, True) == 0.0

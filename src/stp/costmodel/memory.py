@@ -45,28 +45,10 @@ on the first stage, the final norm and output layer on the last):
                  and are not counted, nor is the allocator's fragmentation or
                  the CUDA context.
 
-The DP gradient reduction (stp.train.grad_sync) reduces a flat copy of a
-stage's gradients (grad bytes x its parameters P_s; with the sharded
-optimizer the packed buffer, P_s, and a stage's reduce-scattered segment,
-P_s / dp, the whole run's being the shard counted above). With the overlap
-(`Features.overlap_grad_sync`, `stp train`'s default) a stage's copy is
-allocated when its gradients are final (the simulator's `grads_final`), so
-it is held during the rank's last backwards; off, every copy comes after
-the pipeline drains. The runtime frees a copy once its reduction is seen
-complete, at the next stage's launch at the earliest, at the rank's compute
-end at the latest: the estimate takes the latest (an upper bound: every
-copy launched is still held), and counts in `buffers` what the copies add
-to the peak of resident activations:
-
-    max over t of (activations(t) + copies held at t) - max of activations(t)
-
-zero where the copies come when enough activations are freed (1F1B's
-single stage per rank, at this scale), up to grad bytes x P per rank where
-they do not (a copy larger than the activations' peak, or a V schedule's
-first stage finishing before its second). That part of `buffers` is
-`RankMemory.copies` (`dp_copies` in `stp memory --json`'s ranks), which
-`stp train --json` measures (stp.train.memory_measure); on the small runs of
-benchmarks/results/memory.md the bound is at most 5% of the total over.
+The DP gradient reductions' flat copies and what they add to the peak:
+stp.costmodel.dp_copies (`RankMemory.copies`, `dp_copies` in `stp memory
+--json`'s ranks; an upper bound, at most 5% of the total over on the small
+runs of benchmarks/results/memory.md).
 
 Whose activations (`Features.runtime`): `megatron`, Korthikanti's counting
 (`stp.costmodel.model`; `stp memory --model`), or `stp`, what stp's own
@@ -92,6 +74,7 @@ from dataclasses import dataclass, replace
 
 from stp.costmodel.configs import spec_from_config
 from stp.costmodel.decoder_costs import Derived, derive_decoder, edge_costs
+from stp.costmodel.dp_copies import copies_over_peak, reduction_copies
 from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.kept import Kept, stp_kept
 from stp.costmodel.model import RECOMPUTE_MODES, ModelSpec, decoder_only
@@ -435,9 +418,11 @@ def memory_of_run(spec: ModelSpec, res: SimResult, bytes_per_unit: float,
     for r, n in enumerate(params):
         rank = _rank(r, n, res.ranks[r].peak_activation * act_scale, spec, sch.chunks, layout,
                      features, experts[r])
-        copies = _reduction_copies(sch, r, stage_params, stage_experts, features,
-                                   layout.dp, ep)
-        added = _copies_over_peak(res, r, copies, act_scale, features.overlap_grad_sync)
+        copies = reduction_copies(
+            sch, r, stage_params, stage_experts, dp=layout.dp, ep=ep,
+            width=4 if features.sixteen_bit else DTYPE_BYTES[features.dtype],
+            segments=features.shard_optimizer and features.overlap_grad_sync)
+        added = copies_over_peak(res, r, copies, act_scale, features.overlap_grad_sync)
         ranks.append(replace(rank, buffers=rank.buffers + added, copies=added))
     notes = []
     splits = any(p.kind is Kind.W for acts in sch.actions for a in acts for p in passes_of(a))
@@ -445,52 +430,6 @@ def memory_of_run(spec: ModelSpec, res: SimResult, bytes_per_unit: float,
         notes.append(f"{sch.name} defers W: full recomputation's inputs kept for a "
                      "deferred W are not counted (stp.costmodel.model)")
     return MemoryEstimate(tuple(ranks), layout, features, tuple(notes), res.makespan)
-
-
-def _reduction_copies(sch: Schedule, rank: int, stage_params: list[int],
-                      stage_experts: list[int], f: Features, dp: int,
-                      ep: int) -> dict[int, float]:
-    """{stage of `rank`: bytes of the flat copy its DP gradient reduction holds} (module
-    doc): grad bytes x its parameters; with the sharded optimizer and the overlap also
-    the stage's reduce-scattered segment, its dense parameters over dp and its experts
-    over the dp / ep ranks holding them (without the overlap the one reduction's
-    segment is the shard `_rank` counts). Empty at dp = 1 (no reduction)."""
-    if dp == 1:
-        return {}
-    width = 4 if f.sixteen_bit else DTYPE_BYTES[f.dtype]
-    segment = f.shard_optimizer and f.overlap_grad_sync
-
-    def copy(s: int) -> float:
-        whole, experts = stage_params[s], stage_experts[s]
-        out = width * whole
-        return out + width * ((whole - experts) / dp + experts * ep / dp) if segment else out
-
-    return {s: copy(s) for s in range(sch.num_stages) if sch.stage_to_rank[s] == rank}
-
-
-def _copies_over_peak(res: SimResult, rank: int, copies: dict[int, float], act_scale: float,
-                      overlap: bool) -> float:
-    """What the reductions' copies add to the rank's peak of resident activations
-    (module doc): each held from its stage's `grads_final` (overlap; else from the
-    rank's compute end) to the compute end, the activations a step curve in units of
-    `act_scale` bytes."""
-    if not copies:
-        return 0.0
-    curve = res.memory[rank]
-    end = max(curve[-1][0], *res.ranks[rank].grads_final.values(), 0.0)
-    starts = {s: res.ranks[rank].grads_final.get(s, end) if overlap else end for s in copies}
-    peak = res.ranks[rank].peak_activation * act_scale
-    best, held, acts = peak, 0.0, 0.0
-    events = sorted([(u, 0, v) for u, v in curve]
-                    + [(t, 1, copies[s]) for s, t in starts.items()])
-    for k, (t, is_copy, x) in enumerate(events):  # at equal times: the curve's value first
-        if is_copy:
-            held += x
-        else:
-            acts = x * act_scale
-        if held and (k + 1 == len(events) or events[k + 1][0] > t):
-            best = max(best, acts + held)
-    return best - peak
 
 
 def _rank(rank: int, params: int, activations: float, spec: ModelSpec, chunks: int,
