@@ -8,13 +8,28 @@ process per rank running `worker(rank, port, args, queue)`, which puts
 
 from __future__ import annotations
 
+import datetime
+import os
 import queue as queues
 import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+def join_world(rank: int, port: int, world: int, *, timeout: float) -> None:
+    """In a rank `run_ranks` started: one thread for torch (the ranks share the
+    cores), the environment stp's runtime reads, and the gloo process group;
+    `timeout` seconds bounds its collectives."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout))
 
 
 def run_ranks(worker: Callable[..., None], world: int, args: Any, *,

@@ -21,14 +21,12 @@ width 8/3 hidden rounded to 64, byte vocabulary 256).
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-from _ranks import run_ranks
+from _ranks import join_world, run_ranks
 
 
 def _config(hidden: int, layers: int, seq: int):
@@ -85,11 +83,7 @@ def _measure(args: argparse.Namespace, size: tuple[int, int, int]) -> dict:
 
 def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     world = args.pp * args.tp
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=1800))
+    join_world(rank, port, world, timeout=1800)
     out = [_measure(args, _size(s)) for s in args.sizes.split(",")]
     queue.put((rank, out))
     dist.barrier()

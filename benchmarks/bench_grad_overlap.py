@@ -18,14 +18,12 @@ reduction time measured alone.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-from _ranks import run_ranks
+from _ranks import join_world, run_ranks
 from torch import nn
 
 HIDDEN, SEQ, LAYERS = 64, 16, 4
@@ -82,11 +80,7 @@ def _step_times(args: argparse.Namespace, schedule: str) -> dict[str, list[float
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE="4")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=4,
-                            timeout=datetime.timedelta(seconds=300))
+    join_world(rank, port, 4, timeout=300)
     out = {s: _step_times(args, s) for s in args.schedules.split(",")}
     queue.put((rank, out))
     dist.barrier()

@@ -20,13 +20,11 @@ what `stp memory` gives a `stp train` run) and measured / that.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import sys
 
 import torch
 import torch.distributed as dist
-from _ranks import run_ranks
+from _ranks import join_world, run_ranks
 
 MODES = ("none", "selective", "full")
 
@@ -79,11 +77,7 @@ def _estimates(args: argparse.Namespace, runtime: str = "megatron") -> dict[str,
 
 def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     world = args.pp * args.tp
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    join_world(rank, port, world, timeout=600)
     queue.put((rank, _measure(args)))
     dist.barrier()
     dist.destroy_process_group()

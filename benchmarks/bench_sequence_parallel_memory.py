@@ -27,13 +27,11 @@ and without `sequence_parallel` and prints, per TP rank:
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import sys
 
 import torch
 import torch.distributed as dist
-from _ranks import run_ranks
+from _ranks import join_world, run_ranks
 
 
 def _storages(tensors, exclude: set[int]) -> dict[int, int]:
@@ -83,11 +81,7 @@ def _measure(args: argparse.Namespace, sp: bool) -> dict[str, int]:
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(args.tp))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=args.tp,
-                            timeout=datetime.timedelta(seconds=300))
+    join_world(rank, port, args.tp, timeout=300)
     queue.put((rank, {sp: _measure(args, sp) for sp in (False, True)}))
     dist.barrier()
     dist.destroy_process_group()
