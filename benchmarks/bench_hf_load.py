@@ -71,7 +71,12 @@ def measure(path: str, stage: int, num_stages: int, tp: int, tp_rank: int) -> di
     from stp.models import build_stage
     from stp.models.hf import HFCheckpoint
 
-    torch.zeros(1)  # torch's own lazy allocations before the baseline
+    # torch's own lazy allocations before the baseline: its first parallel kernel
+    # starts the intra-op threads (their stacks and malloc arenas, ~6 MB here), which
+    # a training process pays once whatever it loads.
+    warm = torch.ones(1 << 20)
+    assert bool(torch.isfinite(warm).all())
+    del warm
     _reset_peak()
     before = _status_bytes("VmRSS")
     ckpt = HFCheckpoint.open(path)

@@ -166,6 +166,20 @@ def test_an_index_pointing_outside_the_directory_is_refused(good: Path, tmp_path
         HFCheckpoint.open(ckpt)
 
 
+def test_an_index_naming_a_file_without_the_tensor_is_refused(good: Path,
+                                                               tmp_path: Path) -> None:
+    ckpt = _copy(good, tmp_path)
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.embed_tokens.weight": "model.safetensors",
+                        "model.norm.weight": "model.safetensors",
+                        "model.layers.9.mlp.up_proj.weight": "model.safetensors"}}))
+    with pytest.raises(ValueError) as e:
+        HFCheckpoint.open(ckpt)
+    assert _one_line(e).endswith("model.safetensors.index.json puts tensor "
+                                 "model.layers.9.mlp.up_proj.weight in model.safetensors, "
+                                 "which does not hold it")
+
+
 def test_llama3_scaling_bands_in_the_wrong_order_name_the_file() -> None:
     raw = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
            "num_attention_heads": 2, "intermediate_size": 8,

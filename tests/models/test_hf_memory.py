@@ -1,6 +1,6 @@
 """A rank loading its shard of a checkpoint holds about its shard, not the model
-(benchmarks/bench_hf_load.py: 233 MB across pp2 x tp2, each rank +72..80 MB for a
-58 MB shard, the whole model +269 MB). Here a 60 MB checkpoint: the rank with
+(benchmarks/bench_hf_load.py: 233 MB across pp2 x tp2, each rank +62..67 MB for a
+58 MB shard, the whole model +250 MB). Here a 60 MB checkpoint: the rank with
 the most bytes (stage 0, TP rank 0 of pp2 x tp2: a quarter of the model) peaks
 below half the model and below twice its shard. Linux only (/proc/self/status)."""
 

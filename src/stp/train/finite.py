@@ -7,7 +7,7 @@ the good ones out under --keep. Now:
 
 * weights are checked before training: `scan_dcp` (the model and master
   tensors of a sharded checkpoint, one chunk at a time, through the weights-only
-  reader) and `scan_hf` (every tensor of a Hugging Face directory, one at a time)
+  reader) and `scan_hf` (every tensor of a Hugging Face directory, a block at a time)
   run before any worker starts; `require_finite` (collective) after a checkpoint
   is loaded into a Trainer, for the library's own Trainer.resume. One line naming
   the tensor.
@@ -93,18 +93,15 @@ def scan_dcp(path: str | os.PathLike[str]) -> None:
 
 def scan_hf(ckpt: Any) -> None:
     """NonFinite naming the first tensor of Hugging Face checkpoint `ckpt` (an
-    HFCheckpoint) that holds NaN or inf; one tensor in memory at a time."""
-    from safetensors import safe_open
+    HFCheckpoint) that holds NaN or inf; read in blocks of about a megabyte, never a
+    whole tensor in memory."""
+    from stp.models.hf.slices import NotFinite, scan_finite
 
-    by_file: dict[Path, list[str]] = {}
-    for key, file in ckpt.files.items():
-        by_file.setdefault(file, []).append(key)
-    for file, keys in sorted(by_file.items()):
-        with safe_open(file, "pt") as handle:
-            for key in sorted(keys):
-                if _bad(handle.get_tensor(key)):
-                    raise NonFinite(f"{file}: tensor {key} holds NaN or inf: training from it "
-                                    "would skip every step")
+    for _, key in sorted((t.file, key) for key, t in ckpt.stored.items()):
+        try:
+            scan_finite(ckpt.stored[key])
+        except NotFinite as e:
+            raise NonFinite(str(e)) from None
 
 
 class SkipCounter:

@@ -6,30 +6,27 @@ sharded) and checks them against the config before anything is loaded. A
 rank then reads only the slices it owns: `read(config, spec, tp_size,
 tp_rank)` has the signature of stp.models.init.init_shard, so
 `build_stage(..., weights=checkpoint.read)` materialises one stage's TP shard
-straight from the files, never the whole model: safetensors' `get_slice`
-maps the file and touches only the requested rows (or, for a column slice,
-the pages holding them). Its result may be a view of that mapping (two reads
-of one tensor share memory), so each read copies it into memory of its own
-and unmaps the file before the next: a rank's peak is its shard plus one
-tensor.
+straight from the files, never the whole model. Reads go through
+stp.models.hf.slices: plain reads of whole rows in blocks into one buffer,
+never a mapping of the file, so a rank's peak is its shard plus one block
+(1 MB), not plus its largest tensor.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from stp.files import read_json_object
-from stp.models.decoder.init import ParamSpec, pad_shard, parameter_specs, tp_slice
+from stp.models.decoder.init import ParamSpec, parameter_specs, tp_slice
 from stp.models.hf.config import config_from_hf
 from stp.models.hf.moe_config import moe_config_from_hf
 from stp.models.hf.names import hf_name, stp_name
+from stp.models.hf.slices import StoredTensor, read_header, read_slice
 from stp.models.moe.init import moe_parameter_specs
 from stp.shapes.decoder import ModelConfig
 from stp.shapes.moe import HF_MOE_TYPES, MoEConfig
@@ -70,61 +67,8 @@ def same_weights(a: ModelConfig, b: ModelConfig) -> bool:
     return replace(a, **{f: getattr(b, f) for f in RUN_FIELDS}) == b
 
 
-MAX_HEADER_BYTES = 100 << 20
-"""safetensors' own limit on a header (its tensor names, shapes and offsets)."""
-
-
-def check_safetensors(file: Path) -> None:
-    """ValueError naming `file` unless its header is complete and its tensors fit the
-    file exactly: the header length read and compared with the file's size before the
-    header is read (a length of 1e12 must not be allocated), a truncated file refused
-    before safetensors maps it."""
-
-    def bad(why: str) -> ValueError:
-        return ValueError(f"{file}: not a complete safetensors file ({why})")
-
-    try:
-        size = file.stat().st_size
-        with open(file, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise bad(f"{size} bytes, shorter than the 8-byte header length")
-            n = int.from_bytes(head, "little")
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise bad(f"its header claims {n} bytes, the file holds {size}")
-            header = json.loads(fh.read(n))
-    except OSError as e:
-        raise ValueError(f"cannot read {file}: {e.strerror or e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        raise bad("its header is not JSON") from None
-    if not isinstance(header, dict):
-        raise bad("its header is not a JSON object")
-    end = 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if (not isinstance(offsets, list) or len(offsets) != 2
-                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1]):
-            raise bad(f"tensor {name!r} has no valid data_offsets")
-        end = max(end, offsets[1])
-    if 8 + n + end != size:
-        raise bad(f"its tensors need {8 + n + end} bytes, the file holds {size}: truncated "
-                  "or damaged")
-
-
-def _open(file: Path) -> Any:
-    """safe_open of a file check_safetensors passed; its own errors in one line."""
-    try:
-        return safe_open(file, "pt")
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-        text = " ".join(str(e).split())[:120]  # one line, whatever safetensors says
-        raise ValueError(f"{file}: not a readable safetensors file ({text})") from None
-
-
-def _weight_files(path: Path) -> dict[str, Path]:
-    """Hugging Face key -> the safetensors file holding it."""
+def _weight_files(path: Path) -> dict[str, StoredTensor]:
+    """Hugging Face key -> where its bytes are (every file's header checked)."""
     index = path / INDEX
     if index.is_file():
         weight_map = read_json_object(index, 256 << 20).get("weight_map")
@@ -133,21 +77,24 @@ def _weight_files(path: Path) -> dict[str, Path]:
                 for n in weight_map.values()):
             raise ValueError(f"{index}: not a safetensors index (weight_map must map tensor "
                              "names to file names in the directory)")
-        files = {key: path / name for key, name in weight_map.items()}
-        for f in sorted(set(files.values())):
-            if not f.is_file():
-                raise ValueError(f"{index} names {f.name}, which is missing from {path}")
-            check_safetensors(f)
-        return files
+        headers: dict[str, dict[str, StoredTensor]] = {}
+        for name in sorted(set(weight_map.values())):
+            if not (path / name).is_file():
+                raise ValueError(f"{index} names {name}, which is missing from {path}")
+            headers[name] = read_header(path / name)
+        stored = {}
+        for key, name in weight_map.items():
+            if key not in headers[name]:
+                raise ValueError(f"{index} puts tensor {key} in {name}, which does not hold it")
+            stored[key] = headers[name][key]
+        return stored
     found = sorted(path.glob("*.safetensors"))
     if not found:
         raise ValueError(f"{path} holds no *.safetensors weights (nor {INDEX})")
-    files: dict[str, Path] = {}
+    stored = {}
     for f in found:
-        check_safetensors(f)
-        with _open(f) as handle:
-            files.update((key, f) for key in handle.keys())  # noqa: SIM118 (not a dict)
-    return files
+        stored.update(read_header(f))
+    return stored
 
 
 @dataclass
@@ -157,7 +104,12 @@ class HFCheckpoint:
     path: Path
     raw_config: dict[str, Any]
     config: ModelConfig
-    files: dict[str, Path]
+    stored: dict[str, StoredTensor]
+
+    @property
+    def files(self) -> dict[str, Path]:
+        """Hugging Face key -> the safetensors file holding it."""
+        return {key: t.file for key, t in self.stored.items()}
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> HFCheckpoint:
@@ -183,7 +135,7 @@ class HFCheckpoint:
     def check_tensors(self) -> None:
         """ValueError unless every expected tensor is there with the config's shape and
         nothing else is (header reads only)."""
-        stored = {int(k.split(".")[2]) for k in self.files
+        stored = {int(k.split(".")[2]) for k in self.stored
                   if k.startswith("model.layers.") and k.split(".")[2].isdigit()}
         if self.config.num_layers != len(stored):  # before a spec is built per layer
             raise ValueError(f"{self.path}/config.json: num_hidden_layers="
@@ -191,22 +143,17 @@ class HFCheckpoint:
                              "layers")
         layout = layout_of(self.config)
         wanted = {hf_name(s.name, layout): s for s in self.expected()}
-        missing = [k for k in wanted if k not in self.files]
+        missing = [k for k in wanted if k not in self.stored]
         if missing:
             raise ValueError(f"{self.path}: tensor {missing[0]} is missing (config.json "
                              f"describes {self.config.num_layers} layers)")
-        shapes: dict[str, tuple[int, ...]] = {}
-        for file in sorted({self.files[k] for k in wanted}):
-            with _open(file) as handle:
-                shapes.update((k, tuple(handle.get_slice(k).get_shape()))
-                              for k in wanted if self.files[k] == file)
         for key, spec in wanted.items():
-            shape = shapes[key]
+            shape = self.stored[key].shape
             if shape != spec.shape:
-                raise ValueError(f"{self.files[key]}: tensor {key} has shape {list(shape)}, but "
-                                 f"config.json implies {list(spec.shape)}")
+                raise ValueError(f"{self.stored[key].file}: tensor {key} has shape "
+                                 f"{list(shape)}, but config.json implies {list(spec.shape)}")
         tied_head = "lm_head.weight" if self.config.tie_embeddings else None
-        extra = sorted(k for k in self.files if k not in wanted and k != tied_head
+        extra = sorted(k for k in self.stored if k not in wanted and k != tied_head
                        and not k.endswith(_IGNORED_KEYS))
         if extra:
             known = [k for k in extra if stp_name(k, layout) is not None]
@@ -230,19 +177,7 @@ class HFCheckpoint:
                              f"{self.path}/config.json")
         key = hf_name(spec.tied_to or spec.name, layout_of(self.config))
         where = tp_slice(config, spec, tp_size, tp_rank)
-        with safe_open(self.files[key], "pt") as handle:
-            part = handle.get_slice(key)
-            if where.dim is None:
-                t = part[:]
-            elif where.dim == 0:
-                t = part[where.start : where.stop]
-            else:
-                t = part[:, where.start : where.stop]
-            t = t.to(dtype=dtype, copy=True)  # not a view of the file's mapping
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{self.files[key]}: tensor {key} holds NaN or inf: training "
-                             "from it would skip every step")
-        return pad_shard(t, where).contiguous().to(device)
+        return read_slice(self.stored[key], where, dtype).to(device)
 
     def full_tensors(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Every parameter, whole, under stp's names."""
@@ -251,3 +186,4 @@ class HFCheckpoint:
     def tokenizer_files(self) -> list[Path]:
         """The tokenizer (and generation config) files next to the weights."""
         return [self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()]
+
