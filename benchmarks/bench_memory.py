@@ -61,6 +61,8 @@ CONFIGS: dict[str, list[str]] = {
                               "--dtype", "bfloat16", "--overlap-grad-sync", "on"],
     "zb-v-dp2-bf16-seq16": ["--pp", "2", "--dp", "2", "--schedule", "zb-v", "--dtype",
                             "bfloat16", "--seq-len", "16"],
+    "zb-v-dp2-fp32-seq16": ["--pp", "2", "--dp", "2", "--schedule", "zb-v", "--dtype",
+                            "float32", "--seq-len", "16"],
     "1f1b-dp2-shard-optimizer": ["--pp", "2", "--dp", "2", "--schedule", "1f1b",
                                  "--dtype", "bfloat16", "--shard-optimizer"],
     "moe-1f1b": ["--pp", "2", "--schedule", "1f1b", *MOE],

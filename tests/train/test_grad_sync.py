@@ -90,3 +90,57 @@ def test_the_overlap_is_on_by_default_and_the_flag_turns_it_off() -> None:
     from stp.train.memory_check import run_features
 
     assert run_features(on).overlap_grad_sync and not run_features(off).overlap_grad_sync
+
+
+class _Weights:
+    """A stage of several unsharded parameters."""
+
+    def __init__(self, **weights: nn.Parameter) -> None:
+        self.weights = weights
+
+    def named_parameters(self):
+        yield from self.weights.items()
+
+    def shard_dim(self, name: str) -> None:
+        return None
+
+
+def _in_place(rank: int, world: int, dtype: torch.dtype, overlap: bool) -> dict:
+    """Two stages on dp2: stage 1's reduction launched first (its last W came first,
+    as on a V schedule's first rank), then stage 0's."""
+    mesh = Mesh.from_world(ParallelDims(1, 1, 2), timeout=30)
+    shapes = {"a": (4, 3), "b": (5,), "c": (2, 2)}
+    weights = {n: nn.Parameter(torch.zeros(s, dtype=dtype)) for n, s in shapes.items()}
+    stages = {0: _Weights(a=weights["a"], b=weights["b"]), 1: _Weights(c=weights["c"])}
+    precision = Precision(list(weights.items()))
+    sync = GradSync(mesh, precision, stages, shared=None, holds_loss=True,
+                    device=torch.device("cpu"), overlap=overlap)
+    for k, w in enumerate(weights.values()):  # rank 0: k + 1, rank 1: 2 (k + 1)
+        w.grad = torch.full_like(w, float((k + 1) * (rank + 1)))
+    held = []
+    if overlap:
+        for stage in (1, 0):
+            sync.stage_final(stage)
+            held.append(sync.held_bytes())
+    precision.fold()  # what the trainer does after the executor's backward
+    sync.after_backward({0: torch.tensor(1.0, dtype=torch.float64)}, 1, 1.0)
+    grads = precision.grads()
+    return {"held": held, "grads": [sorted(set(g.reshape(-1).tolist())) for g in grads],
+            "views": [[g.data_ptr() - flat.data_ptr() for g in (grads[i] for i in idx)]
+                      for idx, flat in sync.flat_grads]}
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_bf16_main_grads_are_reduced_in_place_stage_by_stage(overlap: bool) -> None:
+    """bf16 with the all-reduce: each stage's fp32 main grads are views of one flat
+    buffer, reduced in place (no copy held in flight), the DP mean all the same;
+    float32 reduces a flat copy, held while in flight."""
+    for got in run_dist(_in_place, 2, torch.bfloat16, overlap, timeout=60):
+        assert got["views"] == [[0, 48], [0]]  # a (12 floats) then b; c alone
+        assert got["held"] == ([0, 0] if overlap else [])
+        assert got["grads"] == [[1.5], [3.0], [4.5]]  # every element the DP mean
+    for got in run_dist(_in_place, 2, torch.float32, overlap, timeout=60):
+        assert got["views"] == []
+        if overlap:  # stage 1's copy, then stage 0's (stage 1's too if not yet complete)
+            assert got["held"][0] == 4 * 4 and got["held"][1] in (4 * 17, 4 * 21)
+        assert got["grads"] == [[1.5], [3.0], [4.5]]  # every element the DP mean

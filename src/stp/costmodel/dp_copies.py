@@ -3,7 +3,11 @@
 The DP gradient reduction (stp.train.grad_sync) reduces a flat copy of a
 stage's gradients (grad bytes x its parameters P_s; with the sharded
 optimizer the packed buffer, P_s, and a stage's reduce-scattered segment,
-P_s / dp, the whole run's being the shard stp.costmodel.memory counts). With the overlap
+P_s / dp, the whole run's being the shard stp.costmodel.memory counts),
+except in a 16-bit run without the sharded optimizer: there each stage's fp32
+main grads already lie in one flat buffer (stp.train.precision.
+group_main_grads), which the all-reduce reduces in place, and nothing is
+copied (`in_place`). With the overlap
 (`Features.overlap_grad_sync`, `stp train`'s default) a stage's copy is
 allocated when its gradients are final (the simulator's `grads_final`), so
 it is held during the rank's last backwards; off, every copy comes after
@@ -34,14 +38,14 @@ __all__ = ["reduction_copies", "copies_over_peak"]
 
 def reduction_copies(sch: Schedule, rank: int, stage_params: list[int],
                      stage_experts: list[int], *, dp: int, ep: int, width: int,
-                     segments: bool) -> dict[int, float]:
+                     segments: bool, in_place: bool = False) -> dict[int, float]:
     """{stage of `rank`: bytes of the flat copy its DP gradient reduction holds} (module
     doc): `width` (the gradients' bytes) x its parameters; with `segments` (the sharded
     optimizer with the overlap) also the stage's reduce-scattered segment, its dense
     parameters over dp and its experts over the dp / ep ranks holding them (without
     the overlap the one reduction's segment is the shard stp.costmodel.memory counts).
-    Empty at dp = 1 (no reduction)."""
-    if dp == 1:
+    Empty at dp = 1 (no reduction) and `in_place` (module doc)."""
+    if dp == 1 or in_place:
         return {}
 
     def copy(s: int) -> float:

@@ -41,7 +41,8 @@ on the first stage, the final norm and output layer on the last):
                  dp` (experts' over dp/ep); with ep > 1, one all-to-all's send
                  and receive buffers, `s b k h` each, for each of two passes;
                  with dp > 1, what the DP gradient reductions' flat copies add
-                 to the activations' peak (below). TP all-reduces run in place
+                 to the activations' peak (below; none in a 16-bit run without
+                 the sharded optimizer, whose main grads are reduced in place). TP all-reduces run in place
                  and are not counted, nor is the allocator's fragmentation or
                  the CUDA context.
 
@@ -159,8 +160,8 @@ class Features:
     estimate of a `stp train` run)."""
     overlap_grad_sync: bool = True
     """Each stage's DP gradient reduction launched as soon as its gradients are final
-    (`stp train --overlap-grad-sync`): its flat copy is held during the last
-    backwards (module doc)."""
+    (`stp train --overlap-grad-sync`): its flat copy, where there is one, is held
+    during the last backwards (module doc)."""
 
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:
@@ -421,7 +422,8 @@ def memory_of_run(spec: ModelSpec, res: SimResult, bytes_per_unit: float,
         copies = reduction_copies(
             sch, r, stage_params, stage_experts, dp=layout.dp, ep=ep,
             width=4 if features.sixteen_bit else DTYPE_BYTES[features.dtype],
-            segments=features.shard_optimizer and features.overlap_grad_sync)
+            segments=features.shard_optimizer and features.overlap_grad_sync,
+            in_place=features.sixteen_bit and not features.shard_optimizer)
         added = copies_over_peak(res, r, copies, act_scale, features.overlap_grad_sync)
         ranks.append(replace(rank, buffers=rank.buffers + added, copies=added))
     notes = []

@@ -39,15 +39,22 @@ then runs, on every rank:
        gradients the optimizer reads (with sharding: each rank's shards).
 
 The optimizer then steps (stp.train.precision); with the sharded optimizer
-its parameter all-gather stays after the step, exposed. A reduction in
-flight holds a flat fp32 copy of its stage's gradients (the sharded
-optimizer's: the packed buffer), as the reduction after the drain did, but
-now during the last backwards: it is released when the reduction is seen
-complete at the next stage's launch, or at the latest in `after_backward`
-(`stp memory`'s estimate counts what the copies add to the activations' peak
-in its buffers, taking the latest: stp.costmodel.memory). There is no
-gradient accumulation across executor runs: a step is one run over its m
-microbatches, whose gradients the stages sum as they go.
+its parameter all-gather stays after the step, exposed.
+
+In a 16-bit run with the all-reduce, each stage's fp32 main grads are views
+of one flat buffer (its experts' of another; `Precision.group_main_grads`,
+Megatron-LM's contiguous gradient buffer), so a stage's reduction all-reduces
+that buffer in place and holds no memory of its own. Otherwise (a float32 /
+float64 run, whose `.grad` the model's units create; the sharded optimizer,
+whose reduce-scatter packs the gradients rank-major) a reduction in flight
+holds a flat copy of its stage's gradients, as the reduction after the drain
+did, but during the last backwards: it is released when the reduction is
+seen complete at the next stage's launch, or at the latest in
+`after_backward` (`stp memory`'s estimate counts what the copies add to the
+activations' peak in its buffers, taking the latest: stp.costmodel.memory).
+
+There is no gradient accumulation across executor runs: a step is one run
+over its m microbatches, whose gradients the stages sum as they go.
 
 Every collective goes through `collective`, so a backend error becomes one
 rank error the one way (stp.runtime.errors.wrap): a lost DP peer is reported
@@ -129,11 +136,26 @@ class GradSync:
         """{stage: indices of its parameters in the precision's lists}."""
         self.late = self._late_indices()
         """Parameters reduced after the shared sum even with the overlap (module doc)."""
+        self.flat_grads = self._group_main_grads()
+        """(parameter indices, the flat buffer their main grads view): each stage's dense
+        parameters, then its experts, reduced in place (module doc)."""
         self._in_flight: list[InFlight] = []
         self._reduced: set[int] = set()
         self.sampler: Callable[[], None] | None = None
         """Called after each launch: the activation offloader's `sample`, so the copies'
         bytes (`held_bytes`) are measured with the activations (stp.train.setup)."""
+
+    def _group_main_grads(self) -> list[tuple[list[int], torch.Tensor]]:
+        """Mixed precision with the all-reduce at dp > 1: each stage's dense main grads in
+        one buffer, its experts' in another (the groups a reduction covers whole)."""
+        p = self.precision
+        if isinstance(p, ShardedPrecision) or not p.mixed or self.mesh.dims.dp == 1:
+            return []
+        experts = set(self.expert_index)
+        groups = [g for idx in self.stage_params.values()
+                  for g in ([i for i in idx if i not in experts], [i for i in idx if i in experts])
+                  if g]
+        return list(zip(groups, p.group_main_grads(groups), strict=True))
 
     def _late_indices(self) -> frozenset[int]:
         if not isinstance(self.precision, ShardedPrecision) or self.shared is None:
@@ -248,31 +270,38 @@ class GradSync:
     def average_dp(self, indices: Iterable[int] | None = None, *,
                    async_op: bool = False) -> list[InFlight]:
         """Average the gradients (fp32 main grads in mixed precision; `indices`: of
-        those parameters only) over the DP replicas in one flat all-reduce (experts':
-        over their replicas, module doc). With `async_op` the all-reduces are
+        those parameters only) over the DP replicas (experts': over their replicas,
+        module doc): each group of `flat_grads` the indices cover whole in place, the
+        rest in one flat all-reduce of a copy. With `async_op` the all-reduces are
         returned in flight (finish each); else they are finished."""
         grads = self.precision.grads()
-        wanted = range(len(grads)) if indices is None else list(indices)
+        wanted = list(range(len(grads)) if indices is None else indices)
         experts = set(self.expert_index)
-        dense = [grads[i] for i in wanted if i not in experts]
-        flights = [self._mean(dense, "dp", self.mesh.dp_group, "DP gradient all-reduce")]
-        mine = [grads[i] for i in wanted if i in experts]
-        if mine:
-            flights.append(self._mean(mine, "edp", self.mesh.edp_group,
-                                      "expert gradient all-reduce"))
-        flights = [f for f in flights if f is not None]
+        flights, done = [], set()
+        for idx, flat in self.flat_grads:
+            if set(idx) <= set(wanted) and _views_of(flat, [grads[i] for i in idx]):
+                axis = "edp" if idx[0] in experts else "dp"
+                flights.append(self._mean(flat, None, axis))
+                done.update(idx)
+        wanted = [i for i in wanted if i not in done]
+        for axis, mine in (("dp", [i for i in wanted if i not in experts]),
+                           ("edp", [i for i in wanted if i in experts])):
+            if mine:
+                parts = [grads[i] for i in mine]
+                flights.append(self._mean(torch.cat([g.reshape(-1) for g in parts]), parts,
+                                          axis))
         if not async_op:
             for f in flights:
                 f.finish()
         return flights
 
-    def _mean(self, grads: list[torch.Tensor], axis: str, group: Any,
-              action: str) -> InFlight | None:
-        """Sum `grads` over the group of `axis` in one flat all-reduce launched now, to
-        be divided by dp and copied back when finished (None: no gradients)."""
-        if not grads:
-            return None
-        flat = torch.cat([g.reshape(-1) for g in grads])
+    def _mean(self, flat: torch.Tensor, grads: list[torch.Tensor] | None,
+              axis: str) -> InFlight:
+        """Sum `flat` over the group of `axis` ("dp", or "edp" for experts) in one
+        all-reduce launched now, to be divided by dp when finished and, when it is a
+        copy of `grads`, copied back (None: `flat` is the gradients' own buffer)."""
+        group, action = ((self.mesh.dp_group, "DP gradient all-reduce") if axis == "dp"
+                         else (self.mesh.edp_group, "expert gradient all-reduce"))
         work, peers = None, f"a rank in {self.mesh.describe_group(axis)}"
         launched = time.perf_counter()
         if len(self.mesh.ranks[axis]) > 1:
@@ -282,12 +311,12 @@ class GradSync:
         def then() -> None:
             flat.div_(self.mesh.dims.dp)
             offset = 0
-            for g in grads:
+            for g in grads or ():
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
 
         return InFlight(work, lambda: self.collective(action, peers, work.wait), then,
-                        launched, keep=(flat,))
+                        launched, keep=() if grads is None else (flat,))
 
     def grad_norm(self) -> float:
         """The global L2 norm of the gradients (stp.train.clip). Collective."""
@@ -296,6 +325,18 @@ class GradSync:
             world_sum = functools.partial(self.collective, "grad-norm all-reduce", WORLD,
                                           dist.all_reduce)
         return grad_norm(self.precision.grads(), self.counted, world_sum)
+
+
+def _views_of(flat: torch.Tensor, grads: list[torch.Tensor]) -> bool:
+    """Whether `grads` are consecutive views filling `flat` (still the buffer they were
+    placed in: nothing replaced a main grad since)."""
+    offset, base = 0, flat.data_ptr()
+    for g in grads:
+        if (g.dtype != flat.dtype or not g.is_contiguous()
+                or g.data_ptr() != base + offset * flat.element_size()):
+            return False
+        offset += g.numel()
+    return offset == flat.numel()
 
 
 def _stage_params(stages: Mapping[int, Any], total: int) -> dict[int, list[int]]:

@@ -88,6 +88,29 @@ class Precision:
         """The fp32 buffer parameter i's weight gradients are summed into (mixed)."""
         return self.params[i].grad  # type: ignore[return-value]
 
+    @torch.no_grad()
+    def group_main_grads(self, groups: Iterable[Sequence[int]]) -> list[torch.Tensor]:
+        """Move the main grads of each group of parameters (mixed) into one flat fp32
+        buffer of the group's own, each main grad a view of it in the group's order,
+        and return the buffers: a DP reduction of a group's gradients then reduces its
+        buffer in place, with no flat copy beside the gradients (stp.train.grad_sync;
+        Megatron-LM's contiguous gradient buffer). Nothing to group when pure: the
+        model's own `.grad` is what autograd and the units create."""
+        if not self.mixed:
+            return []
+        buffers = []
+        for group in groups:
+            masters = [self.params[i] for i in group]
+            flat = torch.empty(sum(m.numel() for m in masters), dtype=torch.float32,
+                               device=masters[0].device)
+            offset = 0
+            for m in masters:
+                view = flat[offset : offset + m.numel()].view_as(m)
+                view.copy_(m.grad)  # type: ignore[arg-type]
+                m.grad, offset = view, offset + m.numel()
+            buffers.append(flat)
+        return buffers
+
     def _folding(self, inner: Callable[..., Any], indices: list[int]) -> Callable[..., Any]:
         def run(*args: Any, **kw: Any) -> Any:
             out = inner(*args, **kw)
