@@ -42,9 +42,9 @@ on the first stage, the final norm and output layer on the last):
                  and receive buffers, `s b k h` each, for each of two passes;
                  with dp > 1, what the DP gradient reductions' flat copies add
                  to the activations' peak (below; none in a 16-bit run without
-                 the sharded optimizer, whose main grads are reduced in place). TP all-reduces run in place
-                 and are not counted, nor is the allocator's fragmentation or
-                 the CUDA context.
+                 the sharded optimizer, whose main grads are reduced in
+                 place). TP all-reduces run in place and are not counted,
+                 nor is the allocator's fragmentation or the CUDA context.
 
 The DP gradient reductions' flat copies and what they add to the peak:
 stp.costmodel.dp_copies (`RankMemory.copies`, `dp_copies` in `stp memory
