@@ -171,14 +171,21 @@ def test_dp_reduction_copies_at_the_drain_add_what_exceeds_the_activations():
     for overlap in (True, False):
         est = estimate(spec, HW, replace(dp1, dp=4), Features(overlap_grad_sync=overlap))
         assert _extra(est, base) == [0.0, 0.0] and all(r.copies == 0 for r in est.ranks)
-    # sharded: the packed copy, and with the overlap the stage's reduce-scattered
-    # segment (P / dp) too, besides the shard of the drain's reduction (4 P / dp)
-    for overlap, segment in ((True, 1), (False, 0)):
-        est = estimate(spec, HW, replace(dp1, dp=4),
-                       Features(overlap_grad_sync=overlap, shard_optimizer=True))
-        want = [4 * r.parameters / 4 + max(0.0, 4 * r.parameters * (1 + segment / 4)
-                                           - r.activations_peak) for r in base.ranks]
-        assert _extra(est, base) == pytest.approx(want, abs=1)
+    # sharded, float32: the packed copy, and with the overlap the stage's
+    # reduce-scattered segment (P / dp) too, besides the shard of the drain's
+    # reduction (4 P / dp); bf16: the main grads are packed already, only each
+    # stage's segment is held, overlap or not
+    base32 = estimate(spec, HW, dp1, fp32)
+    for dtype, overlap, packed, segment in (("float32", True, 1, 1), ("float32", False, 1, 0),
+                                            ("bfloat16", True, 0, 1),
+                                            ("bfloat16", False, 0, 1)):
+        est = estimate(spec, HW, replace(dp1, dp=4), Features(
+            dtype=dtype, overlap_grad_sync=overlap, shard_optimizer=True))
+        ref = base32 if dtype == "float32" else base
+        want = [4 * r.parameters / 4 + max(0.0, 4 * r.parameters * (packed + segment / 4)
+                                           - r.activations_peak) for r in ref.ranks]
+        assert _extra(est, ref) == pytest.approx(want, abs=1), (dtype, overlap)
+        assert (sum(want) > sum(4 * r.parameters / 4 for r in ref.ranks)) == (dtype == "float32")
 
 
 def test_overlapped_copies_are_held_from_their_stage_final():

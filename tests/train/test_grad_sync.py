@@ -105,14 +105,17 @@ class _Weights:
         return None
 
 
-def _in_place(rank: int, world: int, dtype: torch.dtype, overlap: bool) -> dict:
+def _in_place(rank: int, world: int, dtype: torch.dtype, overlap: bool,
+              shard: bool = False) -> dict:
     """Two stages on dp2: stage 1's reduction launched first (its last W came first,
     as on a V schedule's first rank), then stage 0's."""
+    from stp.train.setup import _precision
+
     mesh = Mesh.from_world(ParallelDims(1, 1, 2), timeout=30)
     shapes = {"a": (4, 3), "b": (5,), "c": (2, 2)}
     weights = {n: nn.Parameter(torch.zeros(s, dtype=dtype)) for n, s in shapes.items()}
     stages = {0: _Weights(a=weights["a"], b=weights["b"]), 1: _Weights(c=weights["c"])}
-    precision = Precision(list(weights.items()))
+    precision = _precision(list(weights.items()), [], mesh, shard, [])
     sync = GradSync(mesh, precision, stages, shared=None, holds_loss=True,
                     device=torch.device("cpu"), overlap=overlap)
     for k, w in enumerate(weights.values()):  # rank 0: k + 1, rank 1: 2 (k + 1)
@@ -125,6 +128,10 @@ def _in_place(rank: int, world: int, dtype: torch.dtype, overlap: bool) -> dict:
     precision.fold()  # what the trainer does after the executor's backward
     sync.after_backward({0: torch.tensor(1.0, dtype=torch.float64)}, 1, 1.0)
     grads = precision.grads()
+    if shard:  # this rank's rows of each gradient, and the packed main grads' sizes
+        return {"held": held, "grads": [sorted(set(g.reshape(-1).tolist())) for g in grads],
+                "rows": [tuple(g.shape) for g in grads],
+                "packed": [pk.flat.numel() for pk in getattr(precision, "packed", [])]}
     return {"held": held, "grads": [sorted(set(g.reshape(-1).tolist())) for g in grads],
             "views": [[g.data_ptr() - flat.data_ptr() for g in (grads[i] for i in idx)]
                       for idx, flat in sync.flat_grads]}
@@ -144,3 +151,26 @@ def test_bf16_main_grads_are_reduced_in_place_stage_by_stage(overlap: bool) -> N
         if overlap:  # stage 1's copy, then stage 0's (stage 1's too if not yet complete)
             assert got["held"][0] == 4 * 4 and got["held"][1] in (4 * 17, 4 * 21)
         assert got["grads"] == [[1.5], [3.0], [4.5]]  # every element the DP mean
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_bf16_sharded_main_grads_are_packed_and_reduce_scattered_in_place(
+        overlap: bool) -> None:
+    """bf16 with the sharded optimizer: each stage's main grads are kept packed
+    rank-major (a: 2 rows of 3 a rank, b: 3 elements a rank, one of them padding;
+    c: 1 row of 2), each W's gradient added to its chunks there, and its
+    reduce-scatter reads them in place: held in flight, only the stage's segment
+    of the result (9 floats for stage 0, 2 for stage 1); the shards hold the DP
+    mean. float32 packs a copy first."""
+    for rank, got in enumerate(run_dist(_in_place, 2, torch.bfloat16, overlap, True,
+                                        timeout=60)):
+        assert got["packed"] == [2 * (6 + 3), 2 * 2]
+        assert got["rows"] == [(2, 3), (3,) if rank == 0 else (2,), (1, 2)]
+        assert got["grads"] == [[1.5], [3.0], [4.5]]
+        if overlap:  # stage 1's segment, then stage 0's (stage 1's too if not complete)
+            assert got["held"][0] == 4 * 2 and got["held"][1] in (4 * 9, 4 * 11)
+    for got in run_dist(_in_place, 2, torch.float32, overlap, True, timeout=60):
+        assert got["packed"] == [] and got["grads"] == [[1.5], [3.0], [4.5]]
+        if overlap:  # the packed copy (dp x segment) and the segment
+            assert got["held"][0] == 4 * (2 * 2 + 2)
+            assert got["held"][1] in (4 * (2 * 9 + 9), 4 * (2 * 9 + 9 + 6))

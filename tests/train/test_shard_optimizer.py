@@ -198,9 +198,10 @@ def _skip_step(trainer: Trainer, rank: int) -> dict:
     before = {n: p.detach().clone() for n, p in trainer.named_parameters()}
     full_grads = trainer.precision.full_grads
 
-    def poisoned() -> list[torch.Tensor]:
-        grads = full_grads()
-        grads[0].view(-1)[0] = float("inf")
+    def poisoned(indices=None) -> list[torch.Tensor]:
+        grads = full_grads(indices)
+        if grads:
+            grads[0].view(-1)[0] = float("inf")
         return grads
 
     if rank == 3:

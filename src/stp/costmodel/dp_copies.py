@@ -4,10 +4,15 @@ The DP gradient reduction (stp.train.grad_sync) reduces a flat copy of a
 stage's gradients (grad bytes x its parameters P_s; with the sharded
 optimizer the packed buffer, P_s, and a stage's reduce-scattered segment,
 P_s / dp, the whole run's being the shard stp.costmodel.memory counts),
-except in a 16-bit run without the sharded optimizer: there each stage's fp32
-main grads already lie in one flat buffer (stp.train.precision.
-group_main_grads), which the all-reduce reduces in place, and nothing is
-copied (`in_place`). With the overlap
+except in a 16-bit run (`in_place`): there each stage's fp32 main grads
+already lie in a flat buffer of their own (stp.train.precision.
+group_main_grads; packed rank-major for the sharded optimizer, stp.train.
+zero), which the reduction reads in place, so only the sharded optimizer's
+segment is held (per stage, with the overlap or without). The parameters
+whose gradients are summed across ranks before the reduction (sequence-
+parallel norm gains, replicated kv heads, a tied embedding) are still
+copied; they are left out here (the specs model an untied head, and the
+others are small). With the overlap
 (`Features.overlap_grad_sync`, `stp train`'s default) a stage's copy is
 allocated when its gradients are final (the simulator's `grads_final`), so
 it is held during the rank's last backwards; off, every copy comes after
@@ -40,18 +45,19 @@ def reduction_copies(sch: Schedule, rank: int, stage_params: list[int],
                      stage_experts: list[int], *, dp: int, ep: int, width: int,
                      segments: bool, in_place: bool = False) -> dict[int, float]:
     """{stage of `rank`: bytes of the flat copy its DP gradient reduction holds} (module
-    doc): `width` (the gradients' bytes) x its parameters; with `segments` (the sharded
-    optimizer with the overlap) also the stage's reduce-scattered segment, its dense
-    parameters over dp and its experts over the dp / ep ranks holding them (without
-    the overlap the one reduction's segment is the shard stp.costmodel.memory counts).
-    Empty at dp = 1 (no reduction) and `in_place` (module doc)."""
-    if dp == 1 or in_place:
+    doc): `width` (the gradients' bytes) x its parameters, none when `in_place`; with
+    `segments` (the sharded optimizer with the overlap, or in a 16-bit run, whose
+    reduce-scatters go stage by stage either way) also the stage's reduce-scattered
+    segment, its dense parameters over dp and its experts over the dp / ep ranks
+    holding them (otherwise the one reduction's segment is the shard
+    stp.costmodel.memory counts). Empty at dp = 1 (no reduction)."""
+    if dp == 1 or (in_place and not segments):
         return {}
 
     def copy(s: int) -> float:
         whole, experts = stage_params[s], stage_experts[s]
-        out = width * whole
-        return out + width * ((whole - experts) / dp + experts * ep / dp) if segments else out
+        segment = width * ((whole - experts) / dp + experts * ep / dp) if segments else 0.0
+        return segment + (0.0 if in_place else width * whole)
 
     return {s: copy(s) for s in range(sch.num_stages) if sch.stage_to_rank[s] == rank}
 

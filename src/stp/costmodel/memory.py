@@ -41,9 +41,9 @@ on the first stage, the final norm and output layer on the last):
                  dp` (experts' over dp/ep); with ep > 1, one all-to-all's send
                  and receive buffers, `s b k h` each, for each of two passes;
                  with dp > 1, what the DP gradient reductions' flat copies add
-                 to the activations' peak (below; none in a 16-bit run without
-                 the sharded optimizer, whose main grads are reduced in
-                 place). TP all-reduces run in place and are not counted,
+                 to the activations' peak (below; in a 16-bit run the main
+                 grads are reduced in place and only the sharded optimizer's
+                 per-stage segments are held). TP all-reduces run in place and are not counted,
                  nor is the allocator's fragmentation or the CUDA context.
 
 The DP gradient reductions' flat copies and what they add to the peak:
@@ -422,8 +422,9 @@ def memory_of_run(spec: ModelSpec, res: SimResult, bytes_per_unit: float,
         copies = reduction_copies(
             sch, r, stage_params, stage_experts, dp=layout.dp, ep=ep,
             width=4 if features.sixteen_bit else DTYPE_BYTES[features.dtype],
-            segments=features.shard_optimizer and features.overlap_grad_sync,
-            in_place=features.sixteen_bit and not features.shard_optimizer)
+            segments=features.shard_optimizer and (features.overlap_grad_sync
+                                                    or features.sixteen_bit),
+            in_place=features.sixteen_bit)
         added = copies_over_peak(res, r, copies, act_scale, features.overlap_grad_sync)
         ranks.append(replace(rank, buffers=rank.buffers + added, copies=added))
     notes = []

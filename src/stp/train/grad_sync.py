@@ -41,17 +41,18 @@ then runs, on every rank:
 The optimizer then steps (stp.train.precision); with the sharded optimizer
 its parameter all-gather stays after the step, exposed.
 
-In a 16-bit run with the all-reduce, each stage's fp32 main grads are views
-of one flat buffer (its experts' of another; `Precision.group_main_grads`,
-Megatron-LM's contiguous gradient buffer), so a stage's reduction all-reduces
-that buffer in place and holds no memory of its own. Otherwise (a float32 /
-float64 run, whose `.grad` the model's units create; the sharded optimizer,
-whose reduce-scatter packs the gradients rank-major) a reduction in flight
-holds a flat copy of its stage's gradients, as the reduction after the drain
-did, but during the last backwards: it is released when the reduction is
-seen complete at the next stage's launch, or at the latest in
-`after_backward` (`stp memory`'s estimate counts what the copies add to the
-activations' peak in its buffers, taking the latest: stp.costmodel.memory).
+In a 16-bit run the fp32 main grads are reduced where they lie (Megatron-LM's
+contiguous gradient buffer): with the all-reduce each stage's are views of
+one flat buffer (its experts' of another; `Precision.group_main_grads`),
+all-reduced in place; with the sharded optimizer they are kept packed
+rank-major, as its reduce-scatter reads them (stp.train.zero), and only the
+stage's segment of the result is held. The `late` parameters stay whole and,
+like a float32 / float64 run's gradients (the model's own `.grad`, which its
+units create), are reduced from a flat copy (the sharded optimizer's: packed
+rank-major). A copy in flight is released when its reduction is seen
+complete at the next stage's launch, or at the latest in `after_backward`
+(`stp memory`'s estimate counts what the copies add to the activations' peak
+in its buffers, taking the latest: stp.costmodel.memory).
 
 There is no gradient accumulation across executor runs: a step is one run
 over its m microbatches, whose gradients the stages sum as they go.
@@ -146,16 +147,22 @@ class GradSync:
         bytes (`held_bytes`) are measured with the activations (stp.train.setup)."""
 
     def _group_main_grads(self) -> list[tuple[list[int], torch.Tensor]]:
-        """Mixed precision with the all-reduce at dp > 1: each stage's dense main grads in
-        one buffer, its experts' in another (the groups a reduction covers whole)."""
+        """Mixed precision at dp > 1: each stage's dense main grads in one buffer, its
+        experts' in another (the groups a stage's reduction covers whole; `late`
+        parameters, reduced after the shared sum, stay whole). The all-reduce's are
+        returned (reduced in place here); the sharded optimizer keeps its own packed
+        (its reduce-scatter reads them, stp.train.zero)."""
         p = self.precision
-        if isinstance(p, ShardedPrecision) or not p.mixed or self.mesh.dims.dp == 1:
+        if not p.mixed or self.mesh.dims.dp == 1:
             return []
         experts = set(self.expert_index)
         groups = [g for idx in self.stage_params.values()
-                  for g in ([i for i in idx if i not in experts], [i for i in idx if i in experts])
+                  for g in ([i for i in idx if i not in experts and i not in self.late],
+                            [i for i in idx if i in experts and i not in self.late])
                   if g]
-        return list(zip(groups, p.group_main_grads(groups), strict=True))
+        buffers = p.group_main_grads(groups)
+        return [] if isinstance(p, ShardedPrecision) else list(zip(groups, buffers,
+                                                                   strict=True))
 
     def _late_indices(self) -> frozenset[int]:
         if not isinstance(self.precision, ShardedPrecision) or self.shared is None:
@@ -252,7 +259,9 @@ class GradSync:
         """Sum the gradients of parameters held in more than one place."""
         if self.shared is not None:
             p = self.precision
-            grads = dict(zip(p.names, p.full_grads(), strict=True))
+            names = getattr(self.shared, "names", None)  # None: it may touch any
+            idx = [i for i, n in enumerate(p.names) if names is None or n in names]
+            grads = dict(zip([p.names[i] for i in idx], p.full_grads(idx), strict=True))
             self.collective("tied / replicated gradient sum", "a rank sharing parameters",
                             self.shared, grads)
 

@@ -57,7 +57,7 @@ def measure(trainer: Any, activations_peak: int | None) -> dict[str, int]:
     precision = trainer.precision
     weights = _bytes(model, seen)
     masters = _bytes(precision.params, seen) if precision.mixed else 0
-    grads = _bytes(precision.full_grads(), seen)
+    grads = _bytes(precision.grad_buffers(), seen)
     state = (v for s in trainer.optimizer.state.values() for v in s.values())
     optimizer = _bytes(state, seen)
     out = {"weights": weights, "grads": grads, "masters": masters, "optimizer": optimizer,

@@ -146,11 +146,17 @@ class Precision:
                 p.grad = torch.zeros_like(p)
         return [p.grad for p in self.params]  # type: ignore[misc]
 
-    def full_grads(self) -> list[torch.Tensor]:
+    def full_grads(self, indices: Iterable[int] | None = None) -> list[torch.Tensor]:
         """The whole gradient of each model parameter (its main grad when mixed), in
-        the order of `names`: what the shared-gradient sum adds up. The same
-        tensors as `grads()` here; stp.train.zero's are the model's, not the shards'."""
-        return self.grads()
+        the order of `names` (`indices`: of those only): what the shared-gradient sum
+        adds up. The same tensors as `grads()` here; stp.train.zero's are the
+        model's, not the shards' (copies where its main grads are packed)."""
+        grads = self.grads()
+        return grads if indices is None else [grads[i] for i in indices]
+
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """The tensors that hold the gradients (what `stp train --json` counts)."""
+        return self.full_grads()
 
     def norm_keys(self, keys: list[Any]) -> list[Any]:
         """What identifies each of `grads()` in the global norm (stp.train.clip), from the

@@ -27,8 +27,15 @@ What the optimizer steps, per parameter, is this rank's chunk: an fp32 master
 shard in a 16-bit run; in a float32 / float64 run a view of the model
 parameter's own rows (the weights are the masters: no copy, as `stp
 memory` counts it). Its `.grad` is a view of the reduce-scatter's output.
-The main grads (whole, fp32, per parameter) stay: that is stage 1; their
-sum over microbatches is unchanged (stp.train.precision).
+The main grads (fp32, every element) stay: that is stage 1; their sum over
+microbatches is unchanged (stp.train.precision). In a 16-bit run they are
+kept packed, each stage's in a buffer of its own in the rank-major layout of
+that stage's parameters (`group_main_grads`, called by stp.train.grad_sync):
+a W adds its bf16 gradient straight to its chunks there (`ShardLayout.add`),
+and the stage's reduce-scatter reads that buffer, where it would otherwise
+pack a copy of whole main grads (the copy's bytes, a stage's gradients in
+fp32, held during the last backwards). The parameters a shared sum touches
+stay whole: the sum needs whole tensors.
 
 Clipping stays exact: a shard is counted in the global norm by the same
 rule as the whole tensor (stp.train.clip), its key extended by its rows, so
@@ -99,6 +106,17 @@ class _Section:
         self.shard_grads = torch.zeros(self.layout.segment, dtype=dtype, device=device)
 
 
+@dataclass
+class _Packed:
+    """Main grads kept packed (`ShardedPrecision.group_main_grads`): parameters `index`
+    of `section`, rank-major in `flat` by `layout` over the section's group."""
+
+    section: _Section
+    index: list[int]
+    layout: ShardLayout
+    flat: torch.Tensor
+
+
 @dataclass(frozen=True)
 class RowSplit:
     """How one parameter's rows are cut over the DP ranks."""
@@ -145,29 +163,53 @@ class ShardLayout:
         return ranks[:, split.offset : split.offset + split.size].view(
             self.size, split.chunk, split.width)
 
+    def _rows_as_chunks(self, split: RowSplit, t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        """`t` (a whole parameter) as rows, and how many whole chunks and tail rows its
+        rows fill."""
+        full, tail = divmod(split.rows, split.chunk)
+        return t.reshape(split.rows, split.width), full, tail
+
     def pack(self, tensors: Iterable[torch.Tensor], flat: torch.Tensor) -> None:
         """Copy whole parameters into `flat` (dp x S), rank-major; padding rows zero."""
         for t, split in zip(tensors, self.splits, strict=True):
             if split.chunk == 0:
                 continue
-            dst, src = self._chunks(flat, split), t.reshape(split.rows, split.width)
-            full, tail = divmod(split.rows, split.chunk)
+            dst = self._chunks(flat, split)
+            src, full, tail = self._rows_as_chunks(split, t)
             dst[:full].copy_(src[: full * split.chunk].view(full, split.chunk, split.width))
             if full < self.size:
                 dst[full, :tail].copy_(src[full * split.chunk :])
                 dst[full, tail:].zero_()
                 dst[full + 1 :].zero_()
 
+    def add(self, flat: torch.Tensor, j: int, t: torch.Tensor) -> None:
+        """Add whole parameter `t` (the j-th of the layout) to its chunks in `flat`
+        (dp x S), as `pack` would place it: a gradient summed straight into the
+        packed buffer its reduce-scatter reads (padding rows untouched)."""
+        split = self.splits[j]
+        if split.chunk == 0:
+            return
+        dst = self._chunks(flat, split)
+        src, full, tail = self._rows_as_chunks(split, t)
+        dst[:full].add_(src[: full * split.chunk].view(full, split.chunk, split.width))
+        if tail:
+            dst[full, :tail].add_(src[full * split.chunk :])
+
     def unpack(self, flat: torch.Tensor, tensors: Iterable[torch.Tensor]) -> None:
         """Copy every rank's chunks in `flat` (dp x S) back into whole parameters."""
-        for t, split in zip(tensors, self.splits, strict=True):
-            if split.chunk == 0:
-                continue
-            src, dst = self._chunks(flat, split), t.view(split.rows, split.width)
-            full, tail = divmod(split.rows, split.chunk)
-            dst[: full * split.chunk].view(full, split.chunk, split.width).copy_(src[:full])
-            if tail:
-                dst[full * split.chunk :].copy_(src[full, :tail])
+        for j, t in enumerate(tensors):
+            self.unpack_one(flat, j, t)
+
+    def unpack_one(self, flat: torch.Tensor, j: int, t: torch.Tensor) -> None:
+        """Copy the j-th parameter's chunks in `flat` (dp x S) into whole `t`."""
+        split = self.splits[j]
+        if split.chunk == 0:
+            return
+        src = self._chunks(flat, split)
+        dst, full, tail = self._rows_as_chunks(split, t)
+        dst[: full * split.chunk].view(full, split.chunk, split.width).copy_(src[:full])
+        if tail:
+            dst[full * split.chunk :].copy_(src[full, :tail])
 
     def local(self, flat: torch.Tensor, i: int, rank: int, shape: torch.Size) -> torch.Tensor:
         """Parameter i's real rows held by `rank` in that rank's segment `flat` (S), as
@@ -219,8 +261,11 @@ class ShardedPrecision(Precision):
         mixed = self.mixed  # one dtype: a 16-bit model or a pure one
         self.grad_dtype = torch.float32 if mixed else self.model_dtype
         device = self.model[0].device if self.model else torch.device("cpu")
-        self.main_grads = ([torch.zeros_like(p, dtype=torch.float32) for p in self.model]
-                           if mixed else [])
+        self.main_grads: list[torch.Tensor | None] = (
+            [torch.zeros_like(p, dtype=torch.float32) for p in self.model] if mixed else [])
+        """Whole fp32 main grads (mixed), None where `group_main_grads` packed them."""
+        self.packed: list[_Packed] = []
+        self._packed_at: dict[int, tuple[_Packed, int]] = {}
         self.sections = self._sections(device)
         """The dense parameters over DP, then (expert parallelism) the experts over EDP."""
         self.layout, self.shard_grads = self.sections[0].layout, self.sections[0].shard_grads
@@ -256,21 +301,76 @@ class ShardedPrecision(Precision):
         return shards
 
     def _main_grad(self, i: int) -> torch.Tensor:
-        return self.main_grads[i]
+        grad = self.main_grads[i]
+        assert grad is not None, f"parameter {self.names[i]}'s main grad is packed"
+        return grad
+
+    @torch.no_grad()
+    def group_main_grads(self, groups: Iterable[Sequence[int]]) -> list[torch.Tensor]:
+        """Keep the main grads of each group of parameters (mixed; each group within one
+        section) packed rank-major in a flat fp32 buffer of the group's own (module
+        doc), in place of whole tensors: each W's gradient is added straight to its
+        chunks there, and the group's reduce-scatter reads the buffer itself, with no
+        packed copy beside the gradients. Returns the buffers."""
+        if not self.mixed:
+            return []
+        for group in groups:
+            sec = self._place[group[0]][0]
+            layout = ShardLayout([self.model[i].shape for i in group], sec.group.size)
+            packed = _Packed(sec, list(group), layout, torch.empty(
+                sec.group.size * layout.segment, dtype=torch.float32,
+                device=sec.shard_grads.device))
+            layout.pack([self._main_grad(i) for i in group], packed.flat)
+            for j, i in enumerate(group):
+                self._packed_at[i] = (packed, j)
+                self.main_grads[i] = None
+            self.packed.append(packed)
+        return [pk.flat for pk in self.packed]
+
+    def _fold(self, indices: Iterable[int]) -> None:
+        """main grad += model .grad (in fp32), into its packed chunks where it is packed;
+        the model's .grad is dropped."""
+        for i in indices:
+            p = self.model[i]
+            if p.grad is None:
+                continue
+            if i in self._packed_at:
+                packed, j = self._packed_at[i]
+                packed.layout.add(packed.flat, j, p.grad)
+            else:
+                self._main_grad(i).add_(p.grad)
+            p.grad = None
 
     def zero_grad(self) -> None:
         """Zero the main grads (mixed; the model's own `.grad` the stages zero). The
         shards' are overwritten by each reduce-scatter."""
-        for g in self.main_grads:
+        for g in self.grad_buffers():
             g.zero_()
 
-    def full_grads(self) -> list[torch.Tensor]:
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """The tensors holding the main grads (mixed): the whole ones and the packed
+        buffers (what `stp train --json` counts as gradients)."""
+        if not self.mixed:
+            return self.full_grads()
+        return [g for g in self.main_grads if g is not None] + [pk.flat for pk in self.packed]
+
+    def full_grads(self, indices: Iterable[int] | None = None) -> list[torch.Tensor]:
+        wanted = range(len(self.model)) if indices is None else indices
         if self.mixed:
-            return self.main_grads
-        for p in self.model:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        return [p.grad for p in self.model]  # type: ignore[misc]
+            return [self._whole_main_grad(i) for i in wanted]
+        for i in wanted:
+            if self.model[i].grad is None:
+                self.model[i].grad = torch.zeros_like(self.model[i])
+        return [self.model[i].grad for i in wanted]  # type: ignore[misc]
+
+    def _whole_main_grad(self, i: int) -> torch.Tensor:
+        """Parameter i's whole main grad: a copy gathered from its chunks when packed."""
+        if i not in self._packed_at:
+            return self._main_grad(i)
+        packed, j = self._packed_at[i]
+        whole = torch.empty(self.model[i].shape, dtype=torch.float32, device=packed.flat.device)
+        packed.layout.unpack_one(packed.flat, j, whole)
+        return whole
 
     def grads(self) -> list[torch.Tensor]:
         """This rank's shard of each gradient (after `reduce_scatter`: the DP mean)."""
@@ -288,36 +388,49 @@ class ShardedPrecision(Precision):
     def reduce_scatter(self, indices: Iterable[int] | None = None, *,
                        async_op: bool = False) -> list[InFlight]:
         """The DP mean of this rank's shard of every gradient (`indices`: of those
-        parameters only): the whole gradients packed rank-major, one reduce-scatter
-        (sum) per section, divided by dp. With `async_op` the reduce-scatters are
-        returned in flight (finish each); else they are finished. A subset is
-        packed in a layout of its own (each parameter's chunk the same rows) and
-        its result copied to the parameters' places in the segment: the sharded
-        layout, hence checkpoints, is the same whatever the subsets. Collective."""
-        full = self.full_grads()
-        wanted = None if indices is None else set(indices)
+        parameters only): the gradients packed rank-major, one reduce-scatter (sum)
+        per section, divided by dp. Main grads kept packed (`group_main_grads`) are
+        reduce-scattered from their buffer, one reduce-scatter per group the indices
+        cover; the rest are packed into a copy first. With `async_op` the
+        reduce-scatters are returned in flight (finish each); else they are
+        finished. A subset has a layout of its own (each parameter's chunk the same
+        rows) and its result is copied to the parameters' places in the segment:
+        the sharded layout, hence checkpoints, is the same whatever the subsets.
+        Collective."""
+        wanted = set(range(len(self.model)) if indices is None else indices)
         flights = []
+        for packed in self.packed:
+            if wanted.issuperset(packed.index):
+                positions = [self._place[i][1] for i in packed.index]
+                flights.append(self._launch(packed.section, positions, packed.layout,
+                                            packed.flat, async_op))
+                wanted.difference_update(packed.index)
         for sec in self.sections:
-            positions = [j for j, i in enumerate(sec.index) if wanted is None or i in wanted]
-            if positions:  # empty: no experts on this stage (nor on any peer's)
-                flights.append(self._reduce_scatter_section(sec, positions, full, async_op))
+            positions = [j for j, i in enumerate(sec.index) if i in wanted]
+            if not positions:  # no experts on this stage (nor on any peer's)
+                continue
+            whole = len(positions) == len(sec.index)
+            layout = sec.layout if whole else ShardLayout(
+                [self.model[sec.index[j]].shape for j in positions], sec.group.size)
+            flat = torch.empty(sec.group.size * layout.segment, dtype=self.grad_dtype,
+                               device=sec.shard_grads.device)
+            layout.pack(self.full_grads([sec.index[j] for j in positions]), flat)
+            flights.append(self._launch(sec, positions, layout, flat, async_op))
         if not async_op:
             for f in flights:
                 f.finish()
         return flights
 
-    def _reduce_scatter_section(self, sec: _Section, positions: list[int],
-                                full: list[torch.Tensor], async_op: bool) -> InFlight:
-        g, whole = sec.group, len(positions) == len(sec.index)
-        layout = sec.layout if whole else ShardLayout(
-            [self.model[sec.index[j]].shape for j in positions], g.size)
-        device = sec.shard_grads.device
+    def _launch(self, sec: _Section, positions: list[int], layout: ShardLayout,
+                flat: torch.Tensor, async_op: bool) -> InFlight:
+        """Reduce-scatter `flat` (section positions `positions` packed by `layout`) over
+        the section's group; when finished, this rank's segment divided by dp, in its
+        places of the section's segment."""
+        g, whole = sec.group, layout is sec.layout
         out = sec.shard_grads if whole else torch.empty(layout.segment, dtype=self.grad_dtype,
-                                                        device=device)
-        packed = torch.empty(g.size * layout.segment, dtype=self.grad_dtype, device=device)
-        layout.pack([full[sec.index[j]] for j in positions], packed)
+                                                        device=flat.device)
         action = "DP gradient reduce-scatter"
-        work = g.run(action, g.peers, dist.reduce_scatter_single, out, packed, group=g.group,
+        work = g.run(action, g.peers, dist.reduce_scatter_single, out, flat, group=g.group,
                      async_op=async_op)
 
         def then() -> None:
@@ -330,7 +443,8 @@ class ShardedPrecision(Precision):
 
         wait = (lambda: g.run(action, g.peers, work.wait)) if work is not None else (
             lambda: None)
-        return InFlight(work, wait, then, keep=(out, packed))
+        packed = any(pk.flat is flat for pk in self.packed)  # the main grads themselves
+        return InFlight(work, wait, then, keep=(out,) if packed else (out, flat))
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
