@@ -148,8 +148,12 @@ def test_killed_worker_is_named_with_its_signal(tmp_path) -> None:
                          "by SIGKILL; the other ranks were stopped"), lines
     survivor = [x for x in lines if x.startswith("stp: error: rank 0 ")]
     assert len(survivor) == 1, lines
-    # a closed connection, said as such, with the time actually waited (not "120 s")
-    assert "pipeline rank 1 (global rank 1, stage 1) closed the connection after" in survivor[0]
+    # a closed connection, said as such: in a receive from rank 1 with the time actually
+    # waited (not "120 s"), or, when the kill lands while rank 0 is in the step's
+    # closing collective (the activation peaks' gather), in that collective
+    assert ("pipeline rank 1 (global rank 1, stage 1) closed the connection after"
+            in survivor[0] or "a rank in the world closed the connection: that process ended"
+            in survivor[0]), survivor
     assert "waited more than" not in survivor[0] and "Traceback" not in "".join(lines)
     # promptly, not after the 120 s collective timeout (a bound a loaded 2-core CI keeps)
     assert elapsed < 60, elapsed
