@@ -79,6 +79,10 @@ CONFIGS: dict[str, list[str]] = {
     "mllm-zb-v-narrow-bf16": ["--pp", "2", "--schedule", "zb-v", "--arch", "mllm",
                               "--dtype", "bfloat16"],
     "mllm-stp-tp2-narrow": ["--pp", "2", "--tp", "2", "--schedule", "stp", "--arch", "mllm"],
+    "mllm-stp-tp2-sp": ["--pp", "2", "--tp", "2", "--schedule", "stp", "--sequence-parallel",
+                        *MLLM],
+    "mllm-zb-v-recompute-full": ["--pp", "2", "--schedule", "zb-v", "--recompute", "full",
+                                 *MLLM],
     "zb-v-compile": ["--pp", "2", "--schedule", "zb-v", "--compile"],
     "stp-tp2-compile": ["--pp", "2", "--tp", "2", "--schedule", "stp", "--compile"],
 }

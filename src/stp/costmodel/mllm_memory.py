@@ -146,7 +146,8 @@ def mllm_kept(spec: MLLMSpec, dtype_bytes: int, *, sequence_parallel: bool = Fal
     norm = patches * (hv * c + c) / sp  # xhat and rstd, float32 at least
     # the normalised patches: this rank's rows, and under SP the gathered whole too
     normed = patches * hv * w * (1 / sp + (1 if sp > 1 else 0))
-    attn_b = x + norm + normed + patches * hv * w * (4 / t + 1) + 4 * spec.vision_heads * patches / t
+    lse = 4 * spec.vision_heads * patches / t  # the fused attention's float32 log-sum-exp
+    attn_b = x + norm + normed + patches * hv * w * (4 / t + 1) + lse
     mlp_b = x + norm + normed + patches * hv * w + 2 * patches * fv * w / t
     merger_b = (x + norm + normed + 2 * patches * hv * w / t
                 + b * spec.image_tokens * h * w)
