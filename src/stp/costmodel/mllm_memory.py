@@ -142,10 +142,14 @@ def mllm_kept(spec: MLLMSpec, dtype_bytes: int, *, sequence_parallel: bool = Fal
     text = b * spec.sequence
     view = spec.merge**2 * hv == h
     x = (stream if view else patches * hv * w) / sp
-    grad = stream if view and sp == 1 else patches * hv * w
+    # under SP a unit's TP region reads the all-gathered [b, S, mw] rows (text rows
+    # zero) through a view of its image rows: the whole gathered tensor stays
+    gathered = b * spec.decoder_sequence * spec.merge**2 * hv * w
+    h_in = gathered if sp > 1 else patches * hv * w
+    grad = gathered if sp > 1 else stream if view else patches * hv * w
     norm = patches * (hv * c + c) / sp  # xhat and rstd, float32 at least
-    # the normalised patches: this rank's rows, and under SP the gathered whole too
-    normed = patches * hv * w * (1 / sp + (1 if sp > 1 else 0))
+    # the normalised patches: this rank's rows, and under SP the gathered ones too
+    normed = patches * hv * w / sp + (gathered if sp > 1 else 0)
     lse = 4 * spec.vision_heads * patches / t  # the fused attention's float32 log-sum-exp
     attn_b = x + norm + normed + patches * hv * w * (4 / t + 1) + lse
     mlp_b = x + norm + normed + patches * hv * w + 2 * patches * fv * w / t
@@ -154,9 +158,9 @@ def mllm_kept(spec: MLLMSpec, dtype_bytes: int, *, sequence_parallel: bool = Fal
     if recompute == "full":  # each unit keeps its packed input rows alone
         attn_b = mlp_b = merger_b = stream / sp
     dnorm = patches * hv * (c + w) / sp  # the gain's W: xhat and the norm's output gradient
-    attn_w = grad + patches * hv * w * (1 + 4 / t) + dnorm
-    mlp_w = grad + patches * hv * w + 2 * patches * fv * w / t + dnorm
-    merger_w = stream + patches * hv * w * (1 + 2 / t) + dnorm
+    attn_w = grad + h_in + 4 * patches * hv * w / t + dnorm
+    mlp_w = grad + h_in + 2 * patches * fv * w / t + dnorm
+    merger_w = stream + h_in + 2 * patches * hv * w / t + dnorm
     pixels = patches * CHANNELS * spec.patch**2 * w / t
     input_b = pixels + 9 * text + x + patches * hv * w / sp + norm
     input_w = (pixels + (stream if view else patches * hv * w) + x + 8 * text / t
