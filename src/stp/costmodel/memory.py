@@ -46,6 +46,12 @@ on the first stage, the final norm and output layer on the last):
                  per-stage segments are held). TP all-reduces run in place and are not counted,
                  nor is the allocator's fragmentation or the CUDA context.
 
+A multimodal model (`stp.costmodel.mllm.MLLMSpec`) is priced the same way with
+its own parts (`_estimate_mllm`, stp.costmodel.mllm_memory): the vision encoder,
+merger and patch embedding's parameters on the stages that hold them, and what
+their units keep (`stp`) or Korthikanti's formulas over the patches (`megatron`);
+the buffers are those of the decoder-wide packed stream.
+
 The DP gradient reductions' flat copies and what they add to the peak:
 stp.costmodel.dp_copies (`RankMemory.copies`, `dp_copies` in `stp memory
 --json`'s ranks; an upper bound, at most 5% of the total over on the small

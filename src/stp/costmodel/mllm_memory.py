@@ -30,7 +30,7 @@ as its row-parallel matrix keeps it for W, likewise (`b S h w` or `P h_v w`).
     merger             F to B   X + P h_v (c + w + 2w / t) + P c + b I' h w   (I' image tokens)
                        B to W   b S h w + P h_v (c + 2w + 2w / t)
     input unit         F to B   P pd w / t + 9 b T + X + P h_v (c + w) + P c
-                       B to W   P pd w / t + 2 X + 8 b T / t + b T h w / t + P h_v c
+                       B to W   P pd w / t + X + G + 8 b T / t + b T h w / t + P h_v c
     decoder layer, loss head   `stp.costmodel.kept` over the S positions, with
                        two graphs per unit at every t (its t > 1 terms: the
                        multimodal stage does not fuse a layer at t = 1)
@@ -41,10 +41,13 @@ recomputation keeps each encoder unit's and the merger's packed input alone, `b 
 w` (the input unit keeps its small inputs either way); its B-to-W bytes are as
 without it. `selective` is taken to keep the same as none (the fused attention
 keeps no scores; its log-sum-exp, `4 a P / t`, is in fact dropped). At t > 1 the
-terms split by t are the head- and MLP-split tensors (derived, not census-checked:
-`benchmarks/results/memory.md` has a measured tp 2 run); with sequence parallelism
-each norm works on this rank's rows (`/ t`) and the gathered input counts whole, an
-approximation noted in the estimate.
+terms split by t are the head- and MLP-split tensors (derived from the units'
+code, not census-checked). With sequence parallelism `X` and the norms' terms are
+this rank's rows (`/ t`), and a unit's TP region and its W read the all-gathered
+`[b, S, mw]` rows (text rows zero) through a view of their image rows, so the
+gathered tensor, `b S mw w`, stands for the normalised patches and for `G`. The
+measured runs of `benchmarks/results/memory.md` (`mllm-` rows: tp 2, with and
+without SP) agree to the byte on the rank that peaks.
 """
 
 from __future__ import annotations
