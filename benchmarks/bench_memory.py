@@ -41,6 +41,11 @@ MOE = ["--arch", "moe", "--experts", "4", "--top-k", "2", "--expert-ffn", "256",
 """The mixture of experts on the same attention (ep 1: the runtime had no --ep when
 its rows were measured)."""
 
+MLLM = ["--arch", "mllm", "--vision-hidden", "64", "--vision-heads", "4"]
+"""The multimodal model on the same decoder: merge**2 x the encoder width is the decoder's
+(its units' image rows are views of the packed stream, stp.costmodel.mllm_memory); the
+`-narrow` rows keep the default encoder width 16 (the rows are copies)."""
+
 CONFIGS: dict[str, list[str]] = {
     "1f1b": ["--pp", "2", "--schedule", "1f1b"],
     "zb-v": ["--pp", "2", "--schedule", "zb-v"],
@@ -68,6 +73,16 @@ CONFIGS: dict[str, list[str]] = {
     "moe-1f1b": ["--pp", "2", "--schedule", "1f1b", *MOE],
     "moe-stp": ["--pp", "2", "--schedule", "stp", *MOE],
     "moe-stp-tp2": ["--pp", "2", "--tp", "2", "--schedule", "stp", *MOE],
+    "mllm-1f1b": ["--pp", "2", "--schedule", "1f1b", *MLLM],
+    "mllm-stp": ["--pp", "2", "--schedule", "stp", *MLLM],
+    "mllm-stp-tp2": ["--pp", "2", "--tp", "2", "--schedule", "stp", *MLLM],
+    "mllm-zb-v-narrow-bf16": ["--pp", "2", "--schedule", "zb-v", "--arch", "mllm",
+                              "--dtype", "bfloat16"],
+    "mllm-stp-tp2-narrow": ["--pp", "2", "--tp", "2", "--schedule", "stp", "--arch", "mllm"],
+    "mllm-stp-tp2-sp": ["--pp", "2", "--tp", "2", "--schedule", "stp", "--sequence-parallel",
+                        *MLLM],
+    "mllm-zb-v-recompute-full": ["--pp", "2", "--schedule", "zb-v", "--recompute", "full",
+                                 *MLLM],
     "zb-v-compile": ["--pp", "2", "--schedule", "zb-v", "--compile"],
     "stp-tp2-compile": ["--pp", "2", "--tp", "2", "--schedule", "stp", "--compile"],
 }

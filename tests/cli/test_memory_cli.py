@@ -163,7 +163,6 @@ def test_init_from_reads_config_json_only(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv", [
     ["memory", "--model", "qwen2-12.1b", "--layers", "3"],
-    ["memory", "--arch", "mllm"],
     ["memory", "--emulate-compute", "f=1,b=1,w=1"],
     ["memory", "--dtype", "float16"],
     ["memory", "--tp", "3"],

@@ -119,10 +119,16 @@ def test_a_run_config_is_estimated_as_its_spec():
     from_config = estimate(cfg, HW, LAYOUT)
     from_spec = estimate(replace(SPEC, dropout=False, flash_attention=True), HW, LAYOUT)
     assert from_config.to_json()["ranks"] == from_spec.to_json()["ranks"]
-    with pytest.raises(ValueError, match="covers decoder models"):
-        from stp.costmodel import MLLM_MODELS
+    # a multimodal spec is estimated too (stp.costmodel.mllm_memory): its TP shards
+    # hold the encoder, merger and decoder's weights (norm gains aside)
+    from stp.costmodel import MLLM_MODELS
+    from stp.costmodel.mllm import decoder_view, vision_parameters
+    from stp.costmodel.model import num_parameters
 
-        estimate(next(iter(MLLM_MODELS.values())), HW, LAYOUT)
+    mllm = replace(next(iter(MLLM_MODELS.values())), tp=1)
+    held = sum(r.parameters for r in estimate(mllm, HW, LAYOUT).ranks) * LAYOUT.tp
+    whole = vision_parameters(mllm) + num_parameters(decoder_view(mllm))
+    assert held == pytest.approx(whole, rel=1e-3)
 
 
 def test_dropout_masks_are_what_the_formula_adds():

@@ -207,6 +207,11 @@ def _describe(run: object) -> str:
              else f"stp train's {getattr(job, 'arch', None) or 'decoder'}")
     experts = getattr(c, "num_experts", None)
     moe = f", {experts} experts top-{c.top_k}" if experts else ""
+    vision = getattr(c, "vision", None)  # a multimodal model: its encoder, then its decoder
+    if vision is not None:
+        moe += (f", after a vision encoder of {vision.num_layers} blocks, width "
+                f"{vision.hidden}, {vision.image_size}-pixel images")
+        c = c.decoder
     return (f"{where} ({c.num_layers} layers, hidden {c.hidden}, {c.num_heads} heads, "
             f"vocab {c.vocab_size}{moe})")
 

@@ -112,12 +112,16 @@ def _moe_unit_extra(spec: ModelSpec, w: int, t: int, native_weights: bool) -> fl
     return moe * extra
 
 
-def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False) -> Kept:
+def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False, *,
+             two_graphs: bool = False) -> Kept:
     """The census formulas of the module doc for `spec` (its tp, sequence,
     micro_batch, sequence_parallel and recompute) in a run of `dtype_bytes`.
     `native_weights`: the schedule runs every W inside its B (1f1b, gpipe, ...), so
     at t = 1 autograd computes the weight gradients and the norms keep float32
-    values for them; a schedule that defers W taps the linears instead."""
+    values for them; a schedule that defers W taps the linears instead.
+    `two_graphs`: every unit keeps two graphs even at t = 1, as the t > 1 terms
+    count (the multimodal stage's decoder units, stp.costmodel.mllm_memory: the
+    t > 1 terms reproduce its census at t = 1 to the byte)."""
     # f: the width a token computes (a mixture of experts: its top-k and shared experts)
     h, f, a, t, v = spec.hidden, spec.mlp_width, spec.heads, spec.tp, spec.vocab
     w = dtype_bytes
@@ -126,7 +130,8 @@ def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False) ->
     tokens = spec.sequence * spec.micro_batch
     # t = 1: one graph per unit (stp.models.decoder.units), the norms' float32 values;
     # t > 1: two graphs per unit, and the two partial outputs at full width
-    replicated = (w * 2 * h + 4 * (4 if native_weights else 2) * h if t == 1
+    one_graph = t == 1 and not two_graphs
+    replicated = (w * 2 * h + 4 * (4 if native_weights else 2) * h if one_graph
                   else w * (2 * h + 4 * h / sp) + 4 * 2 * h / sp)
     layer_b = replicated + w * ((2 * h + 4 * f) / t + 2 * kd) + 4 * (a / t + 2 / sp)
     layer_w = w * (2 * h / sp + 2 * h / t + 2 * h + 3 * f / t + 2 * kd) + 2 * (4 + w) * h / sp
@@ -137,7 +142,7 @@ def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False) ->
     layer_b += copies * (3 * w * h + 8) + spec.routing_bytes + _moe_unit_extra(spec, w, t,
                                                                                native_weights)
     layer_w += copies * 2 * w * h
-    if t == 1:  # bytes per h counted beside the ids and mask, and in the loss head
+    if one_graph:  # bytes per h counted beside the ids and mask, and in the loss head
         first_b = 9 + _measured({(4, True): 4, (4, False): 12, (2, True): 6, (2, False): 6},
                                 w, native_weights) * h
         extra = _measured({(4, True): 4, (4, False): 12, (2, True): 12, (2, False): 8},
@@ -147,7 +152,7 @@ def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False) ->
         first_b = 9.0
         last_b = w * (2 * h + v / t) + 4 * h / sp + 4 + 4 / sp
     if spec.recompute == "full":  # B-to-W as without it (module doc)
-        layer_b = w * h / sp * (1 if t == 1 else 2)
+        layer_b = w * h / sp * (1 if one_graph else 2)
         first_b, last_b = 9.0, w * h / sp + 4
     first_w = (8 + w * h) / t
     last_w = w * (h + v / t) + (4 + w) * h / sp

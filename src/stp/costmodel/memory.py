@@ -46,6 +46,12 @@ on the first stage, the final norm and output layer on the last):
                  per-stage segments are held). TP all-reduces run in place and are not counted,
                  nor is the allocator's fragmentation or the CUDA context.
 
+A multimodal model (`stp.costmodel.mllm.MLLMSpec`) is priced the same way with
+its own parts (`_estimate_mllm`, stp.costmodel.mllm_memory): the vision encoder,
+merger and patch embedding's parameters on the stages that hold them, and what
+their units keep (`stp`) or Korthikanti's formulas over the patches (`megatron`);
+the buffers are those of the decoder-wide packed stream.
+
 The DP gradient reductions' flat copies and what they add to the peak:
 stp.costmodel.dp_copies (`RankMemory.copies`, `dp_copies` in `stp memory
 --json`'s ranks; an upper bound, at most 5% of the total over on the small
@@ -78,6 +84,9 @@ from stp.costmodel.decoder_costs import Derived, derive_decoder, edge_costs
 from stp.costmodel.dp_copies import copies_over_peak, reduction_copies
 from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.kept import Kept, stp_kept
+from stp.costmodel.mllm import MLLMSpec
+from stp.costmodel.mllm_costs import derive_mllm, mllm_layered_costs
+from stp.costmodel.mllm_memory import mllm_decoder_spec, mllm_stage_parameters, mllm_stp_table
 from stp.costmodel.model import RECOMPUTE_MODES, ModelSpec, decoder_only
 from stp.costmodel.moe import MoESpec, router_parameters
 from stp.costmodel.stages import layered_costs
@@ -275,36 +284,34 @@ def rank_parameters(spec: ModelSpec, num_stages: int, stage_to_rank: tuple[int, 
     return [int(round(x)) for x in out]
 
 
-def estimate(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout: Layout,
+def estimate(model: ModelSpec | MLLMSpec | ModelConfig, hardware: HardwareSpec, layout: Layout,
              features: Features = Features(), schedule: Schedule | None = None
              ) -> MemoryEstimate:
     """Bytes per pipeline rank of a training step (module doc). See `estimate_run`."""
     return estimate_run(model, hardware, layout, features, schedule)[0]
 
 
-def estimate_run(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout: Layout,
+def estimate_run(model: ModelSpec | MLLMSpec | ModelConfig, hardware: HardwareSpec, layout: Layout,
                  features: Features = Features(), schedule: Schedule | None = None
                  ) -> tuple[MemoryEstimate, SimResult]:
     """`estimate`, and the simulated step it read the activations from (the planner,
     `stp.plan`, ranks by that step and explains it by its parts). Bytes per pipeline
     rank of a training step (module doc). `model` is a
-    cost-model spec or the `ModelConfig` a run builds (`stp.costmodel.configs`);
+    cost-model spec (a multimodal `MLLMSpec` too: `_estimate_mllm`) or the
+    `ModelConfig` a run builds (`stp.costmodel.configs`);
     its tp, sequence, micro_batch, sequence_parallel and recompute are taken
     from `layout` and `features`. `schedule`: the one to simulate (a schedule
     file's); None generates `layout.schedule` for `layout.pp` and `microbatches`."""
     if isinstance(model, ModelConfig):
         model = spec_from_config(model, seq_len=layout.seq_len)
+    if isinstance(model, MLLMSpec):
+        return _estimate_mllm(model, hardware, layout, features, schedule)
     model = decoder_only(model, "a memory estimate")
     model, ep_note = _with_ep(model, layout)
     spec = replace(model, tp=layout.tp, sequence=layout.seq_len,
                    micro_batch=layout.microbatch_size,
                    sequence_parallel=features.sequence_parallel, recompute=features.recompute)
-    opts = {} if layout.chunks is None else {"chunks": layout.chunks}
-    sch = schedule or generate(layout.schedule, layout.pp, layout.microbatches, **opts)
-    if (sch.num_ranks, sch.num_microbatches) != (layout.pp, layout.microbatches):
-        raise ValueError(f"schedule {sch.name}: {sch.num_ranks} ranks x {sch.num_microbatches} "
-                         f"microbatches, but the layout is pp={layout.pp} "
-                         f"m={layout.microbatches}")
+    sch = _the_schedule(layout, schedule)
     if spec.layers < sch.num_stages:
         raise ValueError(f"the model's {spec.layers} layers cannot fill {sch.num_stages} "
                          f"stages of {layout.schedule} at pp={layout.pp}")
@@ -329,6 +336,68 @@ def estimate_run(model: ModelSpec | ModelConfig, hardware: HardwareSpec, layout:
     if isinstance(spec, MoESpec):
         est = replace(est, layout=replace(est.layout, ep=spec.ep))
     return (replace(est, notes=(*est.notes, ep_note)) if ep_note else est), res
+
+
+def _the_schedule(layout: Layout, schedule: Schedule | None) -> Schedule:
+    """`schedule` (checked against the layout's pp and m), or the layout's generated."""
+    opts = {} if layout.chunks is None else {"chunks": layout.chunks}
+    sch = schedule or generate(layout.schedule, layout.pp, layout.microbatches, **opts)
+    if (sch.num_ranks, sch.num_microbatches) != (layout.pp, layout.microbatches):
+        raise ValueError(f"schedule {sch.name}: {sch.num_ranks} ranks x {sch.num_microbatches} "
+                         f"microbatches, but the layout is pp={layout.pp} "
+                         f"m={layout.microbatches}")
+    return sch
+
+
+def _estimate_mllm(spec: MLLMSpec, hardware: HardwareSpec, layout: Layout, features: Features,
+                   schedule: Schedule | None) -> tuple[MemoryEstimate, SimResult]:
+    """`estimate_run` for a multimodal model: its parameters per stage and, under the
+    `stp` runtime, what its units keep (stp.costmodel.mllm_memory); under `megatron`
+    Qwen2-VL's encoder and Korthikanti's bytes (stp.costmodel.mllm_costs). The
+    layout's seq_len is the text tokens of a sample (the decoder sees the image
+    tokens too); the buffers are those of the decoder-wide packed stream."""
+    if layout.ep not in (None, 1):
+        raise ValueError(f"ep={layout.ep}: expert parallelism needs a mixture-of-experts "
+                         f"model; {spec.name} has no experts")
+    spec = replace(spec, tp=layout.tp, sequence=layout.seq_len,
+                   micro_batch=layout.microbatch_size)
+    sch = _the_schedule(layout, schedule)
+    if spec.total_layers < sch.num_stages:
+        raise ValueError(f"the model's {spec.vision_layers} vision + {spec.layers} decoder "
+                         f"layers cannot fill {sch.num_stages} stages of {layout.schedule} at "
+                         f"pp={layout.pp}")
+    counts = (even_partition(spec.total_layers, sch.num_stages) if layout.partition is None
+              else check_partition(layout.partition, sch.num_stages, spec.total_layers))
+    width, stp = DTYPE_BYTES[features.dtype], features.runtime == "stp"
+    sp = features.sequence_parallel and layout.tp > 1
+    notes = []
+    if stp:
+        table, mem, unit, derived = mllm_stp_table(
+            spec, hardware, layout.pp, width, counts, sequence_parallel=sp,
+            recompute=features.recompute)
+        if sp:
+            notes.append("with sequence parallelism the vision encoder's kept bytes are "
+                         "derived, not census-checked (stp.costmodel.mllm_memory)")
+    else:
+        derived = derive_mllm(spec, hardware, layout.pp)
+        table = mllm_layered_costs(spec, hardware, layout.pp, derived.costs,
+                                   derived.mem).table(counts)
+        mem, unit = derived.mem, derived.bytes_per_unit * width / 2
+        if sp or features.recompute != "none":
+            notes.append("the multimodal model's activation formulas (stp.costmodel.mllm) "
+                         "count neither sequence parallelism nor recomputation")
+    oc = OffloadCosts(bandwidth=hardware.host_bandwidth / 1e3, act_bytes=unit)
+    plan = plan_offload(sch, features.offload, derived.costs, mem, oc, stages=table)
+    res = simulate(sch, derived.costs, mem, offload=plan if len(plan) else None,
+                   offload_costs=oc, record_spans=False, stages=table)
+    stage_params = mllm_stage_parameters(spec, counts, stp_runtime=stp)
+    params = [0] * sch.num_ranks
+    for stage, n in enumerate(stage_params):
+        params[sch.stage_to_rank[stage]] += n
+    dec = mllm_decoder_spec(spec, sequence_parallel=sp, recompute=features.recompute)
+    est = _assemble(dec, res, unit, features, replace(layout, partition=counts, ep=None),
+                    (params, [0] * sch.num_ranks), (stage_params, [0] * len(stage_params)))
+    return replace(est, notes=(*est.notes, *notes)), res
 
 
 def _with_ep(model: ModelSpec, layout: Layout) -> tuple[ModelSpec, str | None]:
@@ -414,6 +483,19 @@ def memory_of_run(spec: ModelSpec, res: SimResult, bytes_per_unit: float,
     stage_params = rank_parameters(spec, sch.num_stages, each, tuple(counts))
     stage_experts = rank_parameters(spec, sch.num_stages, each, tuple(counts),
                                     experts_only=True)
+    return _assemble(spec, res, act_scale, features, layout, (params, experts),
+                     (stage_params, stage_experts))
+
+
+def _assemble(spec: ModelSpec, res: SimResult, act_scale: float, features: Features,
+              layout: Layout, by_rank: tuple[list[int], list[int]],
+              by_stage: tuple[list[int], list[int]]) -> MemoryEstimate:
+    """Bytes per rank from the parameters (and the experts among them) of each
+    pipeline rank and of each global stage, and the simulated run's peaks in units of
+    `act_scale` bytes; `spec` sizes the buffers (its sequence, micro_batch, hidden,
+    tp, sequence_parallel)."""
+    sch, dp = res.schedule, layout.dp
+    (params, experts), (stage_params, stage_experts) = by_rank, by_stage
     ep = min(spec.ep if isinstance(spec, MoESpec) else 1, dp)
     ranks = []
     for r, n in enumerate(params):

@@ -13,10 +13,11 @@ function `stp train` and `stp memory` (given a train command line) both call.
   host's available memory (MemAvailable): a run of `--seq-len 1048576` is
   refused in one line instead of allocating until the kernel kills it.
 
-Families without a byte estimate (the multimodal model today) and emulated
-stages are not checked; a mixture of experts is priced with its routed
-copies and router (`stp.costmodel.moe`) at the job's `ep` (1 where
-`stp train` has no `--ep`).
+Emulated stages are not checked; a mixture of experts is priced with its
+routed copies and router (`stp.costmodel.moe`) at the job's `ep` (1 where
+`stp train` has no `--ep`); the multimodal model (`--arch mllm`) through its
+family's cost spec, with what its encoder's and decoder's units keep
+(`stp.costmodel.mllm_memory`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from stp.costmodel.budget import parse_size
 from stp.costmodel.configs import spec_from_config
 from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.memory import Features, Layout, MemoryEstimate, estimate, format_bytes
-from stp.shapes import ModelConfig, MoEConfig
+from stp.shapes import MLLMConfig, ModelConfig, MoEConfig
 
 __all__ = ["available_host_bytes", "check_memory", "no_estimate_reason", "run_estimate",
            "run_features"]
@@ -52,9 +53,9 @@ def no_estimate_reason(run: Any) -> str | None:
     job = run.job
     if job.emulate is not None:
         return "--emulate-compute stages wait instead of computing: they hold no model"
-    if type(run.config) not in (ModelConfig, MoEConfig):
-        return (f"--arch {job.arch}: the byte model prices the decoder and the mixture of "
-                "experts only (stp.costmodel.memory)")
+    if type(run.config) not in (ModelConfig, MoEConfig, MLLMConfig):
+        return (f"--arch {job.arch}: the byte model prices the decoder, the mixture of "
+                "experts and the multimodal model only (stp.costmodel.memory)")
     return None
 
 
@@ -84,9 +85,13 @@ def run_estimate(run: Any, hardware: HardwareSpec | None = None,
     if no_estimate_reason(run) is not None:
         return None
     job = run.job
-    spec = spec_from_config(run.config, seq_len=job.model.seq_len,
-                            microbatch_size=job.microbatch_size, tp=job.tp,
-                            flash_attention=False)
+    if type(run.config) is MLLMConfig:  # the family's own cost spec (stp.costmodel.mllm)
+        spec = run.family.model.cost_spec(run.config, sequence=job.model.seq_len,
+                                          micro_batch=job.microbatch_size, tp=job.tp)
+    else:
+        spec = spec_from_config(run.config, seq_len=job.model.seq_len,
+                                microbatch_size=job.microbatch_size, tp=job.tp,
+                                flash_attention=False)
     layout = Layout(pp=job.pp, tp=job.tp, dp=job.dp,
                     microbatches=run.schedule.num_microbatches,
                     microbatch_size=job.microbatch_size, seq_len=job.model.seq_len,

@@ -83,7 +83,10 @@ def _shard(cfg: MLLMConfig, spec: ParamSpec, tp_size: int, tp_rank: int) -> torc
     full = mllm_init(cfg, spec, torch.float32)
     where = tp_slice(cfg.decoder, spec, tp_size, tp_rank)
     if where.dim is not None:
-        full = pad_shard(full.narrow(where.dim, where.start, where.stop - where.start), where)
+        # cloned: a narrowed view (contiguous along dim 0) would keep the whole tensor's
+        # storage alive, t times the shard's bytes (as stp.models.decoder.init.init_shard)
+        full = pad_shard(full.narrow(where.dim, where.start, where.stop - where.start).clone(),
+                         where)
     return full.contiguous()
 
 
