@@ -15,9 +15,10 @@ not all updated yet: every reader (here `full_state_dict`) finishes them
 first. In the ZB-V run's last step each stage's parameters are waited for
 before its first forward starts, stage 3's only after stage 0's forwards
 began, and the trace's dp lane holds each stage's all-gather (`DP-AG`) ending
-before that forward. A checkpoint saved right after a 1F1B step with the flag
-on holds the updated parameters: resumed, its next step equals the continuous
-run bit for bit. With the flag off, or on without the sharded optimizer,
+before that forward; the written trace reads back and draws as `stp draw
+--measured` does, the gathers in its summary. A checkpoint saved right after
+a 1F1B step with the flag on holds the updated parameters: resumed, its next
+step equals the continuous run bit for bit. With the flag off, or on without the sharded optimizer,
 nothing is deferred and the executor has no hook.
 """
 
@@ -43,6 +44,8 @@ from stp.train.param_gather import ParamGather
 from stp.train.resolve import resolve
 from stp.train.trainer import Trainer
 from stp.train.zero import DPGroup, ShardedPrecision
+from stp.viz.measured import measured_scene
+from stp.viz.measured_read import load_measured_trace
 
 STEPS, SAVE_AT = 3, 2
 SCHEDULES = ("1f1b", "zb-v")
@@ -166,6 +169,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
         case = {"stats": stats, "same_stats": stats == stats_off, "in_flight": in_flight}
         if schedule == "zb-v":  # the last step waited for the all-gathers of the one before
             case["order"] = _order(on, calls)
+            on.write_trace(f"{root}/trace.json")  # collective; rank 0 writes
         case["stale"] = _stale(on)
         params = on.full_state_dict()
         if params is not None:
@@ -190,7 +194,10 @@ def _worker(rank: int, world: int, root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_dist(_worker, 4, str(tmp_path_factory.mktemp("gather")), timeout=600)
+    root = str(tmp_path_factory.mktemp("gather"))
+    out = run_dist(_worker, 4, root, timeout=600)
+    out[0]["root"] = root
+    return out
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -222,6 +229,15 @@ def test_each_stage_waits_for_its_parameters_just_before_its_first_forward(
             rank, order)
     v = runs[0]["zb-v"]["order"]  # rank 0 holds stages 0 and 3
     assert v[3]["asked"] > v[0]["first_f"], v
+
+
+def test_the_drawn_trace_shows_every_stage_gather_in_the_dp_lane(runs: list[dict]) -> None:
+    trace = load_measured_trace(f"{runs[0]['root']}/trace.json")  # as `stp draw --measured`
+    gathers = {(s.rank, s.stage) for s in trace.spans if s.lane == "dp" and s.kind == "DP-AG"}
+    pp_of, held = ParallelDims(2, 1, 2).coord_of, registry.make("zb-v", 2, M).stages_of
+    assert gathers == {(r, s) for r in range(4) for s in held(pp_of(r).pp)}, gathers
+    text = [e.text for e in measured_scene(trace).items if hasattr(e, "text")]
+    assert any(t.startswith("DP parameter all-gathers, all ranks") for t in text), text
 
 
 def test_a_checkpoint_saved_with_gathers_in_flight_resumes_the_continuous_run(
