@@ -27,7 +27,8 @@ A failed all-gather surfaces when waited for, as the rank error every
 collective raises (stp.train.grad_sync.collective: this rank, the action
 "parameter all-gather" and the group it waited on). The trace records each
 in the dp lane (kind `DP-AG`) in the step whose forward waited for it, from
-its launch (at the earliest the step's start) to its completion.
+its launch (at the earliest the step's start) to its completion; one a
+reader finished between two steps is not traced.
 
 The gathered buffers (a stage's parameters in the model's dtype, and this
 rank's rows of them) are held from the step until the stage's first forward:
@@ -93,15 +94,19 @@ class ParamGather:
     def params_needed(self, stage: int) -> None:
         """The executor's hook before `stage`'s first forward of a run: wait for its
         all-gathers and write its parameters (nothing when none is in flight)."""
-        for flight, seen in self._in_flight.pop(stage, ()):
-            self._record(stage, flight, seen)
-            flight.finish()
+        self._wait(stage, record=True)
 
     def finish(self) -> None:
         """Wait for every all-gather in flight and write the parameters (a reader of
-        the model between two steps calls this first)."""
+        the model between two steps calls this first; not traced: no step waits)."""
         for stage in list(self._in_flight):
-            self.params_needed(stage)
+            self._wait(stage, record=False)
+
+    def _wait(self, stage: int, *, record: bool) -> None:
+        for flight, seen in self._in_flight.pop(stage, ()):
+            if record:
+                self._record(stage, flight, seen)
+            flight.finish()
 
     def _record(self, stage: int, flight: InFlight, seen: Watched | None) -> None:
         rec = self.recorder
