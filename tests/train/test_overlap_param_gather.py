@@ -20,6 +20,11 @@ before that forward; the written trace reads back and draws as `stp draw
 a 1F1B step with the flag on holds the updated parameters: resumed, its next
 step equals the continuous run bit for bit. With the flag off, or on without the sharded optimizer,
 nothing is deferred and the executor has no hook.
+
+Slow: on pp2 x dp2 every schedule, and ZB-V in bfloat16 (the fp32 masters
+rounded into the packed shards), and the MoE model at dp4 with ep 2 (the
+experts gathered over their expert-data-parallel pairs, a section of their
+own), each with the flag on equals it off bit for bit over two steps.
 """
 
 from __future__ import annotations
@@ -31,7 +36,20 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_dist
-from _train_common import CONFIG, TOL, M, optimizer, options, reference, train, worst, worst_param
+from _train_common import (
+    CONFIG,
+    TOL,
+    M,
+    batch,
+    optimizer,
+    options,
+    reference,
+    train,
+    worst,
+    worst_param,
+)
+from test_moe_parity import CONFIG as MOE
+from test_moe_parity import SEQ as MOE_SEQ
 
 from stp.cli.flags import add_flags, from_args
 from stp.runtime.errors import RankError
@@ -248,3 +266,45 @@ def test_a_checkpoint_saved_with_gathers_in_flight_resumes_the_continuous_run(
 
 def test_nothing_is_deferred_with_the_flag_off_or_without_sharding(runs: list[dict]) -> None:
     assert all(all(r["hookless"]) for r in runs)
+
+
+# -- slow: every schedule, bfloat16, experts -------------------------------------------------
+
+
+def _same_runs(mesh: Mesh, make, steps: int, batch_of) -> bool:
+    """Losses and parameters after `steps` steps equal with the flag on and off."""
+    runs = []
+    for on in (False, True):
+        trainer = make(mesh, on)
+        losses = [trainer.step(batch_of(step)) for step in range(steps)]
+        runs.append((losses, trainer.full_state_dict()))
+    (a, pa), (b, pb) = runs
+    return a == b and (pa is None or all(torch.equal(pa[n], pb[n]) for n in pa))
+
+
+def _slow_worker(rank: int, world: int) -> dict:
+    pp2 = Mesh.from_world(ParallelDims(2, 1, 2), timeout=60)
+    out = {}
+    for name in registry.names():
+        out[name] = _same_runs(pp2, lambda mesh, on, name=name: _trainer(
+            mesh, name, overlap_param_gather=on), 2, batch)
+    out["bf16"] = _same_runs(pp2, lambda mesh, on: _trainer(
+        mesh, "zb-v", overlap_param_gather=on, dtype=torch.bfloat16, clip_grad=None),
+        2, batch)
+    dp4 = Mesh.from_world(ParallelDims(1, 1, 4, 2), timeout=60)
+
+    def moe_batch(step: int):
+        gen = torch.Generator().manual_seed(3000 + step)
+        tok = torch.randint(0, MOE.vocab_size, (16, MOE_SEQ + 1), generator=gen)
+        return tok[:, :-1], tok[:, 1:]
+
+    out["moe"] = _same_runs(dp4, lambda mesh, on: Trainer(
+        MOE, optimizer(), registry.make("1f1b", 1, 4), mesh=mesh,
+        **options(shard_optimizer=True, overlap_param_gather=on)), 2, moe_batch)
+    return out
+
+
+@pytest.mark.slow
+def test_every_schedule_bf16_and_experts_equal_the_gather_at_once() -> None:
+    for got in run_dist(_slow_worker, 4, timeout=1800):
+        assert all(got.values()), got
