@@ -18,7 +18,10 @@ segment of S elements:
 
 so that one reduce-scatter of the packed gradients hands each rank exactly
 its chunks (summed; divided by dp here), and one all-gather of the updated
-chunks (in the model's dtype) rebuilds every parameter. A chunk is a box of
+chunks (in the model's dtype) rebuilds every parameter. A subset (a stage's
+parameters: its reduce-scatter during the backward, stp.train.grad_sync; its
+all-gather before its next forward, stp.train.param_gather) is packed by a
+layout of its own over the same rows. A chunk is a box of
 the full-model tensor (rows at an offset inside the parameter's TP box), so
 checkpoints save and load it through the same mechanism as TP shards
 (stp.train.shards, stp.train.checkpoint).
