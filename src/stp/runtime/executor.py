@@ -40,10 +40,11 @@ knows nothing of it:
     compute:  .. F(7) | B(6) | W(6) stage 2 | F(7) stage 0 | B(7) | W(7) stage 0
     DP:                                 [reduce stage 2 ..............][stage 0]
 
-Parameters needed: `params_needed(stage)` (optional) is called once per run for
-each stage this rank holds, right before the first compute action that runs
-one of that stage's forwards (a braided block's too), the mirror image of
-`grads_final`, and as known before the run. The trainer waits there for the
+Parameters needed: `params_needed(stage)` (optional), the mirror image of
+`grads_final`, is called once per run for each stage this rank holds, right
+before the first compute action that runs one of that stage's forwards (a
+braided block's too; known before the run, `first_forward_action`). The
+trainer waits there for the
 stage's parameters, gathered asynchronously since the last optimizer step
 (stp.train.param_gather); the executor knows nothing of it:
 
