@@ -2,8 +2,9 @@
 (`overlap_param_gather`, `stp train --overlap-param-gather`; stp.train.param_gather).
 
 In one process: the flag is a TrainJob field that reaches the Trainer's options,
-off by default; a failed all-gather surfaces when waited for as the one-line
-rank error every collective raises, naming the action.
+off by default (the option refuses anything but a bool); a failed all-gather
+surfaces when waited for as the one-line rank error every collective raises,
+naming the action.
 
 On pp2 x dp2 (float64, clipping and a cosine schedule active, the sharded
 optimizer), on 1F1B and on ZB-V (rank 0 holds stages 0 and 3; stage 3's first
@@ -60,7 +61,7 @@ from stp.train.grad_sync import collective
 from stp.train.loop import _options
 from stp.train.param_gather import ParamGather
 from stp.train.resolve import resolve
-from stp.train.trainer import Trainer
+from stp.train.trainer import Trainer, TrainerOptions
 from stp.train.zero import DPGroup, ShardedPrecision
 from stp.viz.measured import measured_scene
 from stp.viz.measured_read import load_measured_trace
@@ -81,6 +82,8 @@ def test_the_flag_reaches_the_trainer_off_by_default() -> None:
                                                         "on"])))
     assert on.job.overlap_param_gather and not plain.job.overlap_param_gather
     assert _options(on).overlap_param_gather and not _options(plain).overlap_param_gather
+    with pytest.raises(ValueError, match="overlap_param_gather must be True or False, got 'on'"):
+        TrainerOptions(overlap_param_gather="on")
 
 
 class _Where:

@@ -89,6 +89,9 @@ class TrainerOptions:
         check_recompute(self.recompute)
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be True or False, got {self.compile!r}")
+        if not isinstance(self.overlap_param_gather, bool):
+            raise ValueError("overlap_param_gather must be True or False, got "
+                             f"{self.overlap_param_gather!r}")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
         if self.clip_grad is not None and not self.clip_grad > 0:
