@@ -32,7 +32,8 @@ reader finished between two steps is not traced.
 
 The gathered buffers (a stage's parameters in the model's dtype, and this
 rank's rows of them) are held from the step until the stage's first forward:
-one more copy of the model's parameters at the step's boundary, at most.
+at most one more copy of this rank's parameters in the model's dtype, plus
+1 / dp of it, at the step's boundary (not in `stp memory`'s estimate).
 """
 
 from __future__ import annotations
