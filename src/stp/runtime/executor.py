@@ -40,6 +40,18 @@ knows nothing of it:
     compute:  .. F(7) | B(6) | W(6) stage 2 | F(7) stage 0 | B(7) | W(7) stage 0
     DP:                                 [reduce stage 2 ..............][stage 0]
 
+Parameters needed: `params_needed(stage)` (optional), the mirror image of
+`grads_final`, is called once per run for each stage this rank holds, right
+before the first compute action that runs one of that stage's forwards (a
+braided block's too; known before the run, `first_forward_action`). The
+trainer waits there for the
+stage's parameters, gathered asynchronously since the last optimizer step
+(stp.train.param_gather); the executor knows nothing of it:
+
+    DP:      [AG stage 0][AG stage 3 .......................]
+    compute:            ^ F(0) stage 0 | F(1) | .. | F(0) stage 3
+                        ^ params_needed(0)         ^ params_needed(3)
+
 Scaling: the last stage's backward seeds the loss gradient with `scale`,
 1/m by default, so weight gradients are the sum over microbatches of each
 microbatch's mean-loss gradient divided by m: the gradient of the mean of
@@ -65,7 +77,7 @@ from stp.runtime.trace import Recorder
 from stp.schedule.ir import Action, Kind, Pass, passes_of
 from stp.schedule.lower import Comm, LoweredSchedule, Message
 
-__all__ = ["Executor", "ExecutorOptions", "last_gradient_actions"]
+__all__ = ["Executor", "ExecutorOptions", "first_forward_actions", "last_gradient_actions"]
 
 
 def last_gradient_actions(program: Sequence[Action | Comm]) -> dict[int, int]:
@@ -81,6 +93,21 @@ def last_gradient_actions(program: Sequence[Action | Comm]) -> dict[int, int]:
                 last[p.stage] = index
         index += 1
     return last
+
+
+def first_forward_actions(program: Sequence[Action | Comm]) -> dict[int, int]:
+    """{stage: index among the program's compute actions of the first one that runs a
+    forward of that stage}."""
+    first: dict[int, int] = {}
+    index = 0
+    for action in program:
+        if isinstance(action, Comm):
+            continue
+        for p in passes_of(action):
+            if p.kind is Kind.F:
+                first.setdefault(p.stage, index)
+        index += 1
+    return first
 
 
 @dataclass(frozen=True)
@@ -109,8 +136,8 @@ class Executor:
     keywords. `offload` (stp.runtime.offload) measures resident activations
     and moves them to the host and back as its plan says; `recorder`
     (stp.runtime.trace) records every unit, all-reduce, send and receive of
-    each run; `grads_final(stage)` is told when a stage's gradients are final
-    (module doc).
+    each run; `grads_final(stage)` is told when a stage's gradients are final,
+    `params_needed(stage)` before its first forward of a run (module doc).
     """
 
     def __init__(
@@ -124,6 +151,7 @@ class Executor:
         offload: ActivationOffloader | None = None,
         recorder: Recorder | None = None,
         grads_final: Callable[[int], None] | None = None,
+        params_needed: Callable[[int], None] | None = None,
         **option_overrides: Any,
     ) -> None:
         if "boundary_shape" in option_overrides:
@@ -149,6 +177,9 @@ class Executor:
         self.grads_final = grads_final
         self.last_grad_action = last_gradient_actions(self.program)
         """{stage: index among this rank's compute actions of its last gradient pass}."""
+        self.params_needed = params_needed
+        self.first_forward_action = first_forward_actions(self.program)
+        """{stage: index among this rank's compute actions of its first forward}."""
         self._final_due: list[tuple[int, Message]] = []  # ran, tail maybe still held
         self._open: list[tuple[Transfer, float]] = []  # posted, not yet seen complete
         self.sends_deferred = 0
@@ -298,6 +329,10 @@ class Executor:
         try:
             if off is not None:
                 off.before_action(action)  # issues the reloads planned here
+            if self.params_needed is not None:
+                for p in passes_of(action):
+                    if p.kind is Kind.F and self.first_forward_action.get(p.stage) == index:
+                        self.params_needed(p.stage)  # e.g. waits for its parameters
             self.runner.run(action, index)  # unit by unit, braided
         except RankError:
             raise

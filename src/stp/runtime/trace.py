@@ -28,7 +28,11 @@ A `Recorder` on each rank collects, for one run of the executor:
   optimizer's reduce-scatter), named after the stage whose gradients it
   carries, from its launch to its completion (as an all-reduce above):
   launched when the stage's last gradient pass ends, it runs under the
-  compute of the passes still to come.
+  compute of the passes still to come; and with the sharded optimizer's
+  `overlap_param_gather` (stp.train.param_gather) every parameter all-gather
+  (kind `DP-AG`), recorded in the step whose forward waited for it, from its
+  launch after the last optimizer step (at the earliest this run's start) to
+  its completion.
 
 Events of one lane must nest (trace viewers drop overlapping ones), so a
 span that would end after the span it starts inside is drawn from that
@@ -165,8 +169,9 @@ class Recorder:
 
     def reduction(self, work: Any, name: str, kind: str, stage: int,
                   launched: float) -> Watched:
-        """Watch a data-parallel gradient collective (kind DP-AR / DP-RS) of `stage`'s
-        gradients, launched at `launched`; whoever waits for it calls `done`."""
+        """Watch a data-parallel collective (kind DP-AR / DP-RS, or DP-AG a parameter
+        all-gather) of `stage`'s gradients (parameters), launched at `launched`;
+        whoever waits for it calls `done`."""
         watched = Watched(launched)
         self._dp.append((watched, name, kind, stage))
         if work is not None:

@@ -218,6 +218,12 @@ class TrainJob:
         "--shard-optimizer) as soon as its last weight gradient is done, under the rest "
         "of the pipeline (Megatron-LM's --overlap-grad-reduce); off: all of them after "
         "the pipeline drains. The same losses and gradients either way")
+    overlap_param_gather: bool = option(
+        False, "with --shard-optimizer: launch each stage's parameter all-gather after the "
+        "optimizer step and wait for it only before that stage's first forward of the next "
+        "step (Megatron-LM's --overlap-param-gather); off: all of them right after the step, "
+        "exposed. The same losses and parameters either way (no effect without "
+        "--shard-optimizer or at --dp 1)")
     recompute: str = option(
         "none", "activation recomputation: none, selective (the attention core again in the "
         "backward), full (each unit keeps its input only and runs its forward again in the "

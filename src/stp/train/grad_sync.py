@@ -39,7 +39,8 @@ then runs, on every rank:
        gradients the optimizer reads (with sharding: each rank's shards).
 
 The optimizer then steps (stp.train.precision); with the sharded optimizer
-its parameter all-gather stays after the step, exposed.
+its parameter all-gather follows the step, exposed, or with
+`overlap_param_gather` under the next step's forwards (stp.train.param_gather).
 
 In a 16-bit run the fp32 main grads are reduced where they lie (Megatron-LM's
 contiguous gradient buffer): with the all-reduce each stage's are views of

@@ -159,6 +159,7 @@ def _options(run: Run) -> TrainerOptions:
         partition=run.built_partition, sequence_parallel=job.sequence_parallel,
         shard_optimizer=job.shard_optimizer,
         overlap_grad_sync=job.overlap_grad_sync,
+        overlap_param_gather=job.overlap_param_gather,
         recompute=job.recompute,
         compile=job.compile,
     )
@@ -208,6 +209,7 @@ def run(resolved: Run,
             on_step(StepReport(step, loss, tokens_per_step / elapsed, elapsed, resident,
                                update.grad_norm, update.lr, update.skipped, eval_loss,
                                saved, trainer.last_figures or None, compile_s))
+    trainer.finish_param_gather()  # the model after the last step (--overlap-param-gather)
     if job.trace is not None and losses:  # the last step, every rank
         trainer.write_trace(job.trace, {"braid": job.braid, "emulate": job.emulate,
                                         "tp": job.tp, "dp": job.dp,

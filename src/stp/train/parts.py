@@ -28,6 +28,7 @@ from stp.schedule import Schedule
 from stp.train.families import TrainFamily
 from stp.train.grad_sync import GradSync
 from stp.train.lr import LRSchedule
+from stp.train.param_gather import ParamGather
 from stp.train.precision import Precision
 
 __all__ = ["TrainerOptions", "Parts"]
@@ -79,11 +80,18 @@ class TrainerOptions:
     """Launch each stage's DP gradient reduction as soon as its gradients are final
     (its last W), under the rest of the pipeline (stp.train.grad_sync); False: all
     of them after the pipeline drains."""
+    overlap_param_gather: bool = False
+    """With `shard_optimizer` at dp > 1: launch each stage's parameter all-gather
+    after the optimizer step and wait for it only before the stage's first forward
+    of the next step (stp.train.param_gather); False: gathered at once, exposed."""
 
     def __post_init__(self) -> None:
         check_recompute(self.recompute)
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be True or False, got {self.compile!r}")
+        if not isinstance(self.overlap_param_gather, bool):
+            raise ValueError("overlap_param_gather must be True or False, got "
+                             f"{self.overlap_param_gather!r}")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
         if self.clip_grad is not None and not self.clip_grad > 0:
@@ -119,6 +127,15 @@ class Parts:
     offloader: ActivationOffloader | None
     executor: Executor
     sync: GradSync
+    param_gather: ParamGather | None = None
+    """The parameter all-gathers in flight between steps (`overlap_param_gather`);
+    None: gathered at once after each optimizer step."""
+
+    def finish_param_gather(self) -> None:
+        """Wait for the parameter all-gathers in flight, if any, and write the model
+        parameters: call before reading them between two steps (stp.train.param_gather)."""
+        if self.param_gather is not None:
+            self.param_gather.finish()
 
     @property
     def seq_shards(self) -> int:

@@ -191,11 +191,13 @@ class UpdateStats:
 def apply_update(
     precision: Precision, optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None, norm: float,
-    max_norm: float | None,
+    max_norm: float | None, copy_to_model: Callable[[], None] | None = None,
 ) -> UpdateStats:
     """Clip by the global `norm` (when `max_norm`), step the optimizer and the
-    schedule, copy the masters back. A non-finite norm skips all of it; `norm`
-    is the same on every rank, so every rank decides alike."""
+    schedule, copy the masters back (`copy_to_model`: what does instead of
+    `precision.copy_to_model`, e.g. launches the sharded optimizer's overlapped
+    all-gathers, stp.train.param_gather). A non-finite norm skips all of it;
+    `norm` is the same on every rank, so every rank decides alike."""
     lr = float(optimizer.param_groups[0]["lr"])
     if not math.isfinite(norm):
         return UpdateStats(norm, lr, skipped=True)
@@ -204,5 +206,5 @@ def apply_update(
     optimizer.step()
     if scheduler is not None:
         scheduler.step()
-    precision.copy_to_model()
+    (copy_to_model or precision.copy_to_model)()
     return UpdateStats(norm, lr, skipped=False)

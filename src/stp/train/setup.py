@@ -39,6 +39,7 @@ from stp.schedule import Schedule, registry, validate
 from stp.schedule.lower import lower
 from stp.train.families import family_of
 from stp.train.grad_sync import GradSync, collective
+from stp.train.param_gather import ParamGather
 from stp.train.parts import Parts, TrainerOptions
 from stp.train.precision import Precision
 from stp.train.schedules import is_schedule_file, load_schedule_file
@@ -158,11 +159,28 @@ def build(
         executor.grads_final = sync.stage_final
         if offloader is not None:  # its copies measured with the activations
             offloader.held, sync.sampler = sync.held_bytes, offloader.sample
+    param_gather = _param_gather(precision, sync, executor, opts.overlap_param_gather)
     return Parts(mesh=mesh, dims=dims, schedule=schedule, options=opts, device=device,
                  hidden=hidden, source=source, family=family, model_config=model_config,
                  stages=stages,
                  holds_loss=holds_loss, precision=precision, offloader=offloader,
-                 executor=executor, sync=sync)
+                 executor=executor, sync=sync, param_gather=param_gather)
+
+
+def _param_gather(precision: Precision, sync: GradSync, executor: Executor,
+                  overlap: bool) -> ParamGather | None:
+    """With `overlap` and the sharded optimizer: the stages' parameter all-gathers,
+    launched after each step in the order this rank's program first runs their
+    forwards, each waited for before its stage's first forward (the executor's
+    `params_needed`). None otherwise: gathered at once (at dp 1 nothing is sharded)."""
+    if not overlap or not isinstance(precision, ShardedPrecision):
+        return None
+    first = executor.first_forward_action
+    order = sorted(sync.stage_params, key=lambda s: first.get(s, len(first)))
+    gather = ParamGather(precision, {s: sync.stage_params[s] for s in order},
+                         recorder=executor.recorder)
+    executor.params_needed = gather.params_needed
+    return gather
 
 
 def _precision(named: list[tuple[str, nn.Parameter]], units: list[Any], mesh: Mesh,

@@ -25,7 +25,12 @@ One `step` = one iteration over m microbatches of the global batch:
     4. the gradients are clipped by that norm (stp.train.clip; inf/NaN: the
        step is skipped on every rank); the optimizer steps, in bf16 on fp32
        master weights and main grads (stp.train.precision), and the LR
-       schedule advances (stp.train.lr).
+       schedule advances (stp.train.lr). With `shard_optimizer` the updated shards
+       are all-gathered into the model; with `overlap_param_gather` each stage's
+       all-gather is only launched here and waited for before that stage's first
+       forward of the next step (stp.train.param_gather): whatever reads the
+       model between two steps (save, evaluate, the gathers and exports, the
+       parameters) calls `finish_param_gather` first.
 
 What a Trainer runs with is built once by stp.train.setup.build (its `parts`);
 the Trainer itself adds the optimizer, the LR schedule and the step count.
@@ -208,9 +213,17 @@ class Trainer:
     def timeout(self) -> float:
         return self.options.timeout
 
+    def finish_param_gather(self) -> None:
+        """Wait for the parameter all-gathers the last step left in flight
+        (`overlap_param_gather`) and write the model parameters; nothing otherwise.
+        Every reader of the model between two steps calls it first. Not collective:
+        every rank launched them in the same step."""
+        self.parts.finish_param_gather()
+
     @property
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters, stage by stage."""
+        self.finish_param_gather()
         return [p for st in self.stages.values() for p in st.parameters()]
 
     def boundary_shape(self, targets: torch.Tensor) -> tuple[int, ...]:
@@ -242,6 +255,7 @@ class Trainer:
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(global name, local tensor) of every parameter this rank holds."""
+        self.finish_param_gather()
         return self.parts.named_parameters()
 
     # -- one iteration ------------------------------------------------------------
@@ -273,8 +287,10 @@ class Trainer:
             self.last_figures = self.aux.collect(m)
         self.precision.fold()
         loss, norm = self.parts.sync.after_backward(losses, m, ratio)
+        gather = self.parts.param_gather
         self.last_update = apply_update(self.precision, self.optimizer, self.scheduler, norm,
-                                        self.options.clip_grad)
+                                        self.options.clip_grad,
+                                        None if gather is None else gather.launch)
         self.steps_done += 1
         return loss
 
@@ -291,6 +307,7 @@ class Trainer:
         from stp.train.evaluate import Evaluator
 
         self._evaluator = self._evaluator or Evaluator(self.parts)
+        self.finish_param_gather()
         return self._evaluator.loss(batch)
 
     # -- checkpoints ------------------------------------------------------------------
@@ -298,6 +315,7 @@ class Trainer:
     def save(self, directory: str, *, keep: int | None = None) -> str:
         """Write a sharded checkpoint `directory/step-<steps_done>` (stp.train.checkpoint):
         model, fp32 masters, optimizer, LR schedule, step, RNG. Collective."""
+        self.finish_param_gather()
         return str(checkpoint.save(self.parts, self.optimizer, self.scheduler, self.steps_done,
                                    directory, keep=keep))
 
@@ -334,6 +352,7 @@ class Trainer:
         With `shard_optimizer` at dp > 1 the DP mean of a gradient exists only
         as shards (`precision.grads()`): grads=True gives DP rank 0's own.
         Collective: every rank must call it."""
+        self.finish_param_gather()
         return gather_full_state(self.stages, self.mesh, self.parts.sync.collective,
                                  grads=grads)
 
@@ -344,6 +363,7 @@ class Trainer:
         config = self.model_config
         meta = {} if not is_dataclass(config) else {
             "stp_model_config": json.dumps(asdict(config), sort_keys=True, default=str)}
+        self.finish_param_gather()
         write_full(path, self.stages, self.mesh, self.parts.sync.collective, meta)
 
     def parameter_count(self) -> int:
@@ -360,6 +380,7 @@ class Trainer:
         Collective."""
         if self.family is None:
             raise ValueError("save_hf needs a Trainer built from a ModelConfig or init_from")
+        self.finish_param_gather()
         self.family.model.save_hf(directory, self.stages, self.mesh, self.model_config,
                                   source=self.source,
                                   max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)

@@ -18,7 +18,10 @@ segment of S elements:
 
 so that one reduce-scatter of the packed gradients hands each rank exactly
 its chunks (summed; divided by dp here), and one all-gather of the updated
-chunks (in the model's dtype) rebuilds every parameter. A chunk is a box of
+chunks (in the model's dtype) rebuilds every parameter. A subset (a stage's
+parameters: its reduce-scatter during the backward, stp.train.grad_sync; its
+all-gather before its next forward, stp.train.param_gather) is packed by a
+layout of its own over the same rows. A chunk is a box of
 the full-model tensor (rows at an offset inside the parameter's TP box), so
 checkpoints save and load it through the same mechanism as TP shards
 (stp.train.shards, stp.train.checkpoint).
@@ -451,17 +454,54 @@ class ShardedPrecision(Precision):
         """Every rank's updated shards, in the model's dtype, gathered into the whole
         parameters (rounding the fp32 masters as Precision does), one all-gather per
         section. Collective."""
+        self.all_gather()
+
+    def all_gather(self, indices: Iterable[int] | None = None, *,
+                   async_op: bool = False) -> list[InFlight]:
+        """Gather every rank's updated shards of the parameters (`indices`: of those
+        only, e.g. one stage's) into the whole model parameters: this rank's shards
+        packed in the model's dtype by the subset's own rank-major layout (the
+        section's when it is whole), one all-gather per section, unpacked. With
+        `async_op` the all-gathers are returned in flight and the model parameters
+        are written when each is finished (stp.train.param_gather: before the
+        stage's first forward of the next step); else they are finished. The
+        values are the same whatever the subsets: only copies. Collective."""
+        wanted = set(range(len(self.model)) if indices is None else indices)
+        flights = []
         for sec in self.sections:
-            if not sec.index:
+            positions = [j for j, i in enumerate(sec.index) if i in wanted]
+            if not positions:  # no experts on this stage (nor on any peer's)
                 continue
-            g = sec.group
-            mine = torch.zeros(sec.layout.segment, dtype=self.model_dtype,
+            layout = sec.layout if len(positions) == len(sec.index) else ShardLayout(
+                [self.model[sec.index[j]].shape for j in positions], sec.group.size)
+            flights.append(self._gather(sec, [sec.index[j] for j in positions], layout,
+                                        async_op))
+        if not async_op:
+            for f in flights:
+                f.finish()
+        return flights
+
+    def _gather(self, sec: _Section, params: list[int], layout: ShardLayout,
+                async_op: bool) -> InFlight:
+        """All-gather this rank's shards of parameters `params` (of `sec`, packed by
+        `layout`) over the section's group; when finished, every rank's rows copied
+        into the whole parameters."""
+        g = sec.group
+        with torch.no_grad():
+            mine = torch.zeros(layout.segment, dtype=self.model_dtype,
                                device=sec.shard_grads.device)
-            for j, i in enumerate(sec.index):
+            for k, i in enumerate(params):
                 shard = self.params[i]
-                sec.layout.local(mine, j, g.rank, shard.shape).copy_(shard)
-            every = torch.empty(g.size * sec.layout.segment, dtype=self.model_dtype,
-                                device=mine.device)
-            g.run("parameter all-gather", g.peers, dist.all_gather_single, every, mine,
-                  group=g.group)
-            sec.layout.unpack(every, [self.model[i] for i in sec.index])
+                layout.local(mine, k, g.rank, shard.shape).copy_(shard)
+        every = torch.empty(g.size * layout.segment, dtype=self.model_dtype, device=mine.device)
+        action = "parameter all-gather"
+        work = g.run(action, g.peers, dist.all_gather_single, every, mine, group=g.group,
+                     async_op=async_op)
+
+        @torch.no_grad()  # finished inside the next step's autograd-recording run
+        def then() -> None:
+            layout.unpack(every, [self.model[i] for i in params])
+
+        wait = (lambda: g.run(action, g.peers, work.wait)) if work is not None else (
+            lambda: None)
+        return InFlight(work, wait, then, keep=(mine, every))

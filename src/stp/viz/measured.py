@@ -131,13 +131,16 @@ def _summary(trace: MeasuredTrace, L: _Layout) -> list[str]:
         parts.append(f"{kind} {fmt_num(total)} ms ({share:.0%} under compute)")
     if parts:
         lines.append("TP collectives, all ranks: " + ", ".join(parts))
-    dp = [s for s in trace.spans if s.lane == "dp"]
-    if dp:
-        total = sum(s.end - s.start for s in dp)
-        hidden = sum(hidden_under_compute(trace.spans, r, "dp")[1] for r in L.ranks)
-        share = hidden / total if total > 0 else 0.0
-        lines.append(f"DP gradient reductions, all ranks: {fmt_num(total)} ms "
-                     f"({share:.0%} under compute)")
+    for what, kinds in (("DP gradient reductions", ("DP-AR", "DP-RS")),
+                        ("DP parameter all-gathers", ("DP-AG",))):
+        spans = [s for s in trace.spans if s.lane != "dp" or s.kind in kinds]
+        dp = [s for s in spans if s.lane == "dp"]
+        if dp:
+            total = sum(s.end - s.start for s in dp)
+            hidden = sum(hidden_under_compute(spans, r, "dp")[1] for r in L.ranks)
+            share = hidden / total if total > 0 else 0.0
+            lines.append(f"{what}, all ranks: {fmt_num(total)} ms "
+                         f"({share:.0%} under compute)")
     return lines
 
 
@@ -170,7 +173,9 @@ def _legend(sc: Scene, L: _Layout, trace: MeasuredTrace) -> None:
     if "dp" in L.lanes:
         sc.add(Rect(x, y + 3, sw, sh - 6, fill=C.DP_COLOR))
         x += sw + 4
-        label("DP gradient reduction")
+        gathers = any(s.kind == "DP-AG" for s in trace.spans if s.lane == "dp")
+        label("DP gradient reduction / parameter all-gather" if gathers
+              else "DP gradient reduction")
     sc.width = max(sc.width, x + 12)
 
 

@@ -25,7 +25,7 @@ MAX_TRACE_BYTES = 256 << 20
 MAX_SPANS = 500_000
 MAX_RANKS = 4096
 _KINDS = {"compute": ("F", "B", "W"), "tp": ("AR", "RS", "AG", "RS+AG", "A2A"),
-          "send": ("SEND", "RECV"), "dp": ("DP-AR", "DP-RS")}
+          "send": ("SEND", "RECV"), "dp": ("DP-AR", "DP-RS", "DP-AG")}
 """The span kinds of each lane stp.runtime.trace writes."""
 
 
