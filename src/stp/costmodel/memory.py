@@ -77,22 +77,29 @@ stage table lets B allocate the rest (`StageCost.mem_w` above `mem_b`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from stp.costmodel.configs import spec_from_config
 from stp.costmodel.decoder_costs import Derived, derive_decoder, edge_costs
 from stp.costmodel.dp_copies import copies_over_peak, reduction_copies
 from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.kept import Kept, stp_kept
+from stp.costmodel.memory_types import (
+    CATEGORIES,
+    DTYPE_BYTES,
+    Features,
+    Layout,
+    MemoryEstimate,
+    RankMemory,
+)
 from stp.costmodel.mllm import MLLMSpec
 from stp.costmodel.mllm_costs import derive_mllm, mllm_layered_costs
 from stp.costmodel.mllm_memory import mllm_decoder_spec, mllm_stage_parameters, mllm_stp_table
-from stp.costmodel.model import RECOMPUTE_MODES, ModelSpec, decoder_only
+from stp.costmodel.model import ModelSpec, decoder_only
 from stp.costmodel.moe import MoESpec, router_parameters
 from stp.costmodel.stages import layered_costs
 from stp.schedule.ir import Kind, Schedule, passes_of
-from stp.schedule.offload import parse_policy
-from stp.schedule.registry import SCHEDULES, generate
+from stp.schedule.registry import generate
 from stp.shapes import ModelConfig
 from stp.sim.costs import MemCosts, OffloadCosts
 from stp.sim.engine import simulate
@@ -103,147 +110,6 @@ from stp.sim.stages import StageCosts
 
 __all__ = ["DTYPE_BYTES", "CATEGORIES", "Layout", "Features", "RankMemory", "MemoryEstimate",
            "estimate", "estimate_run", "format_bytes", "memory_of_run", "rank_parameters"]
-
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
-CATEGORIES = ("weights", "grads", "masters", "optimizer", "activations_peak", "buffers")
-RUNTIMES = ("megatron", "stp")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a step is cut: the mesh, the batch and the schedule."""
-
-    pp: int
-    tp: int = 1
-    dp: int = 1
-    microbatches: int = 1
-    microbatch_size: int = 1
-    seq_len: int = 4096
-    schedule: str = "stp"
-    partition: tuple[int, ...] | None = None
-    """Layers per global stage (None: the even split, `stp.sim.layered`)."""
-    ep: int | None = None
-    """Expert-parallel ranks of a mixture of experts, carved from the dp ranks (ep
-    divides dp). None: the model spec's own `ep` where it divides dp, else 1 (noted)."""
-    chunks: int | None = None
-    """Stages per rank of a schedule that takes them (1f1b-interleaved,
-    zb-interleaved, looped-bfs; `--chunks`); None: the generator's default."""
-
-    def __post_init__(self) -> None:
-        if self.ep is not None:
-            if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
-                raise ValueError(f"ep={self.ep!r} must be an integer >= 1")
-            if self.dp % self.ep:
-                raise ValueError(f"ep={self.ep} must divide dp={self.dp} (the expert-parallel "
-                                 "group is carved from the data-parallel ranks)")
-        for key in ("pp", "tp", "dp", "microbatches", "microbatch_size", "seq_len",
-                    *(("chunks",) if self.chunks is not None else ())):
-            val = getattr(self, key)
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"{key}={val!r} must be an integer >= 1")
-        if self.partition is not None:
-            object.__setattr__(self, "partition", tuple(self.partition))
-            if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1
-                       for c in self.partition):
-                raise ValueError(f"partition {self.partition}: layer counts >= 1 expected")
-        gen = SCHEDULES.get(self.schedule)
-        if self.chunks is not None and gen is not None and not gen.takes_chunks:
-            raise ValueError(f"chunks={self.chunks}: {self.schedule} takes no chunks; "
-                             f"{', '.join(n for n, g in SCHEDULES.items() if g.takes_chunks)}"
-                             " do")
-
-
-@dataclass(frozen=True)
-class Features:
-    """What a run turns on that changes its memory."""
-
-    dtype: str = "bfloat16"
-    sequence_parallel: bool = False
-    recompute: str = "none"
-    shard_optimizer: bool = False
-    offload: str = "none"
-    """An offload policy of `stp.sim.offload` (none, stp, all, selective:X)."""
-    runtime: str = "megatron"
-    """Whose activations: `megatron` (Korthikanti's formulas, stp.costmodel.model)
-    or `stp` (what stp's own decoder units keep, stp.costmodel.kept: the
-    estimate of a `stp train` run)."""
-    overlap_grad_sync: bool = True
-    """Each stage's DP gradient reduction launched as soon as its gradients are final
-    (`stp train --overlap-grad-sync`): its flat copy, where there is one, is held
-    during the last backwards (module doc)."""
-
-    def __post_init__(self) -> None:
-        if self.runtime not in RUNTIMES:
-            raise ValueError(f"runtime {self.runtime!r}: choose one of {', '.join(RUNTIMES)}")
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"recompute {self.recompute!r}: choose one of "
-                             f"{', '.join(RECOMPUTE_MODES)}")
-        parse_policy(self.offload)  # ValueError naming the policy
-
-    @property
-    def sixteen_bit(self) -> bool:
-        return DTYPE_BYTES[self.dtype] == 2
-
-
-@dataclass(frozen=True)
-class RankMemory:
-    """Bytes one pipeline rank (each of its TP and DP peers) holds at its peak."""
-
-    rank: int
-    parameters: int
-    weights: float
-    grads: float
-    masters: float
-    optimizer: float
-    activations_peak: float
-    buffers: float
-    copies: float = 0.0
-    """Of `buffers`, what the DP reductions' flat gradient copies add to the
-    activations' peak (module doc; `stp train --json`'s measured `dp_copies`)."""
-
-    def __post_init__(self) -> None:
-        for key in ("rank", "parameters", *CATEGORIES, "copies"):
-            val = getattr(self, key)
-            if isinstance(val, bool) or not isinstance(val, int | float) or not val >= 0:
-                raise ValueError(f"rank memory {key}={val!r} must be a number >= 0")
-
-    @property
-    def total(self) -> float:
-        return sum(getattr(self, k) for k in CATEGORIES)
-
-    @property
-    def largest(self) -> str:
-        return max(CATEGORIES, key=lambda k: getattr(self, k))
-
-    def to_json(self) -> dict[str, float | int]:
-        out: dict[str, float | int] = {k: getattr(self, k) for k in CATEGORIES}
-        out["total"] = self.total
-        return out
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    ranks: tuple[RankMemory, ...]
-    layout: Layout
-    features: Features
-    notes: tuple[str, ...] = ()
-    step_time: float | None = None
-    """The simulated step (makespan) the activations came from, in the cost
-    model's milliseconds."""
-
-    @property
-    def peak(self) -> RankMemory:
-        """The rank with the largest total (the first of equals)."""
-        return max(self.ranks, key=lambda r: (r.total, -r.rank))
-
-    def to_json(self) -> dict[str, object]:
-        return {"memory": self.peak.to_json(), "peak_rank": self.peak.rank,
-                "ranks": [{"rank": r.rank, "parameters": r.parameters, **r.to_json(),
-                           "dp_copies": r.copies} for r in self.ranks],
-                "notes": list(self.notes), "step_ms": self.step_time}
-
 
 def _layer_parameters(spec: ModelSpec) -> float:
     """One TP rank's share of a layer: Q and O split by t; K and V split by t,
