@@ -62,7 +62,7 @@ size). Nothing else scales.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -80,33 +80,26 @@ from stp.schedule.lower import Comm, LoweredSchedule, Message
 __all__ = ["Executor", "ExecutorOptions", "first_forward_actions", "last_gradient_actions"]
 
 
+def _compute_passes(program: Sequence[Action | Comm]) -> Iterator[tuple[int, Pass]]:
+    """(index among the program's compute actions, pass) for every pass it runs."""
+    for index, action in enumerate(a for a in program if not isinstance(a, Comm)):
+        for p in passes_of(action):
+            yield index, p
+
+
 def last_gradient_actions(program: Sequence[Action | Comm]) -> dict[int, int]:
     """{stage: index among the program's compute actions of the last one that runs a
     gradient pass (B, W or a full backward) of that stage}."""
-    last: dict[int, int] = {}
-    index = 0
-    for action in program:
-        if isinstance(action, Comm):
-            continue
-        for p in passes_of(action):
-            if p.kind is not Kind.F:
-                last[p.stage] = index
-        index += 1
-    return last
+    return {p.stage: index for index, p in _compute_passes(program) if p.kind is not Kind.F}
 
 
 def first_forward_actions(program: Sequence[Action | Comm]) -> dict[int, int]:
     """{stage: index among the program's compute actions of the first one that runs a
     forward of that stage}."""
     first: dict[int, int] = {}
-    index = 0
-    for action in program:
-        if isinstance(action, Comm):
-            continue
-        for p in passes_of(action):
-            if p.kind is Kind.F:
-                first.setdefault(p.stage, index)
-        index += 1
+    for index, p in _compute_passes(program):
+        if p.kind is Kind.F:
+            first.setdefault(p.stage, index)
     return first
 
 

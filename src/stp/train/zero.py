@@ -291,7 +291,7 @@ class ShardedPrecision(Precision):
             if wanted.issuperset(packed.index):
                 positions = [self._place[i][1] for i in packed.index]
                 flights.append(self._launch(packed.section, positions, packed.layout,
-                                            packed.flat, async_op))
+                                            packed.flat, async_op, copied=False))
                 wanted.difference_update(packed.index)
         for sec in self.sections:
             positions = [j for j, i in enumerate(sec.index) if i in wanted]
@@ -303,17 +303,18 @@ class ShardedPrecision(Precision):
             flat = torch.empty(sec.group.size * layout.segment, dtype=self.grad_dtype,
                                device=sec.shard_grads.device)
             layout.pack(self.full_grads([sec.index[j] for j in positions]), flat)
-            flights.append(self._launch(sec, positions, layout, flat, async_op))
+            flights.append(self._launch(sec, positions, layout, flat, async_op, copied=True))
         if not async_op:
             for f in flights:
                 f.finish()
         return flights
 
     def _launch(self, sec: _Section, positions: list[int], layout: ShardLayout,
-                flat: torch.Tensor, async_op: bool) -> InFlight:
+                flat: torch.Tensor, async_op: bool, *, copied: bool) -> InFlight:
         """Reduce-scatter `flat` (section positions `positions` packed by `layout`) over
         the section's group; when finished, this rank's segment divided by dp, in its
-        places of the section's segment."""
+        places of the section's segment. `copied`: `flat` is a packed copy the flight
+        holds (not the packed main grads themselves)."""
         g, whole = sec.group, layout is sec.layout
         out = sec.shard_grads if whole else torch.empty(layout.segment, dtype=self.grad_dtype,
                                                         device=flat.device)
@@ -331,8 +332,7 @@ class ShardedPrecision(Precision):
 
         wait = (lambda: g.run(action, g.peers, work.wait)) if work is not None else (
             lambda: None)
-        packed = any(pk.flat is flat for pk in self.packed)  # the main grads themselves
-        return InFlight(work, wait, then, keep=(out,) if packed else (out, flat))
+        return InFlight(work, wait, then, keep=(out, flat) if copied else (out,))
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
