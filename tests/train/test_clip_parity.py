@@ -6,7 +6,8 @@ grad_norm (before clipping) and lr, and the parameters after the last step,
 equal the single-process torch reference (torch.nn.utils.clip_grad_norm_,
 torch.optim.AdamW, LinearLR then CosineAnnealingLR) within 1e-9, on one process, and with every
 schedule on pp2 x tp2 and pp2 x dp2 (one 4-process launch, both meshes built
-over the same world). Each of those Trainers first evaluates a held-out batch
+over the same world; behind -m slow, while the default suite runs dp2 with
+1F1B). Each of those Trainers first evaluates a held-out batch
 (forward passes only): the reference's loss, and training afterwards is
 unchanged. A step whose gradients hold inf on one rank is skipped on every
 rank.
@@ -156,6 +157,28 @@ def test_planted_bugs_are_reported() -> None:
     for bug, r in res.items():
         print(f"{bug}: stats {r['stats']:.1e} params {r['param']:.1e}")
         assert r["stats"] > TOL or r["param"] > TOL, (bug, r)
+
+
+def _dp2_worker(rank: int, world: int) -> dict:
+    mesh = Mesh.from_world(ParallelDims(1, 1, 2), timeout=60)
+    trainer = Trainer(CONFIG, optimizer(), "1f1b", mesh=mesh, microbatches=2, **options())
+    stats = train(trainer, range(STEPS))
+    every: list = [None] * world
+    dist.all_gather_object(every, stats)
+    params = trainer.full_state_dict()
+    if rank:
+        return {}
+    return {**_compare(stats, params, reference(STEPS)),
+            "same_on_every_rank": all(e == stats for e in every)}
+
+
+def test_dp2_equals_torch_clip_grad_norm() -> None:
+    """The default suite's multi-rank case of the matrix below (tests/train/
+    test_clip_limits.py has pp2 and tp2). Bugs guarded: each DP replica counting its
+    copy of a gradient in the norm (sqrt(2) too large), the DP average skipped."""
+    r = run_dist(_dp2_worker, 2, timeout=300)[0]
+    assert r["clipped"] and r["same_on_every_rank"], r
+    assert r["stats"] <= TOL and r["param"] <= TOL, r
 
 
 @pytest.mark.slow
