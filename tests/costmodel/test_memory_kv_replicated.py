@@ -120,7 +120,9 @@ def test_model_states_are_the_shards_the_runtime_builds(
 
 def test_the_kv_shard_is_one_whole_head_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     """The reference itself: at tp 4 with 2 kv heads a rank's K holds head_dim rows
-    (one head), the same head on ranks 0 and 1 and the other on ranks 2 and 3."""
+    (one head), the same head on ranks 0 and 1 and the other on ranks 2 and 3.
+    Guards against the runtime's kv slice (stp.models.decoder.init.tp_slice) picking
+    heads round-robin or splitting a head, which the byte counts above cannot see."""
     cfg = _dense(2)
     stages = _stages(cfg, 4, 0, torch.float32, monkeypatch)
     wk = [dict(s.named_parameters())["layers.0.attn.wk.weight"] for s in stages]

@@ -58,6 +58,9 @@ def _mbs(reload_at: dict[tuple[int, int], int]) -> set[int]:
 
 
 def test_hand_schedules_are_valid_and_lifetimes_are_as_counted() -> None:
+    """The references of the tests below: both schedules pass the validator, and the
+    simulator's lifetimes are the hand count (guards against a threshold test that
+    passes because its activation is not where the test thinks it is)."""
     for sch in (GAPS, LIVES):
         validate(sch)
     res = simulate(LIVES, Costs(), MemCosts(), record_spans=True)
@@ -141,7 +144,9 @@ def test_the_runtime_moves_exactly_the_planned_forwards(
 ) -> None:
     """Right after each forward the offloader copies to the host all the bytes that
     forward kept when it is at or over the threshold, and nothing when it is below;
-    every activation is back on the device at the end of the step."""
+    every activation is back on the device at the end of the step. Guards against
+    either comparison flipped (`>=` in plan_chunks moves mb1 too; `>` in the
+    selective rule moves nothing) as the runtime runs it (runtime_plan)."""
     off, copied = _run(sch, policy)
     kept = off.memory.forward_bytes
     assert set(kept) == {(0, mb) for mb in range(4)} and min(kept.values()) > 0
