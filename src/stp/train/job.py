@@ -146,7 +146,7 @@ def _check_training(job: TrainJob, config: Any) -> None:
         raise ValueError(f"--eval-data {job.eval_data!r} is shorter than --seq-len + 2 bytes")
     if job.resume is not None:
         model = None if job.emulate else dataclasses.asdict(config)
-        check_resume(job.resume, model)
+        check_resume(job.resume, model, allow_unverified=job.allow_unverified)
     if job.out is not None:  # the default is a new directory, created when chosen
         held = complete_checkpoints(job.out)
         if held and job.resume is None:
