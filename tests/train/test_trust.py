@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from stp.models import ModelConfig
+from stp.models.decoder.family import DECODER
 from stp.train import checkpoint, integrity
 from stp.train.ckpt_read import SafeReader, UnsafeCheckpoint, read_metadata, safe_load_bytes
 from stp.train.trainer import Trainer
@@ -315,8 +316,9 @@ def test_too_little_free_space_is_refused_before_writing(
     with pytest.raises(storage.StorageFault, match="MiB is free"):
         trainer.save(str(run))
     assert not (run / ".step-00000003.partial").exists()
+    need = storage.checkpoint_bytes(DECODER.parameter_count(CONFIG), "float32")
     with pytest.raises(storage.StorageFault, match="--out"):
-        storage.check_free_space(run, storage.checkpoint_bytes(CONFIG, "float32"))
+        storage.check_free_space(run, need)
 
 
 # -- non-finite weights and skipped steps ---------------------------------------------------

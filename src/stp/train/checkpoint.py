@@ -217,11 +217,12 @@ def _publish(tmp: Path, final: Path, keep: int | None) -> None:
 
 
 def _agree(rank: int, error: str | None) -> None:
-    """Rank 0's error (or None) on every rank; raise it everywhere."""
+    """Rank 0's error (or None) on every rank; raise it everywhere (a StorageFault:
+    every rank has the same, rank 0 reports it)."""
     box = [error]
     dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
-        raise RuntimeError(box[0] if rank == 0 else f"global rank 0: {box[0]}")
+        raise storage.StorageFault(box[0])
 
 
 def save(parts: Parts, optimizer: torch.optim.Optimizer, scheduler: Scheduler | None,

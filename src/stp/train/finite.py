@@ -35,6 +35,9 @@ __all__ = ["NonFinite", "SkipCounter", "TooManySkipped", "first_nonfinite", "req
 class NonFinite(ValueError):
     """A weight holds NaN or inf."""
 
+    agreed = True
+    """Raised alike on every rank (a collective verdict): rank 0 alone reports it."""
+
 
 class TooManySkipped(ValueError):
     """Too many consecutive steps had non-finite gradients."""

@@ -19,9 +19,10 @@ every checkpoint holds `MANIFEST`, the sha256 and size of each of its files:
 A checkpoint without a manifest is refused: deleting the manifest must not
 switch the check off. One written before stp wrote manifests is accepted with
 `allow_unverified` (`stp train --allow-unverified`) and a one-line warning: its
-files are then checked for presence and size against `.metadata` only. The manifest protects against damage, not against someone
-who can write the directory (they can rewrite the manifest too): stp never runs
-code from a checkpoint (stp.train.ckpt_read), but trusts its numbers.
+files are then checked for presence and size against `.metadata` only. The
+manifest protects against damage, not against someone who can write the
+directory (they can rewrite the manifest too): stp never runs code from a
+checkpoint (stp.train.ckpt_read), but trusts its numbers.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ local launcher's check and a single-process run's load hash a checkpoint once.""
 
 class DamagedCheckpoint(ValueError):
     """A checkpoint whose files do not match its manifest or its index."""
+
+    agreed = True
+    """Raised alike on every rank (a collective verdict): rank 0 alone reports it."""
 
 
 def file_digest(path: Path) -> str:
