@@ -166,3 +166,16 @@ def test_the_gpu_count_named_for_a_model_that_fits_nowhere_is_the_smallest_that_
     assert got.plans and all(p.peak_bytes <= 0.4e9 for p in got.plans)
     with pytest.raises(NoPlan):
         plan(_request(gpus=named - 4, **tight))
+
+
+def test_top_1_does_not_call_the_best_the_only_one_that_fits():
+    """`--top 1` said "the only configuration that fits" where `--top 2` on the same
+    request shows a second one that fits."""
+    from stp.plan.report import why
+
+    two = plan(_request(top=2))
+    assert len(two.plans) == 2  # a second configuration fits
+    one = plan(_request(top=1))
+    text = why(one.plans[0], None, one.pruned_time)
+    assert "only configuration" not in text and "--top K" in text
+    assert "only configuration" in why(one.plans[0], None, 0)

@@ -44,7 +44,7 @@ def test_resume_alone_restores_the_model_and_writes_into_the_run(first_run, capf
     code, out, err = _train(capfd, "--resume", str(first_run), "--steps", "3", "--json",
                             "--pp", "1", "--microbatch-size", "1", "-m", "2")
     assert code == 0, err
-    assert f"resumed from step 2 ({first_run / 'step-00000002'})" in err
+    assert f"resuming from step 2 ({first_run / 'step-00000002'})" in err
     assert [r["step"] for r in map(json.loads, out.splitlines()) if "loss" in r] == [3]
     assert checkpoint.latest(first_run).name == "step-00000003"  # written into the run
     assert "steps 3..3, resumed after step 2" in err

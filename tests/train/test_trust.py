@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from stp.models import ModelConfig
+from stp.models.decoder.family import DECODER
 from stp.train import checkpoint, integrity
 from stp.train.ckpt_read import SafeReader, UnsafeCheckpoint, read_metadata, safe_load_bytes
 from stp.train.trainer import Trainer
@@ -157,12 +158,23 @@ def test_without_a_manifest_a_missing_data_file_is_still_found(run: Path) -> Non
     assert "__0_0.distcp is missing (named in" in line
 
 
-def test_an_old_checkpoint_without_a_manifest_loads_with_a_warning(run: Path) -> None:
+def test_a_deleted_manifest_is_refused_unless_allowed(run: Path) -> None:
+    """Guards against deleting stp.sha256.json switching the integrity check off: a
+    bit-flipped shard then resumed with exit 0 and a warning."""
+    (run / STEP2 / integrity.MANIFEST).unlink()
+    line = _refusal(checkpoint.check_resume, run, None)
+    assert "no stp.sha256.json" in line and "--allow-unverified" in line
+    with pytest.raises(ValueError, match="--allow-unverified"):
+        Trainer.resume(str(run), CONFIG, None, "1f1b", pp=1, microbatches=2)
+
+
+def test_an_old_checkpoint_without_a_manifest_loads_when_allowed(run: Path) -> None:
     (run / STEP2 / integrity.MANIFEST).unlink()
     said: list[str] = []
-    integrity.verify(run / STEP2, warn=said.append)
+    integrity.verify(run / STEP2, warn=said.append, allow_unverified=True)
     assert len(said) == 1 and "no stp.sha256.json" in said[0]
-    again = Trainer.resume(str(run), CONFIG, None, "1f1b", pp=1, microbatches=2)
+    again = Trainer.resume(str(run), CONFIG, None, "1f1b", pp=1, microbatches=2,
+                           allow_unverified=True)
     assert again.steps_done == 2
 
 
@@ -170,7 +182,8 @@ def test_an_old_checkpoint_without_a_manifest_loads_with_a_warning(run: Path) ->
 def test_stp_json_that_is_no_object_names_the_file(run: Path, content: bytes) -> None:
     (run / STEP2 / "stp.json").write_bytes(content)
     (run / STEP2 / integrity.MANIFEST).unlink()
-    assert "stp.json" in _refusal(checkpoint.check_resume, run / STEP2, {"hidden": 16})
+    assert "stp.json" in _refusal(lambda: checkpoint.check_resume(
+        run / STEP2, {"hidden": 16}, allow_unverified=True))
 
 
 def test_a_damaged_manifest_is_refused(run: Path) -> None:
@@ -303,8 +316,9 @@ def test_too_little_free_space_is_refused_before_writing(
     with pytest.raises(storage.StorageFault, match="MiB is free"):
         trainer.save(str(run))
     assert not (run / ".step-00000003.partial").exists()
+    need = storage.checkpoint_bytes(DECODER.parameter_count(CONFIG), "float32")
     with pytest.raises(storage.StorageFault, match="--out"):
-        storage.check_free_space(run, storage.checkpoint_bytes(CONFIG, "float32"))
+        storage.check_free_space(run, need)
 
 
 # -- non-finite weights and skipped steps ---------------------------------------------------
@@ -397,9 +411,11 @@ def test_without_a_manifest_damaged_tensor_data_is_one_line(run: Path) -> None:
     data = bytearray((step / info.relative_path).read_bytes())
     data[info.offset:info.offset + 64] = bytes(64)  # the tensor's zip header
     (step / info.relative_path).write_bytes(bytes(data))
-    checkpoint.check_resume(run, None)  # an optimizer tensor: not scanned before launch
+    line = _refusal(lambda: checkpoint.check_resume(run, None, allow_unverified=True))
+    assert "exp_avg" in line and info.relative_path in line and "damaged" in line
     with pytest.raises(ValueError) as e:
-        Trainer.resume(str(run), CONFIG, None, "1f1b", pp=1, microbatches=2)
+        Trainer.resume(str(run), CONFIG, None, "1f1b", pp=1, microbatches=2,
+                       allow_unverified=True)
     line = str(e.value)
     assert "\n" not in line and "weights_only" not in line
     assert str(step) in line and "damaged" in line
@@ -413,7 +429,7 @@ def test_without_a_manifest_damaged_weights_are_refused_before_launch(run: Path)
     data = bytearray((step / info.relative_path).read_bytes())
     data[info.offset:info.offset + 64] = bytes(64)
     (step / info.relative_path).write_bytes(bytes(data))
-    line = _refusal(checkpoint.check_resume, run, None)
+    line = _refusal(lambda: checkpoint.check_resume(run, None, allow_unverified=True))
     assert key.fqn in line and "damaged" in line
 
 
@@ -461,3 +477,17 @@ def test_a_two_rank_resume_from_a_flipped_checkpoint_is_one_line(tmp_path: Path)
     lines = again.stderr.strip().splitlines()
     assert again.returncode == 2 and len(lines) == 1, again.stderr
     assert "__1_0.distcp does not match its checksum" in lines[0] and STEP1 in lines[0]
+
+
+@pytest.mark.parametrize("slot", ["exp_avg", "exp_avg_sq"])
+def test_nan_in_the_optimizer_state_is_refused_before_launch(tmp_path: Path, slot: str) -> None:
+    """Guards against checking only the weights at load: NaN in AdamW's moments (a
+    checkpoint whose checksums are intact) was found only when the run refused to save,
+    after training steps. The line names the tensor and its shard file."""
+    trainer = _trainer()
+    trainer.step(_batch(0))
+    state = next(iter(trainer.optimizer.state.values()))
+    state[slot].view(-1)[0] = float("nan")
+    trainer.save(str(tmp_path / "run"))
+    line = _refusal(checkpoint.check_resume, tmp_path / "run", None)
+    assert slot in line and ".distcp" in line and "NaN or inf" in line

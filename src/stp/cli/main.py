@@ -102,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as e:  # the machine refused a write (full disk, a file-size limit): one line
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"stp: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,6 +50,9 @@ from stp.costmodel.memory import (
 from stp.costmodel.model import RECOMPUTE_MODES, ModelSpec, decoder_only
 
 __all__ = ["register", "run", "model_spec"]
+
+DEFAULT_HARDWARE = "a100-80g"
+"""The device whose speed and host link price the step when --hardware is not given."""
 
 
 _OWN_DEFAULTS = {"dtype": "bfloat16", "microbatch_size": 1}
@@ -71,9 +75,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "of experts: mixtral-8x7b, qwen2-57b-a14b, with ep=N; with "
                    ",key=val fields) or a Hugging Face config.json; default: the model "
                    "`stp train`'s flags describe")
-    p.add_argument("--hardware", default="a100-80g", metavar="NAME[,key=val..]",
-                   help="a100-80g (default), a800-80g or h100-80g: host link for offload, "
-                   "and the device memory the total is set against")
+    p.add_argument("--hardware", default=None, metavar="NAME[,key=val..]",
+                   help="a100-80g, a800-80g or h100-80g: host link for offload and step "
+                   f"time (default {DEFAULT_HARDWARE}), and the device memory the total is set "
+                   "against (default: this machine's: its CUDA device, else its available RAM)")
     # stp train's own flags, from TrainJob: the mode's defaults are filled in later
     # where the two modes differ (dtype, microbatch size, seq-len)
     open_job = replace(TrainJob(), dtype=None, microbatch_size=None,
@@ -159,7 +164,7 @@ def _model_estimate(args: argparse.Namespace) -> MemoryEstimate:
     from stp.cli.common import check_work, generated_stages
 
     check_work(generated_stages(args), m, 1, f"--pp {args.pp} -m {m}")
-    hardware = parse_hardware(args.hardware)
+    hardware = parse_hardware(args.hardware or DEFAULT_HARDWARE)
     if args.partition is not None:
         layout = replace(layout, partition=_partition(args.partition, spec, hardware, layout,
                                                       feats))
@@ -196,7 +201,8 @@ def _train_estimate(args: argparse.Namespace) -> tuple[MemoryEstimate, str]:
         raise ValueError(f"no byte estimate for this run: {reason}")
     own = {k: getattr(args, k) for k in ("recompute", "shard_optimizer")
            if k not in {f.name for f in dataclasses.fields(TrainJob)}}
-    est = run_estimate(run, parse_hardware(args.hardware), run_features(run.job, **own))
+    est = run_estimate(run, parse_hardware(args.hardware or DEFAULT_HARDWARE),
+                       run_features(run.job, **own))
     assert est is not None
     return est, _describe(run)
 
@@ -245,16 +251,15 @@ def run(args: argparse.Namespace) -> int:
     budget = None if args.memory_budget is None else parse_size(args.memory_budget)
     est, name = estimate_from_args(args)
     verdict = None if budget is None else over_budget(est, budget)
-    from stp.costmodel import parse_hardware
-
-    device = parse_hardware(args.hardware).memory
+    device, where = _device_memory(args.hardware)
     if args.json:
-        print(json.dumps({**est.to_json(), "device_memory": device or None}))
+        print(json.dumps({**est.to_json(), "device_memory": device or None,
+                          "device_memory_of": where}))
     else:
         _print(est, name)
         if device:
             room = device - est.peak.total
-            print(f"device memory ({args.hardware.split(',')[0]}): {format_bytes(device)}; "
+            print(f"device memory ({where}): {format_bytes(device)}; "
                   + (f"{format_bytes(room)} to spare" if room >= 0
                      else f"short by {format_bytes(-room)}"))
     if verdict is not None:
@@ -265,6 +270,41 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device_memory(hardware: str | None) -> tuple[int, str]:
+    """(bytes, what they are) the total is set against: `--hardware`'s device, else
+    this machine's CUDA device, else its available RAM (a CPU run's ranks share it)."""
+    from stp.costmodel import parse_hardware
+
+    if hardware is not None:
+        return parse_hardware(hardware).memory, hardware.split(",")[0]
+    if os.path.exists("/proc/driver/nvidia/version"):  # import torch only where CUDA may be
+        import torch
+
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            return int(props.total_memory), f"this machine's {props.name}"
+    from stp.train.memory_check import available_host_bytes
+
+    return available_host_bytes() or 0, "this machine's available RAM"
+
+
+def format_count(n: float) -> str:
+    """A parameter count people read: 140k, 504M, 12.1B."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:.0f}"
+
+
+def format_ms(ms: float) -> str:
+    """A duration people read: 699.6 ms, 42.39 s, 12.5 min."""
+    if ms >= 60_000:
+        return f"{ms / 60_000:.3g} min"
+    if ms >= 1_000:
+        return f"{ms / 1_000:.4g} s"
+    return f"{ms:.4g} ms"
+
+
 def _print(est: MemoryEstimate, name: str) -> None:
     lay, f = est.layout, est.features
     ep = f" ep={lay.ep}" if lay.ep is not None else ""
@@ -273,7 +313,7 @@ def _print(est: MemoryEstimate, name: str) -> None:
           f", sp={'on' if f.sequence_parallel else 'off'} recompute={f.recompute} "
           f"shard-optimizer={'on' if f.shard_optimizer else 'off'} offload={f.offload}")
     header = ["rank", "params", *CATEGORIES, "total"]
-    rows = [[str(r.rank), f"{r.parameters / 1e9:.3g}B",
+    rows = [[str(r.rank), format_count(r.parameters),
              *(format_bytes(getattr(r, k)) for k in CATEGORIES), format_bytes(r.total)]
             for r in est.ranks]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
@@ -283,6 +323,6 @@ def _print(est: MemoryEstimate, name: str) -> None:
     peak = est.peak
     print(f"peak: rank {peak.rank} (each of its {lay.tp * lay.dp} TP x DP peers), "
           f"{format_bytes(peak.total)}; largest category {peak.largest}; simulated step "
-          f"{est.step_time:.4g} ms")
+          f"{format_ms(est.step_time)}")
     for note in est.notes:
         print(f"note: {note}")

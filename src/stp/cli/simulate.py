@@ -30,6 +30,7 @@ from stp.schedule import validate
 from stp.schedule.limits import MAX_MICROBATCHES, MAX_RANKS
 from stp.schedule.registry import SCHEDULES, get
 from stp.sim import SimResult, simulate
+from stp.sim.stages import StageCosts
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -73,6 +74,21 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
 
+def _unit(stages: StageCosts | None) -> str:
+    """Times from a model, a stage-cost file or a trace are milliseconds; uniform
+    `--cost` values are in whatever unit the user gave them."""
+    return "ms" if stages is not None else "cost units"
+
+
+def _layers_text(layers: int, stages: StageCosts | None) -> str:
+    """`layers/chunk=N` for uniform costs; the partition's range for per-stage costs."""
+    part = stages.partition if stages is not None else None
+    if part:
+        lo, hi = min(part), max(part)
+        return f"layers/stage={lo}" if lo == hi else f"layers/stage={lo}-{hi}"
+    return f"layers/chunk={layers}"
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     sch = load_schedule(args)
     budget_from_args(args)  # a bad size or a budget without --model, before any work
@@ -95,13 +111,14 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**res.to_json(), **auto_json(auto)}))
         return 0
+    unit = _unit(stages)
     print(f"schedule {sch.name}: p={sch.num_ranks} m={sch.num_microbatches} "
-          f"v={sch.chunks} layers/chunk={args.layers}  costs {_costs_text(res)}")
+          f"v={sch.chunks} {_layers_text(args.layers, stages)}  costs {_costs_text(res)}")
     if "torch_note" in sch.meta:  # where PyTorch refuses (p, m): how this one differs
         print(f"note: {sch.meta['torch_note']}")
     for line in describe(stages, auto):
         print(line)
-    print(f"makespan {_fmt(res.makespan)}  bubble_rate {res.bubble_rate:.2%}  "
+    print(f"makespan {_fmt(res.makespan)} {unit}  bubble_rate {res.bubble_rate:.2%}  "
           f"pp_bubble {_fmt(res.pp_bubble)}  tp_bubble {_fmt(res.tp_bubble)}  "
           + (f"a2a_bubble {_fmt(res.a2a_bubble)}  " if res.costs.a2a else "")
           + f"(critical rank {res.critical_rank.rank})")
@@ -118,11 +135,12 @@ def run_simulate(args: argparse.Namespace) -> int:
                         stages=stages)
         print(f"offload {plan.policy}: {len(plan)} activations; peak "
               f"{_fmt(max(base.peak_activation))} -> {_fmt(max(res.peak_activation))}, "
-              f"makespan {_fmt(base.makespan)} -> {_fmt(res.makespan)}")
+              f"makespan {_fmt(base.makespan)} -> {_fmt(res.makespan)} {unit}")
         header.append("offload_wait")
         for row, r in zip(rows, res.ranks, strict=True):
             row.append(_fmt(r.exposed_offload))
     print(_table(rows, header))
+    print(f"times in {unit}; peak_act in units of one microbatch's activations (M_B)")
     return 0
 
 
@@ -212,7 +230,10 @@ def run_compare(args: argparse.Namespace) -> int:
             "stp_gain_over_best_baseline": stp_gain(results),
         }))
     else:
-        print(f"p={args.pp} m={args.microbatches} layers/chunk={args.layers}  "
+        stages0 = results[0].stages
+        layers = (f"layers/chunk={args.layers}" if stages0 is None
+                  else "layers per stage: the partition column")
+        print(f"p={args.pp} m={args.microbatches} {layers}  times in {_unit(stages0)}  "
               f"costs {_costs_text(results[0])}"
               + (f"  offload {args.offload}" if offload else ""))
         header = ["schedule", "makespan", "speedup", "bubble", "pp_bubble", "tp_bubble",

@@ -48,6 +48,11 @@ from stp.cli.train_supervise import (
 )
 from stp.train.config import TrainJob
 
+EXIT_AGREED = 4
+"""A worker's status when every rank raised the same verdict (an exception class with
+`agreed = True`: a damaged checkpoint, a storage fault, non-finite weights) and rank 0
+reported it: the launcher then prints nothing more and the run exits 1."""
+
 __all__ = ["register", "run_train"]
 
 
@@ -170,6 +175,12 @@ def _train_here(resolved: Any, as_json: bool) -> int:
         heartbeat = Heartbeat.from_env(timeout=job.timeout)
         summary = run(resolved, tracker)
     except (ValueError, RuntimeError) as e:  # RankError, a backend's error: one line
+        if getattr(type(e), "agreed", False) and job.world_size > 1:
+            # every rank raised the same verdict: rank 0 says it once, the launcher
+            # adds nothing (EXIT_AGREED)
+            if os.environ.get("RANK", "0") == "0":
+                say(rank_failure_line(e, heartbeat))
+            return EXIT_AGREED
         say(rank_failure_line(e, heartbeat))
         return exit_status(e)
     finally:
@@ -245,7 +256,7 @@ def _announce(resolved: Any, *, quiet: bool = False) -> bool:
                     f"{resolved.resumed_step} steps and --steps is {job.steps}; give --steps "
                     f"above {resolved.resumed_step} to train on")
             return False
-        lines.append(f"resumed from step {resolved.resumed_step} ({resolved.resumed})")
+        lines.append(f"resuming from step {resolved.resumed_step} ({resolved.resumed})")
     if job.data is not None:
         from stp.train.data import open_corpus
 
@@ -302,6 +313,8 @@ def run_train(args: argparse.Namespace) -> int:
             say("stp: interrupted")
         return result.exitcode
     if result.exitcode:
+        if result.exits.get(0) is not None and result.exits[0].returncode == EXIT_AGREED:
+            return 1  # rank 0 said why, for every rank (_train_here)
         print(launch_failure_line(result), file=sys.stderr, flush=True)
         return 1
     return 0

@@ -48,6 +48,11 @@ class ModelFamily(Protocol):
     def hidden(self, config: Any) -> int:
         """Width of the tensors sent between stages."""
 
+    def parameter_count(self, config: Any) -> int:
+        """Every parameter of the whole model, each once (a tied head is its embedding;
+        an MoE's routed and shared experts, a multimodal model's encoder and merger
+        included): what a checkpoint stores."""
+
     def stage_builder(self, config: Any, num_stages: int, *,
                       partition: tuple[int, ...] | None,
                       weights: Callable[..., torch.Tensor] | None = None,

@@ -132,9 +132,15 @@ def _name(p: Priced) -> str:
             f"b{c.microbatch_size} m{c.microbatches}")
 
 
-def why(best: Priced, runner: Priced | None) -> str:
-    """One sentence: by how much the best beats the runner-up, and where."""
+def why(best: Priced, runner: Priced | None, unsimulated: int = 0) -> str:
+    """One sentence: by how much the best beats the runner-up, and where. Without a
+    runner-up, whether others were left unsimulated (`--top 1`: their time bound was
+    already slower) or none other fits."""
     if runner is None:
+        if unsimulated:
+            return (f"{_name(best)} is the fastest that fits; {unsimulated} other "
+                    "configurations were not simulated, their time bound already slower "
+                    "(--top K lists more)")
         return f"{_name(best)} is the only configuration that fits"
     gap = runner.step_s - best.step_s
     a, b = _parts(best), _parts(runner)
@@ -159,7 +165,8 @@ def plan_json(result: PlanResult, schedule_dir: str | None = None) -> dict[str, 
                     "hardware": req.hardware.name, "memory_budget": req.budget,
                     **({"ep": list(req.ep)} if req.ep is not None else {})},
         "plans": rows,
-        "why": why(result.plans[0], result.plans[1] if len(result.plans) > 1 else None),
+        "why": why(result.plans[0], result.plans[1] if len(result.plans) > 1 else None,
+                   result.pruned_time),
         "search": {"considered": result.considered, "pruned_memory": result.pruned_memory,
                    "pruned_time": result.pruned_time, "simulated": result.simulated,
                    "seconds": result.seconds},
@@ -200,7 +207,8 @@ def format_table(result: PlanResult) -> list[str]:
                          f"schedule file: stp export {' '.join(export_flags(p, sched))} && "
                          f"{train}")
     lines.append("why: " + why(result.plans[0],
-                               result.plans[1] if len(result.plans) > 1 else None))
+                               result.plans[1] if len(result.plans) > 1 else None,
+                               result.pruned_time))
     r = result
     lines.append(f"searched {r.considered} configurations in {r.seconds:.1f} s: "
                  f"{r.pruned_memory} ruled out by their memory bound, {r.pruned_time} by "

@@ -331,8 +331,12 @@ def _write_call(directory: Path, entry: Callable[..., object], args: tuple[objec
     prep = spawn.get_preparation_data("stp-worker")
     prep.pop("authkey", None)  # multiprocessing refuses to pickle it outside its own spawn
     for name, value in ((worker.PREPARATION, prep), (worker.CALL, (entry, args))):
-        with open(directory / name, "wb") as f:
-            pickle.dump(value, f)
+        try:
+            with open(directory / name, "wb") as f:
+                pickle.dump(value, f)
+        except OSError as e:  # a full /tmp or a file-size limit: one line, not a traceback
+            raise OSError(e.errno, f"cannot write the workers' start file {directory / name}: "
+                          f"{os.strerror(e.errno or 0).lower()}") from None
 
 
 def _supervise(workers: _Workers, interrupts: _Interrupts, grace: float) -> None:

@@ -217,11 +217,12 @@ def _publish(tmp: Path, final: Path, keep: int | None) -> None:
 
 
 def _agree(rank: int, error: str | None) -> None:
-    """Rank 0's error (or None) on every rank; raise it everywhere."""
+    """Rank 0's error (or None) on every rank; raise it everywhere (a StorageFault:
+    every rank has the same, rank 0 reports it)."""
     box = [error]
     dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
-        raise RuntimeError(box[0] if rank == 0 else f"global rank 0: {box[0]}")
+        raise storage.StorageFault(box[0])
 
 
 def save(parts: Parts, optimizer: torch.optim.Optimizer, scheduler: Scheduler | None,
@@ -341,12 +342,14 @@ def _apply_optimizer_state(parts: Parts, optimizer: torch.optim.Optimizer,
 
 
 def load(parts: Parts, optimizer: torch.optim.Optimizer, scheduler: Scheduler | None,
-         path: str | Path) -> int:
+         path: str | Path, *, allow_unverified: bool = False) -> int:
     """Load checkpoint `path` (a `step-N` directory) into a trainer's built `parts`,
     `optimizer` and LR `scheduler`, whatever mesh and schedule wrote it; returns
-    the steps done when it was saved, where the trainer goes on. Collective."""
+    the steps done when it was saved, where the trainer goes on. A checkpoint without
+    its manifest is refused unless `allow_unverified` (stp.train.integrity). Collective."""
     path = Path(path)
-    integrity.verify_everywhere(path)  # rank 0 checks the files before any rank reads
+    # rank 0 checks the files before any rank reads
+    integrity.verify_everywhere(path, allow_unverified=allow_unverified)
     reader = SafeReader(path)  # never plain pickle: stp.train.ckpt_read
     keys = reader.read_metadata().state_dict_metadata
     state, boxes, wholes = _load_state(parts, keys, repr(str(path)))
@@ -386,11 +389,14 @@ def check_writable(path: str | Path, flag: str = "--out") -> None:
                          f"{e.strerror or e}") from None
 
 
-def check_resume(path: str | Path, model: dict[str, Any] | None) -> Path:
-    """The checkpoint `--resume path` would load; ValueError when there is none, or
-    when its model shape differs from `model` (dataclasses.asdict of a ModelConfig)."""
+def check_resume(path: str | Path, model: dict[str, Any] | None, *,
+                 allow_unverified: bool = False) -> Path:
+    """The checkpoint `--resume path` would load; ValueError when there is none, when it
+    has no manifest (unless `allow_unverified`), or when its model shape differs from
+    `model` (dataclasses.asdict of a ModelConfig)."""
     found = latest(path)
-    integrity.verify(found)  # checksums and .metadata, before any worker starts
+    # checksums and .metadata, before any worker starts
+    integrity.verify(found, allow_unverified=allow_unverified)
     finite.scan_dcp(found)  # NaN/inf weights: one line now, not a run that trains nothing
     saved = read_info(found).get("model")
     if saved is not None and not isinstance(saved, dict):

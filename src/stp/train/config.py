@@ -180,6 +180,9 @@ class TrainJob:
     resume: str | None = option(
         None, "continue from the latest complete checkpoint in DIR, whatever mesh and schedule "
         "wrote it (same step numbers; --steps is the total)", metavar="DIR")
+    allow_unverified: bool = option(
+        False, "with --resume: accept a checkpoint that has no stp.sha256.json (one written "
+        "before stp wrote checksums); its bytes are then not checked for damage")
     eval_every: int = option(0, "every N steps, the mean loss on --eval-data, or with --arch "
                              "mllm on held-out images (0: never)", minimum=0)
     eval_data: str | None = option(None, "held-out text file or directory for --eval-every",

@@ -5,8 +5,8 @@ step's gradients non-finite, so every update was skipped (stp.train.precision),
 the run printed `loss nan -> nan` and exited 0, and its NaN checkpoints pushed
 the good ones out under --keep. Now:
 
-* weights are checked before training: `scan_dcp` (the model and master
-  tensors of a sharded checkpoint, one chunk at a time, through the weights-only
+* weights are checked before training: `scan_dcp` (the model, master and
+  optimizer-state tensors of a sharded checkpoint, one chunk at a time, through the weights-only
   reader) and `scan_hf` (every tensor of a Hugging Face directory, a block at a time)
   run before any worker starts; `require_finite` (collective) after a checkpoint
   is loaded into a Trainer, for the library's own Trainer.resume. One line naming
@@ -34,6 +34,9 @@ __all__ = ["NonFinite", "SkipCounter", "TooManySkipped", "first_nonfinite", "req
 
 class NonFinite(ValueError):
     """A weight holds NaN or inf."""
+
+    agreed = True
+    """Raised alike on every rank (a collective verdict): rank 0 alone reports it."""
 
 
 class TooManySkipped(ValueError):
@@ -68,15 +71,18 @@ def require_finite(named: Iterable[tuple[str, torch.Tensor]], what: str) -> None
 
 
 def scan_dcp(path: str | os.PathLike[str]) -> None:
-    """NonFinite naming the first model or master tensor of sharded checkpoint `path`
-    that holds NaN or inf (read chunk by chunk with the weights-only reader: memory is
-    one chunk). The checkpoint's files were verified before (stp.train.integrity)."""
+    """NonFinite naming the first model, master or optimizer-state tensor of sharded
+    checkpoint `path` that holds NaN or inf, with the shard file it lies in (read chunk
+    by chunk with the weights-only reader: memory is one chunk). AdamW's moments are
+    checked as the weights are: NaN there poisons the first update, and was found only
+    when the run refused to save after training. The checkpoint's files were verified
+    before (stp.train.integrity)."""
     from stp.train.ckpt_read import read_metadata
 
     root = Path(path)
     md = read_metadata(root)
     for index, info in md.storage_data.items():
-        if not index.fqn.startswith(("model/", "master/")):
+        if not index.fqn.startswith(("model/", "master/", "optim/")):
             continue
         with open(root / info.relative_path, "rb") as f:
             f.seek(info.offset)
@@ -87,8 +93,11 @@ def scan_dcp(path: str | os.PathLike[str]) -> None:
             raise NonFinite(f"checkpoint {root}: tensor {index.fqn} cannot be read from "
                             f"{info.relative_path} (damaged)") from None
         if isinstance(t, torch.Tensor) and _bad(t):
-            raise NonFinite(f"checkpoint {root}: weight {index.fqn.split('/', 1)[1]} holds NaN "
-                            "or inf: resuming would train nothing; resume from an earlier step")
+            kind, name = index.fqn.split("/", 1)
+            what = "optimizer state" if kind == "optim" else "weight"
+            raise NonFinite(f"checkpoint {root}: {what} {name} holds NaN or inf (in "
+                            f"{info.relative_path}): resuming would train nothing; resume from "
+                            "an earlier step")
 
 
 def scan_hf(ckpt: Any) -> None:

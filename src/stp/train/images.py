@@ -33,6 +33,7 @@ single shapes). `check_folder` checks a directory before a run reads it.
 from __future__ import annotations
 
 import random
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -141,6 +142,10 @@ def read_captions(path: Path, flag: str = "--images") -> list[tuple[str, str]]:
         name, tab, caption = line.partition("\t")
         if not tab or not caption.strip():
             raise ValueError(f"{listing}:{n}: expected 'FILE<TAB>caption', got {line[:60]!r}")
+        if not _inside(path, name):
+            raise ValueError(f"{listing}:{n}: image {name!r} resolves outside {str(path)!r} "
+                             "(names must be files inside the folder; no '..', absolute paths "
+                             "or links leading out)")
         if not (path / name).is_file():
             raise ValueError(f"{listing}:{n}: no image file {name!r} in {str(path)!r}")
         pairs.append((name, caption.strip()))
@@ -149,18 +154,32 @@ def read_captions(path: Path, flag: str = "--images") -> list[tuple[str, str]]:
     return pairs
 
 
+def _inside(folder: Path, name: str) -> bool:
+    """Whether `folder/name` resolves (links followed) to a path inside `folder`: a
+    captions.txt from elsewhere may name `../../x` or `/etc/passwd`."""
+    root = folder.resolve()
+    return (root / name).resolve().is_relative_to(root)
+
+
 def check_folder(path: str, flag: str) -> None:
     """ValueError naming `flag` unless `path` is a directory whose captions.txt is
-    readable and lists at least one image, every one of which opens as an image (the
-    header only: a held-out set is read first after some steps of training)."""
+    readable and lists at least one image, every one of which lies inside the folder and
+    decodes whole as an image. Every pixel is decoded here, before any worker starts (a
+    held-out set is read first after some steps of training; a truncated file fails only
+    when its pixels are read); Pillow's decompression-bomb limit, raised as an error, keeps
+    a hostile header from claiming gigapixels."""
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"{flag} {path!r} is not a directory")
     for name, _ in read_captions(folder, flag):
         try:
-            with Image.open(folder / name):
-                pass
-        except OSError as e:  # PIL's UnidentifiedImageError is an OSError
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                with Image.open(folder / name) as im:
+                    im.load()
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError,
+                Image.DecompressionBombWarning) as e:
+            # UnidentifiedImageError is an OSError; a damaged PNG chunk can raise SyntaxError
             raise ValueError(f"{flag}: {str(folder / name)!r} is not a readable PNG/JPEG image "
                              f"({getattr(e, 'strerror', None) or e})") from None
 

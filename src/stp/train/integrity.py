@@ -16,11 +16,13 @@ every checkpoint holds `MANIFEST`, the sha256 and size of each of its files:
   hold the bytes it points into. Any failure is one line naming the file and the
   newest earlier step of the same directory that verifies.
 
-A checkpoint without a manifest (written before stp wrote them) is accepted
-with a one-line warning: its files are checked for presence and size against
-`.metadata` only. The manifest protects against damage, not against someone
-who can write the directory (they can rewrite the manifest too): stp never runs
-code from a checkpoint (stp.train.ckpt_read), but trusts its numbers.
+A checkpoint without a manifest is refused: deleting the manifest must not
+switch the check off. One written before stp wrote manifests is accepted with
+`allow_unverified` (`stp train --allow-unverified`) and a one-line warning: its
+files are then checked for presence and size against `.metadata` only. The
+manifest protects against damage, not against someone who can write the
+directory (they can rewrite the manifest too): stp never runs code from a
+checkpoint (stp.train.ckpt_read), but trusts its numbers.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ local launcher's check and a single-process run's load hash a checkpoint once.""
 
 class DamagedCheckpoint(ValueError):
     """A checkpoint whose files do not match its manifest or its index."""
+
+    agreed = True
+    """Raised alike on every rank (a collective verdict): rank 0 alone reports it."""
 
 
 def file_digest(path: Path) -> str:
@@ -173,10 +178,12 @@ def _earlier_intact(path: Path) -> str:
     return "; no earlier complete step in its directory is intact"
 
 
-def verify(path: str | os.PathLike[str], warn: Any = None) -> None:
+def verify(path: str | os.PathLike[str], warn: Any = None, *,
+           allow_unverified: bool = False) -> None:
     """DamagedCheckpoint (a ValueError, one line) unless checkpoint directory `path`
     matches its manifest and its index; see the module doc. A checkpoint without a
-    manifest passes with a warning (to stderr, or `warn(line)`)."""
+    manifest is refused, or with `allow_unverified` passes with a warning (to stderr, or
+    `warn(line)`)."""
     p = Path(path)
     key = _key(p)
     if key in _verified:
@@ -185,13 +192,18 @@ def verify(path: str | os.PathLike[str], warn: Any = None) -> None:
     if problem is not None:
         raise DamagedCheckpoint(f"checkpoint {p} refused: {problem}{_earlier_intact(p)}")
     if not (p / MANIFEST).exists():
-        line = (f"stp: warning: checkpoint {p} has no {MANIFEST} (written by an older stp): "
+        if not allow_unverified:
+            raise DamagedCheckpoint(
+                f"checkpoint {p} refused: it has no {MANIFEST}, so its bytes cannot be checked "
+                "(the manifest was deleted, or an stp older than checksums wrote it); give "
+                "--allow-unverified to resume from it anyway")
+        line = (f"stp: warning: checkpoint {p} has no {MANIFEST} (--allow-unverified): "
                 "its files are checked against .metadata but not for damaged bytes")
         (warn or (lambda s: print(s, file=sys.stderr, flush=True)))(line)
     _verified[key] = None
 
 
-def verify_everywhere(path: str | os.PathLike[str]) -> None:
+def verify_everywhere(path: str | os.PathLike[str], *, allow_unverified: bool = False) -> None:
     """Collective `verify`: global rank 0 checks, every rank raises its verdict (so no
     rank reads a damaged file, and none waits in a collective the others left)."""
     import torch.distributed as dist
@@ -199,7 +211,7 @@ def verify_everywhere(path: str | os.PathLike[str]) -> None:
     error = None
     if dist.get_rank() == 0:
         try:
-            verify(path)
+            verify(path, allow_unverified=allow_unverified)
         except ValueError as e:
             error = str(e)
     box = [error]

@@ -21,6 +21,7 @@ from stp.schedule.offload import parse_policy
 from stp.train.checkpoint import check_resume, check_writable, complete_checkpoints
 from stp.train.config import DTYPES, TrainJob
 from stp.train.data import open_corpus, read_corpus
+from stp.train.families import family_of
 from stp.train.memory_check import check_memory
 from stp.train.pretrained import check_pretrained
 from stp.train.resolve import Run, resolve
@@ -146,7 +147,7 @@ def _check_training(job: TrainJob, config: Any) -> None:
         raise ValueError(f"--eval-data {job.eval_data!r} is shorter than --seq-len + 2 bytes")
     if job.resume is not None:
         model = None if job.emulate else dataclasses.asdict(config)
-        check_resume(job.resume, model)
+        check_resume(job.resume, model, allow_unverified=job.allow_unverified)
     if job.out is not None:  # the default is a new directory, created when chosen
         held = complete_checkpoints(job.out)
         if held and job.resume is None:
@@ -154,4 +155,7 @@ def _check_training(job: TrainJob, config: Any) -> None:
                              f"({held[-1].name}); continue it with --resume {job.out}, or give "
                              "another --out")
         check_writable(job.out)
-        check_free_space(job.out, checkpoint_bytes(config, job.dtype))
+        family = family_of(config)  # None: a user's stage builder, not sized up front
+        if family is not None:
+            params = family.model.parameter_count(config)
+            check_free_space(job.out, checkpoint_bytes(params, job.dtype))

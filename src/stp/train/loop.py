@@ -177,7 +177,8 @@ def run(resolved: Run,
     batches = resolved.family.batches(resolved)  # bytes, tokens, or images and captions
     args = (resolved.stage_model(), adamw(job.lr, weight_decay=job.weight_decay), schedule)
     kw = {"mesh": mesh, "options": _options(resolved), "init_from": job.init_from}
-    trainer = Trainer.resume(job.resume, *args, **kw) if job.resume else Trainer(*args, **kw)
+    trainer = (Trainer.resume(job.resume, *args, allow_unverified=job.allow_unverified, **kw)
+               if job.resume else Trainer(*args, **kw))
     evals, sharded = _eval_batches(resolved), None
     tokens_per_step = job.global_batch * job.model.seq_len
     losses, times = [], []

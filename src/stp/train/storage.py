@@ -39,6 +39,9 @@ MARGIN = 1.1
 class StorageFault(ValueError):
     """A checkpoint could not be written or read because of the storage."""
 
+    agreed = True
+    """Raised alike on every rank (a collective verdict): rank 0 alone reports it."""
+
 
 def cause_of(exc: BaseException) -> str:
     """The root cause in words: a CheckpointException's first rank failure, an OSError's
@@ -74,13 +77,34 @@ def _earlier(final: Path) -> str:
     return f"the earlier checkpoint {older[-1]} is intact"
 
 
+def _short_write(cause: str, where: Path) -> str:
+    """A write torch's zip writer found short ("unexpected pos 704 vs 598": the bytes
+    stopped landing, no errno reached it) named by what stops writes: a file-size limit
+    (`ulimit -f`), or a full device."""
+    if "unexpected pos" not in cause:
+        return cause
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        return (f"file too large (EFBIG): the process's file-size limit (ulimit -f) is "
+                f"{_mib(limit)}")
+    probe = where
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if shutil.disk_usage(probe).free < 2**20:
+        return "no space left on device (ENOSPC)"
+    return f"a write came up short ({cause})"
+
+
 def save_failure(exc: BaseException, tmp: Path, final: Path, rank: int) -> StorageFault:
     """The one-line StorageFault for a save of `final` (written into `tmp`) that failed
     with `exc`; global rank 0 removes `tmp` (every rank gets here once DCP gathered the
     failures, so no rank still writes into it)."""
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    return StorageFault(f"cannot write checkpoint {final}: {cause_of(exc)}; the partial "
+    cause = _short_write(cause_of(exc), final.parent)
+    return StorageFault(f"cannot write checkpoint {final}: {cause}; the partial "
                         f"{tmp.name} was removed; {_earlier(final)}")
 
 
@@ -122,22 +146,10 @@ def space_check(root: Path, state: dict[str, Any], rank: int) -> None:
         raise StorageFault(box[0])
 
 
-def checkpoint_bytes(config: Any, dtype: str) -> int:
-    """About the bytes of one sharded checkpoint of `config` (a ModelConfig; 0 for
-    another model): the weights in `dtype`, fp32 masters with bfloat16, AdamW's two
-    moments in the optimizer's dtype."""
-    from stp.models.decoder.init import parameter_specs
-
-    try:  # the decoder's specs; another family's config is not checked up front (0)
-        specs = parameter_specs(config)
-    except (AttributeError, TypeError):
-        return 0
-    params = 0
-    for spec in specs:
-        n = 1
-        for d in spec.shape:
-            n *= d
-        params += n
+def checkpoint_bytes(params: int, dtype: str) -> int:
+    """About the bytes of one sharded checkpoint of a model of `params` parameters (its
+    family's `parameter_count`): the weights in `dtype`, fp32 masters with bfloat16,
+    AdamW's two moments in the optimizer's dtype."""
     width = {"float64": 8, "float32": 4, "bfloat16": 2}.get(dtype, 4)
     master = 4 if dtype == "bfloat16" else width
     return params * (width + (master if dtype == "bfloat16" else 0) + 2 * master)

@@ -320,13 +320,16 @@ class Trainer:
                                    directory, keep=keep))
 
     @classmethod
-    def resume(cls, path: str, *args: Any, **kwargs: Any) -> Trainer:
+    def resume(cls, path: str, *args: Any, allow_unverified: bool = False,
+               **kwargs: Any) -> Trainer:
         """A Trainer built from the constructor's arguments and loaded from the latest
         complete checkpoint in `path`, whatever mesh or schedule wrote it; `steps_done`
-        continues from it, `data` skips the batches already used. Collective."""
+        continues from it, `data` skips the batches already used. A checkpoint without
+        its checksum manifest is refused unless `allow_unverified`. Collective."""
         trainer = cls(*args, **kwargs)
         trainer.steps_done = checkpoint.load(trainer.parts, trainer.optimizer, trainer.scheduler,
-                                             checkpoint.latest(path))
+                                             checkpoint.latest(path),
+                                             allow_unverified=allow_unverified)
         if trainer._data is not None:
             for _ in range(trainer.steps_done):
                 next(trainer._data)

@@ -11,6 +11,7 @@ import torch
 
 from stp.costmodel.configs import spec_from_config
 from stp.costmodel.model import ModelSpec
+from stp.models.decoder.init import count_parameters, parameter_specs
 from stp.models.decoder.reference import build_reference
 from stp.models.decoder.shared_grads import SharedGrads
 from stp.models.decoder.stage import build_stage, check_model
@@ -35,6 +36,9 @@ class DecoderFamily:
 
     def hidden(self, config: ModelConfig) -> int:
         return config.hidden
+
+    def parameter_count(self, config: ModelConfig) -> int:
+        return count_parameters(parameter_specs(config))
 
     def stage_builder(self, config: ModelConfig, num_stages: int, *,
                       partition: tuple[int, ...] | None,

@@ -58,6 +58,11 @@ class ParamSpec:
     loaded and saved as that one, its gradient summed with it every step."""
 
 
+def count_parameters(specs: list[ParamSpec]) -> int:
+    """Elements of `specs`, each stored tensor once (a tied copy is its original's)."""
+    return sum(math.prod(s.shape) for s in specs if s.tied_to is None)
+
+
 def layer_specs(config: ModelConfig, layer: int) -> list[ParamSpec]:
     """The nine parameters of one decoder layer (twelve with q/k/v biases).
     Column-parallel matrices (wq, wk, wv, w1, w3: [out, in]) and the biases shard

@@ -44,7 +44,10 @@ def _refuse(where: str, field: str, value: Any, why: str) -> ValueError:
 def _check_supported(raw: dict[str, Any], where: str) -> str:
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_TYPES:
-        accepted = f"stp loads {' and '.join(SUPPORTED_TYPES)} checkpoints"
+        from stp.shapes.moe import HF_MOE_TYPES  # read by models.hf.moe_config, not here
+
+        kinds = [*SUPPORTED_TYPES, *HF_MOE_TYPES]
+        accepted = f"stp loads {', '.join(kinds[:-1])} and {kinds[-1]} checkpoints"
         raise _refuse(where, "model_type", model_type, accepted)
     for field, wanted in _REQUIRED.items():
         value = raw.get(field, wanted)

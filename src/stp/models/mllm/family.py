@@ -10,10 +10,11 @@ from typing import Any
 import torch
 
 from stp.costmodel.mllm import MLLMSpec
+from stp.models.decoder.init import count_parameters
 from stp.models.decoder.shared_grads import SharedGrads
 from stp.models.family import StageBuilder
 from stp.models.mllm.reference import build_mllm_reference
-from stp.models.mllm.stage import build_mllm_stage, check_mllm
+from stp.models.mllm.stage import build_mllm_stage, check_mllm, mllm_specs
 from stp.models.recompute import check_recompute
 from stp.schedule.placement import partition_layers
 from stp.shapes.mllm import MLLMConfig
@@ -33,6 +34,9 @@ class MLLMFamily:
 
     def hidden(self, config: MLLMConfig) -> int:
         return config.hidden
+
+    def parameter_count(self, config: MLLMConfig) -> int:
+        return count_parameters(mllm_specs(config))
 
     def stage_builder(self, config: MLLMConfig, num_stages: int, *,
                       partition: tuple[int, ...] | None,

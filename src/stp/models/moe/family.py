@@ -20,10 +20,12 @@ import torch
 
 from stp.costmodel.configs import spec_from_config
 from stp.costmodel.model import ModelSpec
+from stp.models.decoder.init import count_parameters
 from stp.models.decoder.shared_grads import SharedGrads
 from stp.models.decoder.stage import check_model
 from stp.models.family import StageBuilder, check_text_batch
 from stp.models.hf.save import save_stages
+from stp.models.moe.init import moe_parameter_specs
 from stp.models.moe.reference import build_moe_reference
 from stp.models.moe.stage import build_moe_stage, check_moe_tp
 from stp.schedule.placement import partition_layers
@@ -54,6 +56,9 @@ class MoEFamily:
 
     def hidden(self, config: MoEConfig) -> int:
         return config.hidden
+
+    def parameter_count(self, config: MoEConfig) -> int:
+        return count_parameters(moe_parameter_specs(config))
 
     def stage_builder(self, config: MoEConfig, num_stages: int, *,
                       partition: tuple[int, ...] | None,

@@ -87,9 +87,7 @@ class MLLMJob:
         if job.sequence_parallel and job.tp > 1:  # image tokens + caption split over TP
             check_mllm_sequence(config, job.model.seq_len, job.tp)
         if job.images is not None:
-            if not Path(job.images).is_dir():
-                raise ValueError(f"--images {job.images!r} is not a directory")
-            ImageFolder(Path(job.images), job.vision.image_size)  # reads captions.txt
+            check_folder(job.images, "--images")  # every image decoded before workers start
         _check_eval(job)
 
     def batches(self, run: Any) -> CaptionBatches:
