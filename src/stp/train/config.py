@@ -239,6 +239,13 @@ class TrainJob:
         "rotary, SwiGLU, the loss; linears, the deferred weight gradients, braiding, offload "
         "and recomputation as without it (docs/compile.md). The first step compiles; "
         "compile seconds are reported apart from step times")
+    hardware: str | None = option(
+        None, "the device the MFU is measured against: h100, h100-pcie, h100-nvl, h200, "
+        "h200-nvl, a100, a800 (or stp plan's a100-80g, a800-80g, h100-80g), or its dense peak "
+        "for --dtype in FLOP/s (e.g. 989e12); default: torch.cuda.get_device_name() in that "
+        "table, none on the CPU (mfu null). MFU counts the model's FLOPs as stp plan does: "
+        "matmuls, causal attention counted full, recomputation not counted",
+        metavar="NAME|FLOPS")
     trace: str | None = option(
         None, "write the last step's measured trace (every unit, all-reduce, send and "
         "receive of every rank; open in ui.perfetto.dev)", metavar="FILE.json")
