@@ -285,13 +285,13 @@ def format_peer(row: dict) -> str:
     """One Markdown table of a shape's four sides and the stp / plain ratios."""
     lines = [f"shape {row['shape']} ({row['spec']['dtype']}): "
              + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.endswith("_ratio")),
-             "| side | ms/step | tokens/s | MFU | peak bytes | warm-up s |",
-             "|---|---|---|---|---|---|"]
+             "| side | ms/step | tokens/s | MFU | resident | peak | warm-up s |",
+             "|---|---|---|---|---|---|---|"]
     for side, r in row["sides"].items():
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
         peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 1e9:.2f} GB"
         lines.append(f"| {side} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.0f} | {mfu} | "
-                     f"{peak} | {r['warmup_s']:.1f} |")
+                     f"{r['resident_bytes'] / 1e9:.3f} GB | {peak} | {r['warmup_s']:.1f} |")
     return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import stp.bench.plain_loop as plain_loop
 from stp.bench.plain_loop import PlainModel, PlainShape, plain_step
-from stp.bench.single_device import SingleSpec, count_sides
+from stp.bench.single_device import SingleSpec, count_sides, time_sides
 
 SHAPE = PlainShape(layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=256, seq_len=16)
 
@@ -109,3 +109,31 @@ def test_stp_step_syncs_the_host_at_most_once(eager_counts):
 def test_stp_eager_aten_ops_within_1_1x_the_plain_loop(eager_counts):
     stp, plain = eager_counts["stp eager"], eager_counts["plain eager"]
     assert stp["aten ops"] <= 1.1 * plain["aten ops"]
+
+
+@pytest.mark.slow  # compiles both sides on the CPU: minutes
+@pytest.mark.xfail(strict=True, reason="measured 3176 aten ops per stp --compile step against "
+                   "the compiled plain loop's 1547 at the small CPU shape (2.05x; 48 compiled "
+                   "graph calls against 8; 27 host syncs), 2026-11-28; issue 35's target is "
+                   "1.1x and 1 sync")
+def test_stp_compiled_aten_ops_within_1_1x_the_compiled_plain_loop():
+    counts = count_sides(SingleSpec(), sides=("plain compiled", "stp compiled"))
+    stp, plain = counts["stp compiled"], counts["plain compiled"]
+    assert plain["compiled graph calls"] > 0  # the plain side did run compiled
+    assert stp["host syncs"] <= 1
+    assert stp["aten ops"] <= 1.1 * plain["aten ops"]
+
+
+def test_time_sides_on_the_cpu_reports_ratios_and_mfu():
+    """The timing half at the small CPU shape, eager sides, one short round: every
+    figure derived from the measured step time as documented."""
+    got = time_sides(SingleSpec(), sides=("plain eager", "stp eager"), rounds=1, steps=1,
+                     warmup=1, hardware="1e12")
+    plain, stp = got["sides"]["plain eager"], got["sides"]["stp eager"]
+    assert got["eager_ms_per_step_ratio"] == pytest.approx(stp["ms_per_step"]
+                                                           / plain["ms_per_step"])
+    for row in (plain, stp):
+        step_s = row["ms_per_step"] / 1e3
+        assert row["tokens_per_s"] == pytest.approx(4 * 2 * 64 / step_s)
+        assert row["mfu"] == pytest.approx(got["step_flops"] / (step_s * 1e12))
+        assert row["peak_bytes"] is None and row["resident_bytes"] > 0  # no allocator stats

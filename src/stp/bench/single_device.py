@@ -12,9 +12,10 @@ peaks and the step's update figures.
 
 `time_sides`: rounds alternating between the sides (eager and compiled each),
 ms per step (median over rounds of each round's median), tokens/s, MFU (the
-model FLOPs `stp plan` counts, stp.train.mfu), peak bytes (the side's own
-parameters, gradients and optimizer state, plus the most its step allocated
-above what the process held before it) and the ratios stp / plain.
+model FLOPs `stp plan` counts, stp.train.mfu), resident bytes (the side's own
+parameters, gradients and optimizer state, counted by storage), on a GPU peak
+bytes (resident, plus the most its step allocated above what the process held
+before it) and the ratios stp / plain.
 
 `count_sides`: per step, from torch.profiler's CPU events (any machine checks
 them; the load does not change them): aten ops (every `aten::` event, nested
@@ -56,7 +57,8 @@ from stp.train.memory_measure import measure
 from stp.train.mfu import device_peak, mfu, step_flops
 from stp.train.trainer import Trainer
 
-__all__ = ["SIDES", "SingleSpec", "count_sides", "time_sides"]
+__all__ = ["SIDES", "SingleSpec", "build_sides", "count_sides", "counts_with_ratios",
+           "time_sides"]
 
 SIDES = ("plain eager", "stp eager", "plain compiled", "stp compiled")
 STEP = "stp-single: step"
@@ -186,8 +188,10 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _timed(spec: SingleSpec, side: Side, k: int, steps: int) -> tuple[list[float], int]:
-    """Per-step seconds of `steps` steps from step k, and the side's peak bytes."""
+def _timed(spec: SingleSpec, side: Side, k: int,
+           steps: int) -> tuple[list[float], int, int | None]:
+    """Per-step seconds of `steps` steps from step k, the side's resident bytes and, on
+    a GPU, its peak bytes (None on the CPU: no allocator statistics there)."""
     cuda = spec.device == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -200,8 +204,8 @@ def _timed(spec: SingleSpec, side: Side, k: int, steps: int) -> tuple[list[float
         side.step(k + j)
         _sync(spec.device)
         times.append(time.perf_counter() - start)
-    peak = own + (torch.cuda.max_memory_allocated() - before if cuda else 0)
-    return times, peak
+    peak = own + torch.cuda.max_memory_allocated() - before if cuda else None
+    return times, own, peak
 
 
 def time_sides(spec: SingleSpec, *, sides: tuple[str, ...] = SIDES, rounds: int = 3,
@@ -218,29 +222,33 @@ def time_sides(spec: SingleSpec, *, sides: tuple[str, ...] = SIDES, rounds: int 
             _sync(spec.device)
             compile_s[name] = time.perf_counter() - start
         per_round: dict[str, list[float]] = {n: [] for n in built}
-        peaks: dict[str, int] = dict.fromkeys(built, 0)
+        peaks: dict[str, int | None] = dict.fromkeys(built)
+        resident: dict[str, int] = dict.fromkeys(built, 0)
         for r in range(rounds):
             for name, side in built.items():
-                times, peak = _timed(spec, side, warmup + r * steps, steps)
+                times, own, peak = _timed(spec, side, warmup + r * steps, steps)
                 per_round[name].append(statistics.median(times))
-                peaks[name] = max(peaks[name], peak)
+                resident[name] = max(resident[name], own)
+                if peak is not None:
+                    peaks[name] = max(peaks[name] or 0, peak)
     peak = device_peak(torch.device(spec.device), spec.dtype, hardware)
     rows = {}
     for name in built:
         step_s = statistics.median(per_round[name])
         rows[name] = {"ms_per_step": 1e3 * step_s, "tokens_per_s": spec.tokens_per_step / step_s,
-                      "mfu": mfu(flops, step_s, 1, peak), "peak_bytes": peaks[name] or None,
+                      "mfu": mfu(flops, step_s, 1, peak), "peak_bytes": peaks[name],
+                      "resident_bytes": resident[name],
                       "warmup_s": compile_s[name], "round_ms": [1e3 * t for t in per_round[name]]}
     return {"spec": spec.__dict__ | {"dtype": spec.dtype}, "step_flops": flops,
             "peak": None if peak is None else peak.__dict__, "sides": rows,
-            **_ratios(rows, "ms_per_step")}
+            **_ratios(rows, "ms_per_step"), **_ratios(rows, "peak_bytes")}
 
 
 def _ratios(rows: dict[str, dict[str, Any]], key: str) -> dict[str, float]:
     out = {}
     for mode in ("eager", "compiled"):
         s, p = rows.get(f"stp {mode}"), rows.get(f"plain {mode}")
-        if s and p and p[key]:
+        if s and p and s.get(key) is not None and p.get(key):
             out[f"{mode}_{key}_ratio"] = s[key] / p[key]
     return out
 
