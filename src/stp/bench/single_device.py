@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from stp.bench.plain_loop import PlainModel, PlainShape, plain_step
@@ -167,10 +168,22 @@ def _batches(spec: SingleSpec, out: str, steps: int) -> tuple[list[Any], float, 
     return [data.batch(k) for k in range(steps)], run.job.lr, step_flops(run)
 
 
+@contextlib.contextmanager
+def _one_rank() -> Iterator[None]:
+    """The one-rank world the stp side runs in, left afterwards when this made it (a
+    process that goes on, a test run, must not find a group it did not start)."""
+    mine = not dist.is_initialized()
+    try:
+        yield
+    finally:
+        if mine and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def build_sides(spec: SingleSpec, sides: tuple[str, ...], out: str,
                 steps: int) -> tuple[dict[str, Side], float | None]:
     """The named sides (SIDES) on spec's device, and the model FLOPs of one step."""
-    init_distributed(timeout=600.0, device=torch.device(spec.device))
+    init_distributed(timeout=600.0, device=torch.device(spec.device))  # one rank, or kept
     batches, lr, flops = _batches(spec, out, steps)
     built: dict[str, Side] = {}
     for name in sides:
@@ -212,7 +225,7 @@ def time_sides(spec: SingleSpec, *, sides: tuple[str, ...] = SIDES, rounds: int 
                steps: int = 3, warmup: int = 2, hardware: str | None = None) -> dict[str, Any]:
     """Alternating rounds (module doc): per side ms/step, tokens/s, MFU, peak bytes; and
     the ratios stp / plain, eager against eager and compiled against compiled."""
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as out, _one_rank():
         built, flops = build_sides(spec, sides, out, warmup + rounds * steps)
         compile_s = {}
         for name, side in built.items():  # warm-up: the compiled sides compile here
@@ -346,7 +359,7 @@ def count_sides(spec: SingleSpec, *, sides: tuple[str, ...] = ("plain eager", "s
     """Per side, counts per step (module doc) over `steps` profiled steps after `warmup`
     (which compiles a compiled side)."""
     out: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _one_rank():
         built, _ = build_sides(spec, sides, tmp, warmup + steps)
         for name, side in built.items():
             for k in range(warmup):
