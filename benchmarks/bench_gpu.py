@@ -274,7 +274,10 @@ def bench_peer(device: torch.device, rounds: int) -> list[dict]:
     names = ["372m", "2.8b"] if device.type == "cuda" else ["cpu-small"]
     rows = []
     for name in names:
-        row = time_sides(PEER_SHAPES[name], rounds=rounds, steps=3, warmup=2)
+        try:
+            row = time_sides(PEER_SHAPES[name], rounds=rounds, steps=3, warmup=2)
+        except torch.OutOfMemoryError as e:  # 2.8b: a pair needs about 100 GB
+            row = {"error": f"out of memory: {str(e).splitlines()[0]}"}
         rows.append({"shape": name, **row})
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -283,6 +286,8 @@ def bench_peer(device: torch.device, rounds: int) -> list[dict]:
 
 def format_peer(row: dict) -> str:
     """One Markdown table of a shape's four sides and the stp / plain ratios."""
+    if "error" in row:
+        return f"shape {row['shape']}: {row['error']}"
     lines = [f"shape {row['shape']} ({row['spec']['dtype']}): "
              + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.endswith("_ratio")),
              "| side | ms/step | tokens/s | MFU | resident | peak | warm-up s |",

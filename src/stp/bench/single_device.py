@@ -10,7 +10,8 @@ builds (stp.train.loop), in this process, and its step is what the loop runs
 per step outside evaluation and checkpoints: `Trainer.step`, the activation
 peaks and the step's update figures.
 
-`time_sides`: rounds alternating between the sides (eager and compiled each),
+`time_sides`: rounds alternating between the two sides of a mode (eager, then
+compiled, each pair alone in memory),
 ms per step (median over rounds of each round's median), tokens/s, MFU (the
 model FLOPs `stp plan` counts, stp.train.mfu), resident bytes (the side's own
 parameters, gradients and optimizer state, counted by storage), on a GPU peak
@@ -221,40 +222,60 @@ def _timed(spec: SingleSpec, side: Side, k: int,
     return times, own, peak
 
 
-def time_sides(spec: SingleSpec, *, sides: tuple[str, ...] = SIDES, rounds: int = 3,
-               steps: int = 3, warmup: int = 2, hardware: str | None = None) -> dict[str, Any]:
-    """Alternating rounds (module doc): per side ms/step, tokens/s, MFU, peak bytes; and
-    the ratios stp / plain, eager against eager and compiled against compiled."""
-    with tempfile.TemporaryDirectory() as out, _one_rank():
+def _time_group(spec: SingleSpec, sides: tuple[str, ...], rounds: int, steps: int,
+                warmup: int) -> tuple[dict[str, dict[str, Any]], float | None]:
+    """Build `sides`, warm them up (compiling), alternate `rounds` of `steps` steps
+    between them, and free them: per side its round medians, bytes and warm-up."""
+    with tempfile.TemporaryDirectory() as out:
         built, flops = build_sides(spec, sides, out, warmup + rounds * steps)
-        compile_s = {}
+        rows: dict[str, dict[str, Any]] = {}
         for name, side in built.items():  # warm-up: the compiled sides compile here
             start = time.perf_counter()
             for k in range(warmup):
                 side.step(k)
             _sync(spec.device)
-            compile_s[name] = time.perf_counter() - start
-        per_round: dict[str, list[float]] = {n: [] for n in built}
-        peaks: dict[str, int | None] = dict.fromkeys(built)
-        resident: dict[str, int] = dict.fromkeys(built, 0)
+            rows[name] = {"warmup_s": time.perf_counter() - start, "round_s": [],
+                          "resident_bytes": 0, "peak_bytes": None}
         for r in range(rounds):
             for name, side in built.items():
                 times, own, peak = _timed(spec, side, warmup + r * steps, steps)
-                per_round[name].append(statistics.median(times))
-                resident[name] = max(resident[name], own)
+                row = rows[name]
+                row["round_s"].append(statistics.median(times))
+                row["resident_bytes"] = max(row["resident_bytes"], own)
                 if peak is not None:
-                    peaks[name] = max(peaks[name] or 0, peak)
+                    row["peak_bytes"] = max(row["peak_bytes"] or 0, peak)
+        del built
+    if spec.device == "cuda":
+        torch.cuda.empty_cache()
+    return rows, flops
+
+
+def time_sides(spec: SingleSpec, *, sides: tuple[str, ...] = SIDES, rounds: int = 3,
+               steps: int = 3, warmup: int = 2, hardware: str | None = None) -> dict[str, Any]:
+    """Alternating rounds (module doc): per side ms/step, tokens/s, MFU, bytes; and the
+    ratios stp / plain, eager against eager and compiled against compiled. The eager
+    pair runs first, then the compiled pair, each alone in memory (at 2.8B parameters
+    a side holds about 50 GB: fp32 weights, gradients and AdamW's two moments)."""
+    measured: dict[str, dict[str, Any]] = {}
+    flops = None
+    with _one_rank():
+        for mode in ("eager", "compiled"):
+            group = tuple(name for name in sides if name.endswith(mode))
+            if group:
+                rows, flops = _time_group(spec, group, rounds, steps, warmup)
+                measured.update(rows)
     peak = device_peak(torch.device(spec.device), spec.dtype, hardware)
-    rows = {}
-    for name in built:
-        step_s = statistics.median(per_round[name])
-        rows[name] = {"ms_per_step": 1e3 * step_s, "tokens_per_s": spec.tokens_per_step / step_s,
-                      "mfu": mfu(flops, step_s, 1, peak), "peak_bytes": peaks[name],
-                      "resident_bytes": resident[name],
-                      "warmup_s": compile_s[name], "round_ms": [1e3 * t for t in per_round[name]]}
+    out: dict[str, dict[str, Any]] = {}
+    for name in sides:
+        row = measured[name]
+        step_s = statistics.median(row["round_s"])
+        out[name] = {"ms_per_step": 1e3 * step_s, "tokens_per_s": spec.tokens_per_step / step_s,
+                     "mfu": mfu(flops, step_s, 1, peak), "peak_bytes": row["peak_bytes"],
+                     "resident_bytes": row["resident_bytes"], "warmup_s": row["warmup_s"],
+                     "round_ms": [1e3 * t for t in row["round_s"]]}
     return {"spec": spec.__dict__ | {"dtype": spec.dtype}, "step_flops": flops,
-            "peak": None if peak is None else peak.__dict__, "sides": rows,
-            **_ratios(rows, "ms_per_step"), **_ratios(rows, "peak_bytes")}
+            "peak": None if peak is None else peak.__dict__, "sides": out,
+            **_ratios(out, "ms_per_step"), **_ratios(out, "peak_bytes")}
 
 
 def _ratios(rows: dict[str, dict[str, Any]], key: str) -> dict[str, float]:
