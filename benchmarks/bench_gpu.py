@@ -313,6 +313,12 @@ def format_counts(doc: dict) -> str:
         lines.append(f"| {side} | {cells} | {steps:.0f} |")
     lines.append("")
     lines += [f"- `{k}`: {v:.3f}" for k, v in doc.items() if k.endswith("_ratio")]
+    for mode in ("eager", "compiled"):
+        more = doc.get(f"{mode} aten_ops stp runs more")
+        if more:
+            lines.append(f"- {mode}, the aten ops stp runs most more often (stp / plain per "
+                         "step): " + ", ".join(f"`{k}` {a:g} / {b:g}"
+                                               for k, (a, b) in more.items()))
     for side, r in doc["sides"].items():
         kinds = ", ".join(f"{k.removeprefix('sync: ')} {v:g}" for k, v in r.items()
                           if k.startswith("sync: "))

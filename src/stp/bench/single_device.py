@@ -352,8 +352,9 @@ def _host_reads(counts: Counter[str], places: Counter[str]) -> Iterator[None]:
         adam._get_value = get_value
 
 
-def _step_counts(events: Any, steps: int) -> dict[str, float]:
+def _step_counts(events: Any, steps: int) -> dict[str, Any]:
     counts: Counter[str] = Counter()
+    ops: Counter[str] = Counter()
     for ev in events:
         parents, parent = [], ev.cpu_parent
         while parent is not None:
@@ -363,6 +364,7 @@ def _step_counts(events: Any, steps: int) -> dict[str, float]:
             continue
         if ev.name.startswith("aten::"):
             counts["aten ops"] += 1
+            ops[ev.name] += 1
         if ev.name == "aten::_local_scalar_dense" and STEP_COUNTER in parents:
             counts["AdamW step-counter reads (host tensors, no sync)"] += 1
         elif ev.name == "aten::_local_scalar_dense":
@@ -372,7 +374,9 @@ def _step_counts(events: Any, steps: int) -> dict[str, float]:
             counts["autograd nodes"] += 1
         if ev.name.startswith("## Call") and "CompiledFxGraph" in ev.name:
             counts["compiled graph calls"] += 1
-    return {k: v / steps for k, v in counts.items()}
+    out: dict[str, Any] = {k: v / steps for k, v in counts.items()}
+    out["aten ops by name"] = {k: v / steps for k, v in ops.most_common()}
+    return out
 
 
 def count_sides(spec: SingleSpec, *, sides: tuple[str, ...] = ("plain eager", "stp eager"),
@@ -402,9 +406,18 @@ def count_sides(spec: SingleSpec, *, sides: tuple[str, ...] = ("plain eager", "s
     return out
 
 
-def counts_with_ratios(counts: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """`count_sides`' result with the ratios stp / plain of aten ops and host syncs."""
+def counts_with_ratios(counts: dict[str, dict[str, Any]], top: int = 8) -> dict[str, Any]:
+    """`count_sides`' result with the ratios stp / plain of aten ops, and per mode the
+    `top` aten ops stp runs most more often than the plain loop (where to cut)."""
     out: dict[str, Any] = {"sides": counts}
     out.update(_ratios(counts, "aten ops"))
+    for mode in ("eager", "compiled"):
+        s, p = counts.get(f"stp {mode}"), counts.get(f"plain {mode}")
+        if s and p:
+            mine, theirs = s["aten ops by name"], p["aten ops by name"]
+            more = {k: mine.get(k, 0) - theirs.get(k, 0) for k in set(mine) | set(theirs)}
+            out[f"{mode} aten ops stp runs more"] = {
+                k: [mine.get(k, 0), theirs.get(k, 0)]
+                for k in sorted(more, key=lambda k: -more[k])[:top]}
     return {k.replace("aten ops", "aten_ops"): v for k, v in out.items()}
 
