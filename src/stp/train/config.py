@@ -144,7 +144,7 @@ class TrainJob:
     lr: float | None = option(
         None, "AdamW learning rate (default 3e-3 x min(1, 256 / hidden), hidden being the "
         "width of the model trained, an --init-from checkpoint's too: 3e-3 up to hidden 256, "
-        "7.5e-4 at 1024, 1.875e-4 at 4096; wider models diverge at 3e-3)", above=0,
+        "7.5e-4 at 1024, 1.875e-4 at 4096, where 3e-3 diverged)", above=0,
         maximum=10)
     """None until resolved: stp.train.resolve fills in `default_lr` of the model's width."""
     seed: int = option(0, "init and data seed", minimum=0)
