@@ -7,7 +7,9 @@ run's learning rate, global-norm clipping), fp32 parameters, bfloat16 compute
 on a GPU (stp: bf16 weights with fp32 masters; the plain loop: autocast), float32
 on the CPU. The stp side is the Trainer `stp train --pp 1 --schedule 1f1b`
 builds (stp.train.loop), in this process, and its step is what the loop runs
-per step outside evaluation and checkpoints: `Trainer.step`, the activation
+per step outside evaluation and checkpoints: `Trainer.step` (which moves the
+host batch to the device, as in `stp train`; the plain loop's microbatches are
+on the device beforehand: 8 bytes a token, a negligible copy), the activation
 peaks and the step's update figures.
 
 `time_sides`: rounds alternating between the two sides of a mode (eager, then
@@ -106,6 +108,8 @@ class SingleSpec:
 
 @dataclass
 class Side:
+    """One side of the comparison, built and ready to step."""
+
     step: Callable[[int], Any]
     """Runs step k (its batch prepared beforehand)."""
     resident: Callable[[], int]
