@@ -188,9 +188,9 @@ def simulate_run(model: ModelSpec, hardware: HardwareSpec, layout: Layout,
                  ) -> tuple[ModelSpec, SimResult, float, str | None]:
     """The simulated half of `estimate_run` for a decoder spec: (the spec as the
     layout cuts it, the simulated step, the activation unit in bytes of
-    `features.dtype`, a note on ep or None). `features.shard_optimizer` and
-    `layout.dp` do not enter it (they change model states only), so the
-    planner reuses one simulation across them (`stp.plan.price`)."""
+    `features.dtype`, a note on ep or None). `features.shard_optimizer` does
+    not enter it (it changes model states only), so the planner reuses one
+    simulation across it (`stp.plan.price`)."""
     spec, sch, derived, table, mem, unit, ep_note = _prepared(model, hardware, layout, features,
                                                              schedule)
     copied = unit if features.runtime == "stp" else derived.bytes_per_unit

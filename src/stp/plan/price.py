@@ -270,7 +270,7 @@ def _estimate(model: ModelSpec, hardware: HardwareSpec, layout: Layout,
               features: Features) -> tuple[MemoryEstimate, SimResult]:
     """`stp.costmodel.memory.estimate_run`, its simulation shared by the lever
     rungs and meshes that only change model states (`_simulated`)."""
-    spec, res, unit, note = _simulated(model, hardware, replace(layout, dp=1),
+    spec, res, unit, note = _simulated(model, hardware, layout,
                                        replace(features, shard_optimizer=False))
     est = memory_of_run(spec, res, unit * 2 / DTYPE_BYTES[features.dtype], features,
                         dp=layout.dp)
@@ -285,8 +285,9 @@ def _simulated(model: ModelSpec, hardware: HardwareSpec, layout: Layout,
     """One simulation per (model, hardware, layout, features) that reach the
     simulator: the planner retries an over-budget configuration at its next
     lever rung, and the sharded optimizer (the ladder's first lever) changes
-    model states only, so that retry needs no new simulation. `layout.dp` and
-    `features.shard_optimizer` are set aside by the caller for that reason."""
+    model states only, so that retry needs no new simulation:
+    `features.shard_optimizer` is set aside by the caller for that reason (dp
+    is kept: it decides a mixture of experts' ep, `stp.costmodel.memory`)."""
     return simulate_run(model, hardware, layout, features,
                         _schedule(layout.schedule, layout.pp, layout.microbatches,
                                   layout.chunks))
