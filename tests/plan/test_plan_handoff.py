@@ -225,3 +225,23 @@ def test_top_1_says_how_many_fit(capsys):
     assert main(["plan", *SMALL]) == 0
     why = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("why:"))
     assert "only configuration" not in why and "is the best of" in why
+
+
+def test_model_with_init_from_takes_the_weights_of_a_checkpoint_of_its_shape(tmp_path):
+    import torch
+
+    from stp.models import ModelConfig, build_reference
+    from stp.models.hf import save_state
+
+    # a tiny stp model saved as a Hugging Face folder (as tests/models/test_hf_hostile.py)
+    config = ModelConfig(vocab_size=40, hidden=16, num_layers=4, num_heads=2, num_kv_heads=2,
+                         ffn_hidden=32, max_seq_len=64, seed=1)
+    folder = tmp_path / "hf"
+    model = build_reference(config, torch.float32)
+    save_state(folder, {n: p.detach() for n, p in model.named_parameters()}, config)
+    got = resolve(TrainJob(model_name=str(folder / "config.json"), init_from=str(folder),
+                           pp=1)).config
+    assert got == resolve(TrainJob(init_from=str(folder), pp=1)).config
+    with pytest.raises(ValueError, match=r"--model qwen2-12.1b is not the --init-from .* "
+                       r"checkpoint's shape \(layers 38 vs 4, hidden 5120 vs 16"):
+        resolve(TrainJob(model_name="qwen2-12.1b", init_from=str(folder), pp=1))
