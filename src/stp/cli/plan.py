@@ -17,9 +17,10 @@ no mesh, or none that fits, is one line saying what would be needed (exit 2).
 The plan records the model (format 2): every row's `stp train` line starts
 with `--model PRESET` or `--model /abs/path/config.json` (whose sha256 the plan
 keeps, and `stp train --plan` checks). On a terminal a progress line on stderr
-(configurations priced and pruned, the best step so far, the time spent) is
-rewritten at least every `PROGRESS_EVERY_S` seconds and cleared before the
-table; nothing with `--json` or when stderr is not a terminal.
+(configurations, those pruned by memory, those priced, the best step so
+far, the time spent) is rewritten every `PROGRESS_EVERY_S` seconds (looked
+at between two pricings) and cleared before the table; nothing with
+`--json` or when stderr is not a terminal.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ __all__ = ["register", "run", "request_from_args", "local_hardware", "ProgressLi
            "PROGRESS_EVERY_S"]
 
 PROGRESS_EVERY_S = 1.0
-"""Seconds between two progress lines (the promise is at most 2 s: one pricing
-takes about a second at the largest sizes, `stp.plan.space.MAX_STAGE_MICROBATCHES`)."""
+"""Seconds between two progress lines. The search looks at the clock between
+two pricings, and one pricing takes under a second of CPU at the largest sizes
+(`stp.plan.space.MAX_STAGE_MICROBATCHES`), so a line comes at least every 2 s
+on a machine that is not overloaded."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
