@@ -9,8 +9,10 @@ from stp.cli.main import main
 
 TINY_MOE = ["--arch", "moe", "--experts", "4", "--top-k", "2", "--layers", "2", "--hidden",
             "16", "--heads", "2"]
-"""The model `stp train` builds; the plan below is made for the same shape."""
-PLAN_MODEL = ("mixtral-8x7b,layers=2,hidden=16,heads=2,kv_heads=2,ffn=64,expert_ffn=64,"
+"""The model `stp train` builds; the plan below is made for the same shape (the
+expert width: --arch moe's default, the dense MLP's 64 / --top-k; a plan carries its
+model, so `stp train --plan` trains the plan's)."""
+PLAN_MODEL = ("mixtral-8x7b,layers=2,hidden=16,heads=2,kv_heads=2,ffn=64,expert_ffn=32,"
               "experts=4,top_k=2,vocab=256,sequence=8,ep=1")
 
 

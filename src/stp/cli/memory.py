@@ -83,9 +83,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     # where the two modes differ (dtype, microbatch size, seq-len)
     open_job = replace(TrainJob(), dtype=None, microbatch_size=None,
                        model=replace(TrainJob().model, seq_len=None))
-    # memory's own --hardware (a HardwareSpec) stands for train's (an MFU peak)
-    add_flags(p, TrainJob, defaults=open_job,
-              only=tuple(f.name for f in dataclasses.fields(TrainJob) if f.name != "hardware"))
+    # memory's own --hardware (a HardwareSpec) stands for train's (an MFU peak), and
+    # --model is this command's own (a preset priced on the mesh flags), not train's
+    add_flags(p, TrainJob, defaults=open_job, only=tuple(
+        f.name for f in dataclasses.fields(TrainJob) if f.name not in ("hardware", "model_name")))
     _action(p, "dtype").choices = (*_action(p, "dtype").choices, "float16")
     for dest, text in (("dtype", "float32, or bfloat16 with --model"),
                        ("microbatch_size", "4, or 1 with --model"),
@@ -131,6 +132,9 @@ def model_spec(text: str) -> ModelSpec:
 
 def estimate_from_args(args: argparse.Namespace) -> tuple[MemoryEstimate, str]:
     """The estimate the command line asks for, and the model's name for the report."""
+    if args.model is not None and getattr(args, "plan", None) is not None:
+        raise ValueError(f"--plan {args.plan} carries its model; drop --model {args.model} "
+                         "(or --plan, to price the preset on the mesh flags)")
     if args.model is None:
         if getattr(args, "chunks", None) is not None:
             raise ValueError(f"--chunks {args.chunks} prices --model runs; a `stp train` "
@@ -190,7 +194,12 @@ def _train_estimate(args: argparse.Namespace) -> tuple[MemoryEstimate, str]:
                         ("seq_len", defaults.model.seq_len)):
         if getattr(filled, dest) is None:
             setattr(filled, dest, value)
-    job = with_schedule_file(from_args(TrainJob, filled, hardware=None))
+    job = from_args(TrainJob, filled, hardware=None)
+    if job.plan is not None:  # the plan's row: its model, mesh, schedule and levers
+        from stp.train.plan_file import with_plan
+
+        job = with_plan(job)
+    job = with_schedule_file(job)
     check_work(2 * job.pp, job.num_microbatches, 1, f"--pp {job.pp} -m {job.num_microbatches}")
     config = None
     if job.init_from is not None:  # config.json alone: the weights need not be there
@@ -212,6 +221,7 @@ def _train_estimate(args: argparse.Namespace) -> tuple[MemoryEstimate, str]:
 def _describe(run: object) -> str:
     job, c = run.job, run.config  # type: ignore[attr-defined]
     where = (f"--init-from {job.init_from}" if job.init_from
+             else f"--model {job.model_name}" if getattr(job, "model_name", None)
              else f"stp train's {getattr(job, 'arch', None) or 'decoder'}")
     experts = getattr(c, "num_experts", None)
     moe = f", {experts} experts top-{c.top_k}" if experts else ""

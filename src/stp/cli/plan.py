@@ -13,6 +13,14 @@ time (`stp.plan`). Prints the top K with their `stp train` flags and why the
 best beats the runner-up; `--json` prints one object with a `plans` list;
 `--out PLAN.json` writes that object for `stp train --plan`. A request with
 no mesh, or none that fits, is one line saying what would be needed (exit 2).
+
+The plan records the model (format 2): every row's `stp train` line starts
+with `--model PRESET` or `--model /abs/path/config.json` (whose sha256 the plan
+keeps, and `stp train --plan` checks). On a terminal a progress line on stderr
+(configurations, those pruned by memory, those priced, the best step so
+far, the time spent) is rewritten every `PROGRESS_EVERY_S` seconds (looked
+at between two pricings) and cleared before the table; nothing with
+`--json` or when stderr is not a terminal.
 """
 
 from __future__ import annotations
@@ -21,11 +29,20 @@ import argparse
 import json
 import os
 import sys
+import time
+from typing import Any
 
 from stp.cli.common import EXIT_USAGE, int_in
 from stp.plan.request import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ_LEN
 
-__all__ = ["register", "run", "request_from_args", "local_hardware"]
+__all__ = ["register", "run", "request_from_args", "local_hardware", "ProgressLine",
+           "PROGRESS_EVERY_S"]
+
+PROGRESS_EVERY_S = 1.0
+"""Seconds between two progress lines. The search looks at the clock between
+two pricings, and one pricing takes under a second of CPU at the largest sizes
+(`stp.plan.space.MAX_STAGE_MICROBATCHES`), so a line comes at least every 2 s
+on a machine that is not overloaded."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -163,6 +180,7 @@ def request_from_args(args: argparse.Namespace) -> object:
     from stp.plan import PlanRequest
 
     spec = model_spec(args.model)
+    source, sha = _source(args.model)
     if getattr(spec, "ep", 1) != 1:  # the planner chooses ep (a preset says ep=8)
         spec = replace(spec, ep=1)
     budget = None if args.memory_budget is None else parse_size(args.memory_budget)
@@ -173,7 +191,47 @@ def request_from_args(args: argparse.Namespace) -> object:
         dtype=args.dtype, max_microbatch_size=args.max_microbatch_size,
         schedules=_schedules(args.schedules), partition=args.partition,
         allow_sequence_parallel=not args.no_sequence_parallel,
-        allow_offload=not args.no_offload, ep=_ep_sizes(args.ep))
+        allow_offload=not args.no_offload, ep=_ep_sizes(args.ep), source=source,
+        source_sha256=sha)
+
+
+def _source(text: str) -> tuple[str, str | None]:
+    """How the plan names the model for `stp train --model`: a preset as given, a
+    config.json by its absolute path and sha256 (model_spec has read it)."""
+    from stp.train.model_source import config_path, file_sha256, is_preset
+
+    if is_preset(text):
+        return text, None
+    path = config_path(text).resolve()
+    return str(path), file_sha256(path)
+
+
+class ProgressLine:
+    """The search's progress on a terminal, one line rewritten in place (module doc)."""
+
+    def __init__(self, stream: Any, every_s: float = PROGRESS_EVERY_S) -> None:
+        self.stream, self.every_s = stream, every_s
+        self.start = self.last = time.monotonic()
+        self.shown = False
+
+    def __call__(self, result: Any) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every_s:
+            return
+        self.last = now
+        best = "none fits yet" if result.best_s is None else f"best {result.best_s:.4g} s"
+        # the time bound prunes what is left in the heap at the end: not known yet
+        line = (f"plan: {result.considered} configurations, {result.pruned_memory} pruned "
+                f"by their memory bound, {result.simulated} priced, {best}, "
+                f"{now - self.start:.0f} s")
+        self.stream.write("\r" + line + "\x1b[K")
+        self.stream.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
 
 
 def _write_schedule_files(result: object, folder: str) -> None:
@@ -199,11 +257,17 @@ def run(args: argparse.Namespace) -> int:
     from stp.plan.report import format_table, plan_json
 
     request = request_from_args(args)
+    tty = not args.json and sys.stderr.isatty()
+    line = ProgressLine(sys.stderr, PROGRESS_EVERY_S) if tty else None
     try:
-        result = plan(request)  # type: ignore[arg-type]
+        result = plan(request, line)  # type: ignore[arg-type]
     except NoPlan as e:
+        if line is not None:
+            line.clear()
         print(f"stp: error: plan: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if line is not None:
+        line.clear()
     folder = None if args.out is None else os.path.dirname(args.out)
     obj = plan_json(result, folder)
     if args.out is not None:

@@ -290,7 +290,11 @@ def run_train(args: argparse.Namespace) -> int:
     if job.plan is not None:
         from stp.train.plan_file import with_plan
 
-        job = with_plan(job)
+        notes: list[str] = []
+        job = with_plan(job, notes)
+        if os.environ.get("RANK", "0") == "0":
+            for note in notes:
+                say(f"stp: note: {note}")
     if in_torchrun():
         return _under_torchrun(job, args.json)
     # One run per --out until this process ends (stp.train.outlock). An existing one

@@ -107,9 +107,11 @@ from stp.sim.layered import LayeredCosts, check_partition, even_partition
 from stp.sim.offload import plan_offload
 from stp.sim.result import SimResult
 from stp.sim.stages import StageCosts
+from stp.sim.table import program_peaks
 
 __all__ = ["DTYPE_BYTES", "CATEGORIES", "Layout", "Features", "RankMemory", "MemoryEstimate",
-           "estimate", "estimate_run", "format_bytes", "memory_of_run", "rank_parameters"]
+           "estimate", "estimate_run", "format_bytes", "memory_of_run", "rank_parameters",
+           "simulate_run", "states_bound"]
 
 def _layer_parameters(spec: ModelSpec) -> float:
     """One TP rank's share of a layer: Q and O split by t; K and V split by t,
@@ -172,6 +174,59 @@ def estimate_run(model: ModelSpec | MLLMSpec | ModelConfig, hardware: HardwareSp
         model = spec_from_config(model, seq_len=layout.seq_len)
     if isinstance(model, MLLMSpec):
         return _estimate_mllm(model, hardware, layout, features, schedule)
+    spec, res, unit, ep_note = simulate_run(model, hardware, layout, features, schedule)
+    # memory_of_run takes a 16-bit unit and scales it by the dtype
+    est = memory_of_run(spec, res, unit * 2 / DTYPE_BYTES[features.dtype], features,
+                        dp=layout.dp)
+    if isinstance(spec, MoESpec):
+        est = replace(est, layout=replace(est.layout, ep=spec.ep))
+    return (replace(est, notes=(*est.notes, ep_note)) if ep_note else est), res
+
+
+def simulate_run(model: ModelSpec, hardware: HardwareSpec, layout: Layout,
+                 features: Features = Features(), schedule: Schedule | None = None
+                 ) -> tuple[ModelSpec, SimResult, float, str | None]:
+    """The simulated half of `estimate_run` for a decoder spec: (the spec as the
+    layout cuts it, the simulated step, the activation unit in bytes of
+    `features.dtype`, a note on ep or None). `features.shard_optimizer` does
+    not enter it (it changes model states only), so the planner reuses one
+    simulation across it (`stp.plan.price`)."""
+    spec, sch, derived, table, mem, unit, ep_note = _prepared(model, hardware, layout, features,
+                                                             schedule)
+    copied = unit if features.runtime == "stp" else derived.bytes_per_unit
+    oc = OffloadCosts(bandwidth=hardware.host_bandwidth / 1e3, act_bytes=copied)
+    plan = plan_offload(sch, features.offload, derived.costs, mem, oc, stages=table)
+    res = simulate(sch, derived.costs, mem, offload=plan if len(plan) else None,
+                   offload_costs=oc, record_spans=False, stages=table)
+    return spec, res, unit, ep_note
+
+
+def states_bound(model: ModelSpec, hardware: HardwareSpec, layout: Layout,
+                 features: Features, schedule: Schedule | None = None) -> list[float] | None:
+    """Bytes per pipeline rank of `estimate_run` without simulating, less only
+    the gradient copies it adds over the activation peak (`dp_copies`, >= 0):
+    the same model states and buffers, and the activation peaks walked in
+    program order (`stp.sim.table.program_peaks`), which is the simulator's
+    peak when nothing is offloaded. So each is a lower bound of that rank's
+    estimate (the planner prunes by it, `stp.plan.price`); None with offload,
+    whose copies move activations in time."""
+    if features.offload != "none":
+        return None
+    spec, sch, _, table, _, unit, _ = _prepared(model, hardware, layout, features, schedule)
+    counts = table.partition or even_partition(spec.layers, sch.num_stages)
+    params = rank_parameters(spec, sch.num_stages, sch.stage_to_rank, tuple(counts))
+    experts = rank_parameters(spec, sch.num_stages, sch.stage_to_rank, tuple(counts),
+                              experts_only=True)
+    peaks = program_peaks(sch, table)
+    return [_rank(r, n, peaks[r] * unit, spec, sch.chunks, layout, features, experts[r]).total
+            for r, n in enumerate(params)]
+
+
+def _prepared(model: ModelSpec, hardware: HardwareSpec, layout: Layout, features: Features,
+              schedule: Schedule | None) -> tuple:
+    """What a simulation of the layout reads: (spec cut as the layout cuts it, the
+    schedule, the derived costs, the per-stage table, the memory costs, the
+    activation unit in bytes, a note on ep or None)."""
     model = decoder_only(model, "a memory estimate")
     model, ep_note = _with_ep(model, layout)
     spec = replace(model, tp=layout.tp, sequence=layout.seq_len,
@@ -191,17 +246,7 @@ def estimate_run(model: ModelSpec | MLLMSpec | ModelConfig, hardware: HardwareSp
         layered = layered_costs(spec, hardware, layout.pp, derived.costs, derived.mem)
         mem, unit = derived.mem, derived.bytes_per_unit * DTYPE_BYTES[features.dtype] / 2
         table = layered.table(counts)
-    copied = unit if features.runtime == "stp" else derived.bytes_per_unit
-    oc = OffloadCosts(bandwidth=hardware.host_bandwidth / 1e3, act_bytes=copied)
-    plan = plan_offload(sch, features.offload, derived.costs, mem, oc, stages=table)
-    res = simulate(sch, derived.costs, mem, offload=plan if len(plan) else None,
-                   offload_costs=oc, record_spans=False, stages=table)
-    # memory_of_run takes a 16-bit unit and scales it by the dtype
-    est = memory_of_run(spec, res, unit * 2 / DTYPE_BYTES[features.dtype], features,
-                        dp=layout.dp)
-    if isinstance(spec, MoESpec):
-        est = replace(est, layout=replace(est.layout, ep=spec.ep))
-    return (replace(est, notes=(*est.notes, ep_note)) if ep_note else est), res
+    return spec, sch, derived, table, mem, unit, ep_note
 
 
 def _the_schedule(layout: Layout, schedule: Schedule | None) -> Schedule:

@@ -39,13 +39,21 @@ from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.memory import DTYPE_BYTES, rank_parameters
 from stp.costmodel.model import ModelSpec
 from stp.costmodel.moe import MoESpec
-from stp.plan.price import Priced, memory_bound, price, spec_for, time_bound
+from stp.plan.price import (
+    Priced,
+    exact_memory_bound,
+    memory_bound,
+    price,
+    spec_for,
+    time_bound,
+)
 from stp.plan.request import PlanRequest
 from stp.plan.space import BRAIDED, Config
 from stp.schedule.registry import generate
 from stp.sim.layered import even_partition
 
-__all__ = ["model_at", "hardware_of", "priced", "bound_time", "bound_memory", "is_moe"]
+__all__ = ["model_at", "hardware_of", "priced", "bound_time", "bound_memory", "is_moe",
+           "bound_exact"]
 
 
 def is_moe(model: ModelSpec) -> bool:
@@ -71,6 +79,12 @@ def priced(request: PlanRequest, cfg: Config, partition: tuple[int, ...] | None 
     """`stp.plan.price.price` of `cfg` at its mesh's ep."""
     return price(model_at(request.model, cfg.mesh.ep), hardware_of(request), cfg,
                  request.seq_len, partition)
+
+
+def bound_exact(request: PlanRequest, cfg: Config) -> float | None:
+    """`stp.plan.price.exact_memory_bound` of `cfg` at its mesh's ep (None: none)."""
+    return exact_memory_bound(model_at(request.model, cfg.mesh.ep), hardware_of(request),
+                              cfg, request.seq_len)
 
 
 @lru_cache(maxsize=4096)

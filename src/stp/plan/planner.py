@@ -11,8 +11,12 @@ simulated):
    smallest; once K configurations fit and the smallest bound left exceeds
    the K-th best simulated step, nothing left can enter the top K: stop.
 3. A popped configuration is simulated at its rung (`stp.plan.price.price`,
-   the estimate `stp memory` prints). Over the budget: it goes back at the
-   next rung that its bound admits (a slower rung has a larger bound).
+   the estimate `stp memory` prints), unless a later rung remains and its
+   nearly exact memory bound (`exact_memory_bound`: the estimate without
+   simulating, less the gradient copies) is over the budget. Over the
+   budget: it goes back at the next rung that its bound admits (a slower
+   rung has a larger bound). Simulations are shared by rungs that change
+   model states only (`stp.plan.price`).
 4. The top K then try the balanced layer partition (the classic one that
    prices the embedding and output layer, `stp.search.partition`) and, where
    the simulation is cheap, `--partition auto`; a partition is kept when it
@@ -27,11 +31,19 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from stp.costmodel.decoder_costs import derive_decoder
 from stp.costmodel.stages import layered_costs
-from stp.plan.experts import bound_memory, bound_time, hardware_of, model_at, priced
+from stp.plan.experts import (
+    bound_exact,
+    bound_memory,
+    bound_time,
+    hardware_of,
+    model_at,
+    priced,
+)
 from stp.plan.needs import NoPlan, explain_no_fit, explain_no_mesh
 from stp.plan.price import Priced, spec_for
 from stp.plan.request import PlanRequest
@@ -48,7 +60,7 @@ from stp.plan.space import (
 from stp.schedule.registry import generate
 from stp.search.partition import auto_partition, balanced_partition
 
-__all__ = ["PlanResult", "plan", "priced_at", "NoPlan"]
+__all__ = ["PlanResult", "Progress", "plan", "priced_at", "NoPlan"]
 
 AUTO_PARTITION_WORK = 512
 """Stages x microbatches up to which the top plans also run `--partition auto`
@@ -73,6 +85,22 @@ class PlanResult:
     seconds: float = 0.0
     rejected: list[Priced] = field(default_factory=list)
     """Simulated but over the budget at their last rung (the smallest first)."""
+    skipped_rungs: int = 0
+    """Lever rungs passed over unsimulated: their nearly exact memory bound
+    (`stp.plan.price.exact_memory_bound`) was already over the budget."""
+    fitted: int = 0
+    """Simulated configurations that fit the budget (the top K among them)."""
+    best_s: float | None = None
+    """The fastest step that fits found so far (None: none yet)."""
+
+
+Progress = Callable[[PlanResult], None]
+"""Called as the search goes (the counts and `best_s` so far): `stp plan` prints a
+progress line from it on a terminal."""
+
+
+def _quiet(result: PlanResult) -> None:
+    pass
 
 
 @dataclass(order=True)
@@ -93,7 +121,7 @@ def _first_rung(request: PlanRequest, base: Config, ladder: list, start: int) ->
     return None
 
 
-def _seed(request: PlanRequest, result: PlanResult) -> list[_Item]:
+def _seed(request: PlanRequest, result: PlanResult, progress: Progress) -> list[_Item]:
     heap: list[_Item] = []
     counter = itertools.count()
     for mesh in meshes(request):
@@ -103,6 +131,7 @@ def _seed(request: PlanRequest, result: PlanResult) -> list[_Item]:
                 if stages_of(name, mesh.pp, chunks) * m > MAX_STAGE_MICROBATCHES:
                     continue
                 result.considered += 1
+                progress(result)
                 base = Config(mesh, b, m, name, ladder[0][1], chunks)
                 rung = _first_rung(request, base, ladder, 0)
                 if rung is None:
@@ -115,8 +144,8 @@ def _seed(request: PlanRequest, result: PlanResult) -> list[_Item]:
     return heap
 
 
-def _search(request: PlanRequest, result: PlanResult) -> list[Priced]:
-    heap = _seed(request, result)
+def _search(request: PlanRequest, result: PlanResult, progress: Progress) -> list[Priced]:
+    heap = _seed(request, result, progress)
     fits: list[Priced] = []
     kth = float("inf")
     over: list[Priced] = []
@@ -125,11 +154,25 @@ def _search(request: PlanRequest, result: PlanResult) -> list[Priced]:
         item = heapq.heappop(heap)
         if len(fits) >= request.top and item.bound > kth:
             break
+        progress(result)
         cfg = replace(item.base, features=item.ladder[item.rung][1])
+        nxt = _first_rung(request, item.base, item.ladder, item.rung + 1)
+        exact = None if nxt is None else bound_exact(request, cfg)
+        if exact is not None and exact > request.budget:
+            # over the budget without simulating (module doc, step 3): the next rung
+            result.skipped_rungs += 1
+            assert nxt is not None
+            nxt_cfg = replace(item.base, features=item.ladder[nxt][1])
+            heapq.heappush(heap, _Item(bound_time(request, nxt_cfg), item.order, nxt,
+                                       item.base, item.ladder))
+            continue
         got = priced(request, cfg)
         result.simulated += 1
         priced_orders.add(item.order)
         if got.peak_bytes <= request.budget:
+            result.fitted += 1
+            if result.best_s is None or got.step_s < result.best_s:
+                result.best_s = got.step_s
             fits.append(got)
             fits.sort(key=lambda p: p.step_s)
             del fits[request.top:]
@@ -147,7 +190,7 @@ def _search(request: PlanRequest, result: PlanResult) -> list[Priced]:
     return fits
 
 
-def _partitioned(request: PlanRequest, first: Priced) -> Priced:
+def _partitioned(request: PlanRequest, first: Priced, tick: Callable[[], None]) -> Priced:
     """`first` with the balanced (and, where cheap, the auto) partition when
     one fits and is faster (module doc, step 4)."""
     cfg = first.config
@@ -162,20 +205,23 @@ def _partitioned(request: PlanRequest, first: Priced) -> Priced:
         tries.add(auto_partition(sch, layered, spec.layers).counts)
     best = first
     for counts in tries:
+        tick()
         trial = priced(request, cfg, counts)
         if trial.peak_bytes <= request.budget and trial.step_s < best.step_s - 1e-12:
             best = trial
     return best
 
 
-def plan(request: PlanRequest) -> PlanResult:
+def plan(request: PlanRequest, progress: Progress | None = None) -> PlanResult:
     """The `request.top` fastest configurations that fit (module doc); NoPlan
-    (one line: what would be needed) when none does."""
+    (one line: what would be needed) when none does. `progress` is called as
+    the search goes (often: it should only look at the clock)."""
     t0 = time.perf_counter()
+    tell = progress or _quiet
     result = PlanResult([], request)
     if next(iter(meshes(request)), None) is None:
         raise NoPlan(explain_no_mesh(request))
-    fits = _search(request, result)
+    fits = _search(request, result, tell)
     if result.considered == 0:
         raise NoPlan(f"--global-batch {request.global_batch}: every mesh's share needs more "
                      f"than {MAX_STAGE_MICROBATCHES} stages x microbatches at microbatch "
@@ -183,7 +229,7 @@ def plan(request: PlanRequest) -> PlanResult:
     if not fits:
         raise NoPlan(explain_no_fit(request, result, plan))
     if request.partition == "auto":
-        fits = [_partitioned(request, p) for p in fits]
+        fits = [_partitioned(request, p, lambda: tell(result)) for p in fits]
     result.plans = sorted(fits, key=lambda p: p.step_s)
     result.seconds = time.perf_counter() - t0
     return result

@@ -49,21 +49,26 @@ from stp.costmodel.hardware import (
 )
 from stp.costmodel.memory import (
     DTYPE_BYTES,
+    Features,
     Layout,
     MemoryEstimate,
-    estimate_run,
+    memory_of_run,
     rank_parameters,
+    simulate_run,
+    states_bound,
 )
 from stp.costmodel.model import ModelSpec, num_parameters
+from stp.costmodel.moe import MoESpec
 from stp.plan.expert_sync import expert_parameters, group_seconds, rank_experts
 from stp.plan.space import Config
+from stp.schedule.ir import Schedule
 from stp.schedule.registry import generate
 from stp.sim.dp_overlap import dp_timeline
 from stp.sim.layered import even_partition
 from stp.sim.result import SimResult
 
-__all__ = ["Priced", "spec_for", "time_bound", "memory_bound", "price", "dp_sync_seconds",
-           "model_flops_per_sequence", "dp_sync_parts"]
+__all__ = ["Priced", "spec_for", "time_bound", "memory_bound", "exact_memory_bound", "price",
+           "dp_sync_seconds", "model_flops_per_sequence", "dp_sync_parts"]
 
 
 @dataclass(frozen=True)
@@ -232,7 +237,7 @@ def price(model: ModelSpec, hardware: HardwareSpec, config: Config, seq_len: int
     layout = Layout(pp=mesh.pp, tp=mesh.tp, dp=mesh.dp, microbatches=config.microbatches,
                     microbatch_size=config.microbatch_size, seq_len=seq_len,
                     schedule=config.schedule, partition=partition, chunks=config.chunks)
-    est, res = estimate_run(model, hardware, layout, config.features)
+    est, res = _estimate(model, hardware, layout, config.features)
     counts = partition or even_partition(model.layers, res.schedule.num_stages)
     spec = spec_for(model, config, seq_len)
     ep, experts = rank_experts(spec, est, res)  # experts sync over dp / ep (expert_sync)
@@ -242,6 +247,55 @@ def price(model: ModelSpec, hardware: HardwareSpec, config: Config, seq_len: int
         width=DTYPE_BYTES[config.features.dtype], overlap=overlap_grad_sync,
         expert_params=experts, ep=ep)
     return Priced(config, est, res, added, partition, total)
+
+
+def exact_memory_bound(model: ModelSpec, hardware: HardwareSpec, config: Config,
+                       seq_len: int) -> float | None:
+    """Bytes the fullest rank of `config` holds at least, found without
+    simulating and nearly exact: `stp.costmodel.memory.states_bound` (the
+    estimate's states, buffers and program-order activation peak; only the
+    gradient copies over the peak are left out). None with offload."""
+    mesh = config.mesh
+    layout = Layout(pp=mesh.pp, tp=mesh.tp, dp=mesh.dp, microbatches=config.microbatches,
+                    microbatch_size=config.microbatch_size, seq_len=seq_len,
+                    schedule=config.schedule, chunks=config.chunks)
+    totals = states_bound(model, hardware, layout, config.features,
+                          _schedule(config.schedule, mesh.pp, config.microbatches,
+                                    config.chunks))
+    return None if totals is None else max(totals)
+
+
+def _estimate(model: ModelSpec, hardware: HardwareSpec, layout: Layout,
+              features: Features) -> tuple[MemoryEstimate, SimResult]:
+    """`stp.costmodel.memory.estimate_run`, its simulation shared by the lever
+    rungs and meshes that only change model states (`_simulated`)."""
+    spec, res, unit, note = _simulated(model, hardware, layout,
+                                       replace(features, shard_optimizer=False))
+    est = memory_of_run(spec, res, unit * 2 / DTYPE_BYTES[features.dtype], features,
+                        dp=layout.dp)
+    if isinstance(spec, MoESpec):
+        est = replace(est, layout=replace(est.layout, ep=spec.ep))
+    return (replace(est, notes=(*est.notes, note)) if note else est), res
+
+
+@lru_cache(maxsize=256)
+def _simulated(model: ModelSpec, hardware: HardwareSpec, layout: Layout,
+               features: Features) -> tuple[ModelSpec, SimResult, float, str | None]:
+    """One simulation per (model, hardware, layout, features) that reach the
+    simulator: the planner retries an over-budget configuration at its next
+    lever rung, and the sharded optimizer (the ladder's first lever) changes
+    model states only, so that retry needs no new simulation:
+    `features.shard_optimizer` is set aside by the caller for that reason (dp
+    is kept: it decides a mixture of experts' ep, `stp.costmodel.memory`)."""
+    return simulate_run(model, hardware, layout, features,
+                        _schedule(layout.schedule, layout.pp, layout.microbatches,
+                                  layout.chunks))
+
+
+@lru_cache(maxsize=512)
+def _schedule(name: str, pp: int, m: int, chunks: int | None) -> Schedule:
+    """A generated schedule (immutable), shared by every pricing of it."""
+    return generate(name, pp, m, **({} if chunks is None else {"chunks": chunks}))
 
 
 def _stage_shares(spec: ModelSpec, counts: tuple[int, ...]) -> list[float]:

@@ -15,6 +15,7 @@ sync.
 from __future__ import annotations
 
 import os
+import shlex
 
 from stp.costmodel.memory import format_bytes
 from stp.plan.experts import is_moe
@@ -24,8 +25,9 @@ from stp.plan.price import Priced, model_flops_per_sequence
 __all__ = ["row_json", "plan_json", "why", "format_table", "train_flags", "job_fields",
            "schedule_file", "export_flags"]
 
-PLAN_FORMAT = 1
-"""Version of the `--out PLAN.json` layout `stp train --plan` reads."""
+PLAN_FORMAT = 2
+"""Version of the `--out PLAN.json` layout `stp train --plan` reads: 2 records the
+model (`model`, and each job's `model_name`, `stp train --model`); 1 did not."""
 
 
 def schedule_file(p: Priced) -> str | None:
@@ -44,14 +46,17 @@ def export_flags(p: Priced, path: str) -> list[str]:
             "--chunks", str(c.chunks), "--format", "json", "--out", path]
 
 
-def job_fields(p: Priced, seq_len: int, schedule_path: str | None = None) -> dict[str, object]:
+def job_fields(p: Priced, seq_len: int, schedule_path: str | None = None,
+               model: str | None = None) -> dict[str, object]:
     """The `stp train` settings of a plan, as `TrainJob` field names. Levers
     left off are left out, so a build without them still runs the plan.
     `schedule_path`: where the row's schedule file is (default its bare
-    `schedule_file` name), for a row that needs one."""
+    `schedule_file` name), for a row that needs one; `model`: the model's
+    `--model` text (`PlanRequest.source`), first."""
     c, f = p.config, p.config.features
     sched = schedule_file(p)
-    out: dict[str, object] = {
+    out: dict[str, object] = {} if model is None else {"model_name": model}
+    out |= {
         "pp": c.mesh.pp, "tp": c.mesh.tp, "dp": c.mesh.dp,
         "schedule": c.schedule if sched is None else (schedule_path or sched),
         "microbatches": c.microbatches, "microbatch_size": c.microbatch_size,
@@ -73,10 +78,12 @@ def job_fields(p: Priced, seq_len: int, schedule_path: str | None = None) -> dic
 
 
 def train_flags(job: dict[str, object]) -> list[str]:
-    """`stp train` flags of `job_fields` (-m for microbatches, bare for on)."""
+    """`stp train` flags of `job_fields` (-m for microbatches, --model for the
+    model's name, bare for on)."""
     out: list[str] = []
     for key, val in job.items():
-        flag = "-m" if key == "microbatches" else "--" + key.replace("_", "-")
+        flag = {"microbatches": "-m", "model_name": "--model"}.get(
+            key, "--" + key.replace("_", "-"))
         out += [flag] if val is True else [flag, str(val)]
     return out
 
@@ -95,7 +102,7 @@ def _figures(p: Priced, result: PlanResult) -> dict[str, float]:
 def row_json(p: Priced, result: PlanResult, schedule_path: str | None = None
              ) -> dict[str, object]:
     c = p.config
-    job = job_fields(p, result.request.seq_len, schedule_path)
+    job = job_fields(p, result.request.seq_len, schedule_path, result.request.source)
     sched = schedule_file(p)
     extra: dict[str, object] = {} if sched is None else {
         "schedule_file": schedule_path or sched,
@@ -132,16 +139,16 @@ def _name(p: Priced) -> str:
             f"b{c.microbatch_size} m{c.microbatches}")
 
 
-def why(best: Priced, runner: Priced | None, unsimulated: int = 0) -> str:
-    """One sentence: by how much the best beats the runner-up, and where. Without a
-    runner-up, whether others were left unsimulated (`--top 1`: their time bound was
-    already slower) or none other fits."""
+def why(best: Priced, runner: Priced | None, result: PlanResult | None = None) -> str:
+    """One sentence: by how much the best beats the runner-up, and where; with
+    no runner-up (`--top 1`), how many were priced that fit (`result`)."""
     if runner is None:
-        if unsimulated:
-            return (f"{_name(best)} is the fastest that fits; {unsimulated} other "
-                    "configurations were not simulated, their time bound already slower "
-                    "(--top K lists more)")
-        return f"{_name(best)} is the only configuration that fits"
+        fitted = result.fitted if result is not None else 1
+        if fitted <= 1 and (result is None or result.pruned_time == 0):
+            return f"{_name(best)} is the only configuration that fits"
+        return (f"{_name(best)} is the best of {fitted} priced configurations that fit"
+                + (f" ({result.pruned_time} more left unpriced: their time bound was "
+                   "past it)" if result is not None and result.pruned_time else ""))
     gap = runner.step_s - best.step_s
     a, b = _parts(best), _parts(runner)
     diffs = sorted(a, key=lambda k: a[k] - b[k])  # the most in the best's favour first
@@ -158,17 +165,23 @@ def plan_json(result: PlanResult, schedule_dir: str | None = None) -> dict[str, 
     rows = [row_json(p, result, None if schedule_dir is None or schedule_file(p) is None
                      else os.path.join(schedule_dir, schedule_file(p) or ""))
             for p in result.plans]
+    model: dict[str, object] | None = None
+    if req.source is not None:
+        model = ({"preset": req.source} if req.source_sha256 is None
+                 else {"config": req.source, "sha256": req.source_sha256})
     return {
         "format": PLAN_FORMAT,
+        **({"model": model} if model is not None else {}),
         "request": {"model": req.model.name, "gpus": req.gpus, "gpus_per_node": req.gpus_per_node,
                     "global_batch": req.global_batch, "seq_len": req.seq_len,
                     "hardware": req.hardware.name, "memory_budget": req.budget,
                     **({"ep": list(req.ep)} if req.ep is not None else {})},
         "plans": rows,
         "why": why(result.plans[0], result.plans[1] if len(result.plans) > 1 else None,
-                   result.pruned_time),
+                   result),
         "search": {"considered": result.considered, "pruned_memory": result.pruned_memory,
                    "pruned_time": result.pruned_time, "simulated": result.simulated,
+                   "skipped_rungs": result.skipped_rungs, "fitted": result.fitted,
                    "seconds": result.seconds},
     }
 
@@ -199,7 +212,8 @@ def format_table(result: PlanResult) -> list[str]:
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     for i, p in enumerate(result.plans, 1):
         sched = schedule_file(p)
-        train = "stp train " + " ".join(train_flags(job_fields(p, result.request.seq_len)))
+        train = "stp train " + shlex.join(train_flags(job_fields(
+            p, result.request.seq_len, model=result.request.source)))
         if sched is None:
             lines.append(f"#{i}: {train}")
         else:
@@ -207,10 +221,10 @@ def format_table(result: PlanResult) -> list[str]:
                          f"schedule file: stp export {' '.join(export_flags(p, sched))} && "
                          f"{train}")
     lines.append("why: " + why(result.plans[0],
-                               result.plans[1] if len(result.plans) > 1 else None,
-                               result.pruned_time))
+                               result.plans[1] if len(result.plans) > 1 else None, result))
     r = result
     lines.append(f"searched {r.considered} configurations in {r.seconds:.1f} s: "
                  f"{r.pruned_memory} ruled out by their memory bound, {r.pruned_time} by "
-                 f"their time bound, {r.simulated} simulated")
+                 f"their time bound, {r.simulated} simulated ({r.skipped_rungs} lever rungs "
+                 "passed over by the exact memory bound)")
     return lines

@@ -79,6 +79,13 @@ class PlanRequest:
     ep: tuple[int, ...] | None = None
     """Expert-parallel sizes considered for a mixture of experts (None: every
     divisor of dp that divides the experts, `stp.plan.space.ep_options`)."""
+    source: str | None = None
+    """How the user named the model, for the `stp train --model` of every row: a
+    preset (with its fields) or a config.json's absolute path; None: the rows
+    name no model."""
+    source_sha256: str | None = None
+    """The sha256 of that config.json (None for a preset), which `stp train --plan`
+    checks before training."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelSpec):

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stp.schedule.ir import Kind, Pass
+from stp.schedule.ir import Kind, Pass, Schedule, passes_of
 from stp.schedule.memory import MemCosts, pass_memory_delta
 from stp.sim.costs import Costs, OffloadCosts
 from stp.sim.stages import StageCosts
 from stp.sim.units import UnitKind
 
-__all__ = ["StageTable", "stage_table"]
+__all__ = ["StageTable", "program_peaks", "stage_table"]
 
 
 @dataclass(frozen=True)
@@ -92,3 +92,28 @@ def stage_table(num_stages: int, chunks: int, costs: Costs, mem: MemCosts, layer
         return _uniform(num_stages, chunks, costs, mem, layers, oc)
     stages.check_fits(num_stages)
     return _per_stage(stages, oc)
+
+
+def program_peaks(schedule: Schedule, stages: StageCosts) -> list[float]:
+    """Each rank's peak of resident activations, walking its actions in program
+    order: an action allocates its forwards' activations when it starts and
+    releases its backwards' when it ends, and a rank's compute lane runs its
+    actions one after another, so without offload this is the peak `simulate`
+    reports (`_memory_curves`), found without timing anything (the planner's
+    memory bound, `stp.plan.price`)."""
+    delta = _per_stage(stages, OffloadCosts()).delta
+    peaks = []
+    for actions in schedule.actions:
+        cur = peak = 0.0
+        for action in actions:
+            alloc = free = 0.0
+            for p in passes_of(action):
+                d = delta[p.stage][p.kind]
+                if d > 0:
+                    alloc += d
+                else:
+                    free -= d
+            peak = max(peak, cur + alloc)
+            cur += alloc - free
+        peaks.append(peak)
+    return peaks

@@ -162,6 +162,12 @@ class TrainJob:
     data: str | None = option(
         None, "a text file or a directory (default: the Python standard library)",
         metavar="PATH")
+    model_name: str | None = option(
+        None, "a randomly initialised model at a named shape: a preset (qwen2-12.1b, "
+        "llama3-405b, mixtral-8x7b, ...; with ,key=val fields) or a Hugging Face config.json "
+        "(or its directory); its vocabulary is kept, data without --tokenizer trains on bytes; "
+        "with --init-from the weights come from DIR and --model must match its shape",
+        flag="--model", metavar="PRESET|config.json")
     init_from: str | None = option(
         None, "start from a Hugging Face Llama / Qwen2 checkpoint directory (config.json + "
         "*.safetensors): every rank reads only its slices; the model's shape is its "
@@ -257,9 +263,9 @@ class TrainJob:
         "microbatch per rank share, as `stp simulate --cost`; communication stays real "
         "(the loss is not computed)", flag="--emulate-compute", metavar="f=..,b=..,w=..")
     plan: str | None = option(
-        None, "run plan #1 of `stp plan --out PLAN.json`: its mesh, schedule, partition, "
-        "microbatching, sequence length, dtype and memory levers (a flag given too must "
-        "agree with it)", metavar="PLAN.json")
+        None, "run plan #1 of `stp plan --out PLAN.json`: its model, mesh, schedule, "
+        "partition, microbatching, sequence length, dtype and memory levers (a flag given "
+        "too must agree with it)", metavar="PLAN.json")
 
     @property
     def world_size(self) -> int:

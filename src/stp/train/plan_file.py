@@ -10,6 +10,16 @@ train` does not have (a lever added in a later version) is refused in one
 line naming the flag, not dropped: the plan's memory figure counted on it.
 A flag given on the command line too must agree with the plan.
 
+The model: a format 2 plan (this stp's `stp plan --out`) records the model it
+was made for, as its jobs' `model_name` (`stp train --model`: a preset, or a
+config.json's absolute path) and the top-level `model` object (`preset`, or
+`config` with the file's `sha256`). The run trains that model (randomly
+initialised; `--init-from DIR` of the same shape brings weights); a config.json
+that changed since planning is refused, and a `--model` given on the command
+line must describe the same shape (the refusal lists the fields that differ).
+A format 1 plan (older stp) carries no model: it is read as before, and
+`with_plan` notes that the model is the one the flags describe.
+
 The file may be hostile: read bounded (`stp.files.read_json_object`), every
 value typed and ranged before use.
 """
@@ -22,11 +32,13 @@ from typing import Any
 from stp.files import read_json_object
 from stp.train.config import ModelShape, TrainJob
 
-__all__ = ["with_plan", "PLAN_KEYS", "MAX_PLAN_BYTES"]
+__all__ = ["with_plan", "PLAN_KEYS", "MAX_PLAN_BYTES", "FORMATS"]
 
 MAX_PLAN_BYTES = 16 << 20
+FORMATS = (1, 2)
+"""Plan layouts read: 1 (no model), 2 (the model recorded)."""
 PLAN_KEYS: dict[str, type] = {
-    "pp": int, "tp": int, "dp": int, "schedule": str, "microbatches": int,
+    "model_name": str, "pp": int, "tp": int, "dp": int, "schedule": str, "microbatches": int,
     "microbatch_size": int, "seq_len": int, "dtype": str, "partition": str,
     "sequence_parallel": bool, "recompute": str, "shard_optimizer": bool, "offload": str,
     "ep": int,
@@ -37,19 +49,65 @@ _NESTED = {"seq_len"}
 
 
 def _flag(key: str) -> str:
-    return "-m" if key == "microbatches" else "--" + key.replace("_", "-")
+    return {"microbatches": "-m", "model_name": "--model"}.get(
+        key, "--" + key.replace("_", "-"))
 
 
-def _row(path: str) -> dict[str, Any]:
+def _row(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the plan document, plan #1's job)."""
     doc = read_json_object(path, MAX_PLAN_BYTES)
     plans = doc.get("plans")
-    if doc.get("format") != 1 or not isinstance(plans, list) or not plans:
-        raise ValueError(f"--plan {path}: not a plan of `stp plan --out` (format 1 with a "
-                         "non-empty `plans` list expected)")
+    fmt = doc.get("format")
+    if isinstance(fmt, int) and not isinstance(fmt, bool) and fmt > max(FORMATS):
+        raise ValueError(f"--plan {path}: plan format {fmt} is newer than this stp reads "
+                         f"({', '.join(map(str, FORMATS))}); update stp or re-plan with it")
+    if fmt not in FORMATS or isinstance(fmt, bool) or not isinstance(plans, list) or not plans:
+        raise ValueError(f"--plan {path}: not a plan of `stp plan --out` (format 1 or 2 with "
+                         "a non-empty `plans` list expected)")
     job = plans[0].get("job") if isinstance(plans[0], dict) else None
     if not isinstance(job, dict):
         raise ValueError(f"--plan {path}: plan #1 has no `job` object")
-    return job
+    if fmt == 1 and "model_name" in job:
+        raise ValueError(f"--plan {path}: a format 1 plan carries no model_name; re-plan "
+                         "with this stp")
+    if fmt == 2 and not isinstance(job.get("model_name"), str):
+        raise ValueError(f"--plan {path}: plan #1's job names no model (model_name); "
+                         "re-plan with `stp plan --out`")
+    return doc, job
+
+
+def _check_config_file(path: str, doc: dict[str, Any], name: str) -> None:
+    """A plan made for a config.json: the file is still there and unchanged."""
+    from stp.train.model_source import file_sha256, is_preset
+
+    if is_preset(name):
+        return
+    model = doc.get("model")
+    want = model.get("sha256") if isinstance(model, dict) else None
+    if not isinstance(want, str) or model.get("config") != name:  # type: ignore[union-attr]
+        raise ValueError(f"--plan {path}: its `model` object does not name {name!r} with "
+                         "its sha256; re-plan with `stp plan --out`")
+    try:
+        have = file_sha256(name)
+    except OSError as e:
+        raise ValueError(f"--plan {path} was made for {name}, which cannot be read "
+                         f"({e.strerror or e}); put it back or re-plan") from None
+    if have != want:
+        raise ValueError(f"--plan {path} was made for {name}, which has changed since "
+                         f"(sha256 {have[:12]}.., the plan says {want[:12]}..); re-plan")
+
+
+def _model_agrees(path: str, planned: str, given: str) -> None:
+    """`--model given` must describe the plan's model (one line of the differences)."""
+    from stp.train.model_source import differences, shape_of
+
+    if given == planned:
+        return
+    differ = differences(shape_of(given), shape_of(planned))
+    if differ:
+        raise ValueError(f"--model {given} disagrees with --plan {path}, made for {planned}: "
+                         f"{', '.join(differ)} (--model vs the plan's); drop --model or "
+                         "re-plan")
 
 
 def _checked(path: str, job: dict[str, Any]) -> dict[str, Any]:
@@ -85,14 +143,28 @@ def _in_range(path: str, key: str, val: Any) -> None:
                          f"{_flag(key)} ({accepted})")
 
 
-def with_plan(job: TrainJob) -> TrainJob:
+def with_plan(job: TrainJob, notes: list[str] | None = None) -> TrainJob:
     """`job` with plan #1's settings; ValueError (one line) for a bad file, a
-    setting this build lacks, or a flag that disagrees with the plan."""
+    setting this build lacks, or a flag that disagrees with the plan. `notes`
+    gets what the user should be told (a format 1 plan carries no model)."""
     assert job.plan is not None
-    settings = _checked(job.plan, _row(job.plan))
+    doc, row = _row(job.plan)
+    settings = _checked(job.plan, row)
     default, default_shape = TrainJob(), ModelShape()
     top: dict[str, Any] = {}
     shape: dict[str, Any] = {}
+    planned = settings.pop("model_name", None)
+    if planned is None:
+        if notes is not None:
+            notes.append(f"--plan {job.plan} is a format 1 plan and carries no model: "
+                         "training the model the flags describe (re-plan with this stp "
+                         "to record it)")
+    else:
+        _check_config_file(job.plan, doc, planned)
+        if job.model_name is not None:
+            _model_agrees(job.plan, planned, job.model_name)
+        else:
+            top["model_name"] = planned
     for key, val in settings.items():
         have, was = ((getattr(job.model, key), getattr(default_shape, key)) if key in _NESTED
                      else (getattr(job, key), getattr(default, key)))

@@ -103,7 +103,7 @@ def resolve(job: TrainJob, config: Any = None) -> Run:
     family.check_flags(job)
     tokenizer = run_tokenizer(job.tokenizer, job.init_from)
     if config is None:
-        config = family.config(job, tokenizer)
+        config = _config(job, family, tokenizer)
     # an --init-from checkpoint's config.json decides the family (a Mixtral is an MoE)
     family = family_of(config) or family
     family.check_run(job, config, schedule)
@@ -114,6 +114,32 @@ def resolve(job: TrainJob, config: Any = None) -> Run:
         job = dataclasses.replace(job, partition=",".join(map(str, partition)))
     return Run(job=job, family=family, config=config, schedule=schedule, partition=partition,
                tokenizer=tokenizer, resumed=resumed, resumed_step=resumed_step)
+
+
+def _config(job: TrainJob, family: TrainFamily, tokenizer: Tokenizer | None) -> Any:
+    """The model the job trains: `--model`'s shape, randomly initialised
+    (stp.train.model_source), or what the family's flags (or `--init-from`)
+    describe; with both `--model` and `--init-from`, the checkpoint's, once the
+    two agree."""
+    name = job.model_name
+    if name is None:
+        return family.config(job, tokenizer)
+    from stp.train import model_source
+
+    if job.init_from is not None:
+        config = family.config(job, tokenizer)
+        from stp.costmodel.configs import spec_from_config
+
+        have = spec_from_config(config, seq_len=job.model.seq_len)
+        differ = model_source.differences(model_source.shape_of(name), have,
+                                          model_source.CORE_FIELDS)
+        if differ:
+            raise ValueError(f"--model {name} is not the --init-from {job.init_from!r} "
+                             f"checkpoint's shape ({', '.join(differ)}); drop --model")
+        return config
+    config = model_source.model_config(name, job.model.seq_len, job.seed)
+    model_source.check_shape_flags(job.model, config, name)
+    return config
 
 
 def _partition(job: TrainJob, family: TrainFamily, config: Any,

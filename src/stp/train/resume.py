@@ -25,7 +25,7 @@ from stp.train.config import ModelShape, MoEShape, TrainJob, VisionShape
 __all__ = ["RUN_FILE", "MODEL_SETTINGS", "restore_settings", "run_dir_of", "write_settings"]
 
 RUN_FILE = "run.json"
-MODEL_SETTINGS = ("arch", "init_from", "tokenizer")
+MODEL_SETTINGS = ("arch", "init_from", "tokenizer", "model_name")
 """Top-level TrainJob fields that define the model (with `model`, `vision` and `moe`)."""
 _NESTED = {"model": ModelShape, "vision": VisionShape, "moe": MoEShape}
 
@@ -44,7 +44,7 @@ def write_settings(job: TrainJob, out: Path) -> None:
 
 
 def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+    return "--model" if name == "model_name" else "--" + name.replace("_", "-")
 
 
 def _merge(field: str, given: Any, default: Any, saved: Any, where: Path) -> Any:

@@ -62,6 +62,10 @@ class MLLMJob:
 
     def check_flags(self, job: TrainJob) -> None:
         """Settings `--arch mllm` does not take."""
+        if job.model_name is not None:
+            raise ValueError(f"--model {job.model_name} names a decoder (or a mixture of "
+                             "experts); --arch mllm builds its own from the vision flags: "
+                             "drop one of them")
         if job.save_hf is not None:
             raise ValueError("--arch mllm cannot --save-hf: stp's vision encoder and merger have "
                              "no Hugging Face layout to write; the checkpoints in --out keep the "
