@@ -74,6 +74,7 @@ from stp.train.parts import Parts, TrainerOptions
 from stp.train.precision import Precision, UpdateStats, apply_update
 from stp.train.save_full import full_layout, write_full
 from stp.train.setup import StageBuilder, build
+from stp.train.startup import load_clock
 
 __all__ = ["Trainer", "TrainerOptions", "StageBuilder", "OptimizerFactory"]
 
@@ -325,8 +326,9 @@ class Trainer:
         complete checkpoint in `path`, whatever mesh or schedule wrote it; `steps_done`
         continues from it, `data` skips the batches already used. Collective."""
         trainer = cls(*args, **kwargs)
-        trainer.steps_done = checkpoint.load(trainer.parts, trainer.optimizer, trainer.scheduler,
-                                             checkpoint.latest(path))
+        load = load_clock.timed(checkpoint.load)  # start-up's `load` (stp.train.startup)
+        trainer.steps_done = load(trainer.parts, trainer.optimizer, trainer.scheduler,
+                                  checkpoint.latest(path))
         if trainer._data is not None:
             for _ in range(trainer.steps_done):
                 next(trainer._data)
