@@ -55,9 +55,10 @@ def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
 
 def _pair_normals(key: int, pairs: torch.Tensor, even: torch.Tensor,
                   odd: torch.Tensor) -> None:
-    """even, odd (float32, pairs' shape, any strides) = the normals of the pair
-    counters `pairs` (int64)."""
-    z = (pairs + 1).mul_(_GAMMA).add_(key)  # int64 arithmetic wraps, as SplitMix64's
+    """even, odd (float32, pairs' shape, any strides) = the normals of the pairs whose
+    counters + 1 are `pairs` (int64, overwritten): SplitMix64's state after counter + 1
+    steps of its gamma."""
+    z = pairs.mul_(_GAMMA).add_(key)  # int64 arithmetic wraps, as SplitMix64's
     z.bitwise_xor_(_shr(z, 30)).mul_(_MIX1)
     z.bitwise_xor_(_shr(z, 27)).mul_(_MIX2)
     z.bitwise_xor_(_shr(z, 31))
@@ -84,6 +85,9 @@ def _blocks(outer: int, cols: int, chunk: int):
 def _counters(o0: int, o1: int, c0: int, c1: int, step: int, base: int,
               device: torch.device) -> torch.Tensor:
     """Counter base + o * step + c of each (o, c) in the block, row-major."""
+    if o1 - o0 == 1:
+        first = base + o0 * step
+        return torch.arange(first + c0, first + c1, device=device)
     rows = torch.arange(o0, o1, device=device).mul_(step).add_(base)
     return (rows[:, None] + torch.arange(c0, c1, device=device)[None, :]).view(-1)
 
@@ -95,14 +99,14 @@ def _fill(key: int, grid: torch.Tensor, row: int, first: int) -> None:
     if row % 2 == 0 and first % 2 == 0 and width % 2 == 0:  # whole pairs: half the draws
         pairs = grid.view(outer, width // 2, 2)
         for o0, o1, c0, c1 in _blocks(outer, width // 2, chunk):
-            idx = _counters(o0, o1, c0, c1, row // 2, first // 2, grid.device)
+            idx = _counters(o0, o1, c0, c1, row // 2, first // 2 + 1, grid.device)
             block = pairs[o0:o1, c0:c1]
             _pair_normals(key, idx.view(o1 - o0, c1 - c0), block[..., 0], block[..., 1])
         return
     for o0, o1, c0, c1 in _blocks(outer, width, 2 * chunk):  # odd sizes: element-wise
         idx = _counters(o0, o1, c0, c1, row, first, grid.device)
         even, odd = (torch.empty(idx.shape, device=grid.device) for _ in range(2))
-        _pair_normals(key, idx >> 1, even, odd)
+        _pair_normals(key, (idx >> 1).add_(1), even, odd)
         grid[o0:o1, c0:c1] = torch.where(idx.bitwise_and_(1).bool(), odd,
                                          even).view(o1 - o0, c1 - c0)
 
