@@ -7,13 +7,20 @@ rows of the whole tensor on every mesh.
 
 Element i of a tensor is component i % 2 of pair i // 2. A pair's 64 random bits
 are SplitMix64's output for that counter ("Fast Splittable Pseudorandom Number
-Generators", Steele, Lea and Flood, OOPSLA 2014: the golden-gamma increment then
-the variant-13 finaliser) keyed by the parameter; its two halves are uniforms
-(0, 1] and [0, 1) made normal by the Box-Muller transform (cos for the even
-element, sin for the odd one), in float64, then rounded to float32. Every step
-is elementwise on contiguous tensors, so an element's value does not depend on
-which slice or chunk computed it; float64 keeps a CPU and a GPU within the
-last bit of float64 before the float32 rounding (equal in practice).
+Generators", Steele, Lea and Flood, OOPSLA 2014: the golden-gamma increment, then
+Stafford's "variant 13" finaliser, as java.util.SplittableRandom) keyed by the
+parameter; its two halves are uniforms (0, 1] and [0, 1) made normal by the
+Box-Muller transform (cos for the even element, sin for the odd one), in float64,
+then rounded to float32. Every step is elementwise on contiguous tensors, so an
+element's value does not depend on which slice or chunk computed it. Computing in
+float64 is for other devices: their log, cos and sin may differ from the CPU's in
+the last bits of a float64, which the float32 rounding hides but for rare ties
+(not yet checked on a GPU).
+
+Cost: about 27 elementwise ops per pair. On a GPU that is a few passes over
+memory per chunk; on one CPU thread it is 2-3x the time of `torch.randn` for
+the same elements (benchmarks/results/startup.md), paid only for this rank's
+slice.
 """
 
 from __future__ import annotations
