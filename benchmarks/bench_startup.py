@@ -6,11 +6,13 @@ more source trees (before / after a change), rounds alternating.
 
 For each tree, in a fresh process per measurement:
 
-  build   the seconds to build and initialise TP rank 0's stage of the whole model
+  build   the seconds (wall, and the process's CPU time, steadier on a shared
+          machine) to build and initialise TP rank 0's stage of the whole model
           (`build_stage(config, 0, 1, tp_size=t, tp_rank=0)`, an identity all-reduce),
           at each `--tp`: what one rank of a t-way run spends making its parameters;
-  ttfs    time to first step of `stp train <flags> --steps 1 --json` (stp.train.startup's
-          definition): from the spawn of the process to its first step's JSON row,
+  ttfs    time to first step of `stp train <flags> --steps 2 --json` (stp.train.startup's
+          definition): from the spawn of the process to its first step's JSON row
+          (step 2, the last, writes the checkpoint: not timed),
           timed by this script (the same clock for every tree, whether or not the
           tree reports its own start-up), plus the run's own start-up parts when it
           records them.
@@ -35,11 +37,11 @@ from stp.models import ModelConfig, build_stage
 layers, hidden, heads, tp = (int(a) for a in sys.argv[1:5])
 cfg = ModelConfig(num_layers=layers, hidden=hidden, num_heads=heads, num_kv_heads=heads,
                   max_seq_len=64)
-t = time.perf_counter()
+t, c = time.perf_counter(), time.process_time()
 stage = build_stage(cfg, 0, 1, tp_size=tp, tp_rank=0, allreduce=lambda x: x)
-took = time.perf_counter() - t
+took, cpu = time.perf_counter() - t, time.process_time() - c
 n = sum(p.numel() for p in stage.parameters())
-print(took, n)
+print(took, cpu, n)
 """
 
 
@@ -47,19 +49,21 @@ def _env(tree: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
 
 
-def build_seconds(tree: str, layers: int, hidden: int, heads: int, tp: int) -> tuple[float, int]:
-    """(seconds, parameters) of TP rank 0's whole-model stage at tp, built in a fresh
-    process from `tree`."""
+def build_seconds(tree: str, layers: int, hidden: int, heads: int,
+                  tp: int) -> tuple[float, float, int]:
+    """(wall seconds, CPU seconds, parameters) of TP rank 0's whole-model stage at tp,
+    built in a fresh process from `tree` (CPU seconds: steadier on a shared machine)."""
     out = subprocess.run([sys.executable, "-c", BUILD, str(layers), str(hidden), str(heads),
                           str(tp)], capture_output=True, text=True, env=_env(tree), check=True)
-    took, n = out.stdout.split()
-    return float(took), int(n)
+    took, cpu, n = out.stdout.split()
+    return float(took), float(cpu), int(n)
 
 
 def first_step(tree: str, flags: list[str], out_dir: Path) -> dict[str, object]:
     """Seconds from spawning `stp train` to its first step's JSON row, the run's own
     start-up parts (None when the tree records none)."""
-    cmd = [sys.executable, "-m", "stp.cli.main", "train", *flags, "--steps", "1", "--json",
+    # two steps: the last step of a run also writes its checkpoint before its row
+    cmd = [sys.executable, "-m", "stp.cli.main", "train", *flags, "--steps", "2", "--json",
            "--out", str(out_dir)]
     began = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -102,8 +106,9 @@ def main() -> None:
         for name, tree in trees.items():
             res = results[name]
             for t in tps:
-                took, n = build_seconds(tree, args.layers, args.hidden, args.heads, t)
+                took, cpu, n = build_seconds(tree, args.layers, args.hidden, args.heads, t)
                 res.setdefault(f"build_tp{t}_s", []).append(took)
+                res.setdefault(f"build_cpu_tp{t}_s", []).append(cpu)
                 res[f"parameters_tp{t}"] = [n]
             if not args.skip_train:
                 for key, flags in runs.items():
