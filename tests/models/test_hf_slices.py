@@ -125,3 +125,16 @@ def test_a_file_cut_after_its_header_was_read_names_it(tmp_path: Path) -> None:
         fh.truncate(file.stat().st_size - 100)
     with pytest.raises(ValueError, match=r"w.safetensors became shorter while tensor w was read"):
         read_slice(stored, ShardSlice(None), torch.float32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("where", [ShardSlice(None), ShardSlice(0, 2, 5), ShardSlice(1, 1, 3),
+                                   ShardSlice(0, 4, 6, 2)])
+def test_a_slice_read_to_the_device_equals_the_host_read(tmp_path, where):
+    file = tmp_path / "w.safetensors"
+    save_file({"w": torch.randn(6, 4, generator=torch.Generator().manual_seed(0))}, str(file))
+    stored = read_header(file)["w"]
+    for dtype in (torch.float32, torch.bfloat16):
+        on_device = read_slice(stored, where, dtype, "cuda")
+        assert on_device.device.type == "cuda"
+        assert torch.equal(on_device.cpu(), read_slice(stored, where, dtype))

@@ -22,7 +22,9 @@ rank at once: `stp: interrupted at step N; last checkpoint: ...`, exit 130
 Output: a progress bar on stderr (loss, tokens/s, step time), a summary and
 a sharded checkpoint at the end (--save-full / --save-hf: the whole model as
 one safetensors file / a Hugging Face directory, written stage by stage);
-with --json, one JSON object per step on stdout and nothing else there.
+with --json, one JSON object per step on stdout and nothing else there. After
+the first step, one start-up line on stderr: the time to first step and where it
+went (stp.train.startup); --json's first row records it as "startup".
 torch is imported only when the command runs.
 """
 
@@ -33,6 +35,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from typing import Any
 
 from stp.cli.common import EXIT_USAGE
@@ -79,6 +82,10 @@ class _Progress:
         self.every = max(1, total // 20)
 
     def __call__(self, r: Any) -> None:
+        if getattr(r, "startup", None) is not None:  # once, on stderr, --json or not
+            from stp.train.startup import line
+
+            print(line(r.startup), file=sys.stderr, flush=True)
         if self.as_json:
             # counted from 1, as the progress line and the checkpoint names count
             row = {"step": r.step + 1, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
@@ -89,6 +96,7 @@ class _Progress:
             row.update({} if getattr(r, "compile_s", None) is None else {"compile_s": r.compile_s})
             row["mfu"] = getattr(r, "mfu", None)  # null: the device's peak is unknown
             row.update(getattr(r, "figures", None) or {})  # e.g. an MoE's aux_loss
+            row.update({} if getattr(r, "startup", None) is None else {"startup": r.startup})
             print(json.dumps(row), flush=True)
             return
         if r.skipped:
@@ -285,6 +293,9 @@ def run_train(args: argparse.Namespace) -> int:
     from stp.train.job import check
     from stp.train.outlock import existing_out, hold_out
     from stp.train.schedules import with_schedule_file
+    from stp.train.startup import mark_launch
+
+    entered = time.time()  # time to first step's `imports` (torch, stp) end here
 
     job = from_args(TrainJob, args)
     if job.plan is not None:
@@ -296,6 +307,7 @@ def run_train(args: argparse.Namespace) -> int:
             for note in notes:
                 say(f"stp: note: {note}")
     if in_torchrun():
+        mark_launch(entered)  # each rank's own process; its checks count as workers
         return _under_torchrun(job, args.json)
     # One run per --out until this process ends (stp.train.outlock). An existing one
     # (--out, or the run --resume continues) is locked before the checks: a run in
@@ -313,6 +325,7 @@ def run_train(args: argparse.Namespace) -> int:
     hold_out(job.out)
     if not _announce(resolved):
         return 0
+    mark_launch(entered)
     if job.world_size == 1:
         return _train_here(resolved, args.json)
     result = launch_local(_worker, (resolved, args.json), job.world_size,

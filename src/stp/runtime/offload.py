@@ -48,7 +48,14 @@ from typing import Any
 
 import torch
 
-from stp.runtime.offload_copy import Copier, CopyEvent, CudaCopier, HostCopier, byte_view
+from stp.runtime.offload_copy import (
+    Copier,
+    CopyEvent,
+    CudaCopier,
+    HostBuffer,
+    HostCopier,
+    byte_view,
+)
 from stp.schedule.ir import Action, Kind, Pass, Schedule
 from stp.schedule.offload import OffloadPlan
 from stp.sim.costs import Costs, MemCosts, OffloadCosts
@@ -122,7 +129,7 @@ class _Copy:
 
     storage: torch.UntypedStorage
     nbytes: int
-    host: torch.UntypedStorage
+    host: HostBuffer
     copy_out: CopyEvent
     copy_in: CopyEvent | None = None
     released: bool = False

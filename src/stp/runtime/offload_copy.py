@@ -14,7 +14,9 @@ On CUDA (compute stream C, side streams D2H and H2D):
 Freeing the device storage only after ev_out, and dropping a host buffer only
 after the copies that use it, is the offloader's part.
 
-On CPU the copies are synchronous, into separate host buffers.
+On CPU the copies are synchronous, into separate host buffers, nothing pinned.
+On CUDA the host buffers are ranges of a few pinned slabs (stp.runtime.host_pool),
+not one `cudaHostAlloc` per offloaded storage.
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["CopyEvent", "Copier", "HostCopier", "CudaCopier", "byte_view"]
+from stp.runtime.host_pool import HostPool
+
+__all__ = ["CopyEvent", "Copier", "HostBuffer", "HostCopier", "CudaCopier", "byte_view"]
+
+HostBuffer = torch.UntypedStorage | torch.Tensor
+"""A host copy: a storage of its own, or a uint8 tensor over a range of a pool's slab
+(its storage is the whole slab, so the tensor itself is what is kept)."""
 
 
 class CopyEvent(Protocol):
@@ -35,11 +43,12 @@ class CopyEvent(Protocol):
 class Copier(Protocol):
     """Moves storage bytes between the device and the host."""
 
-    def to_host(self, src: torch.UntypedStorage) -> tuple[torch.UntypedStorage, CopyEvent]:
-        """Start copying `src` into a new host buffer; returns (buffer, event)."""
+    def to_host(self, src: torch.UntypedStorage) -> tuple[HostBuffer, CopyEvent]:
+        """Start copying `src` into a new host buffer; returns (buffer, event). The
+        buffer is dropped only after the copies that use it have ended."""
         ...
 
-    def to_device(self, dst: torch.UntypedStorage, host: torch.UntypedStorage) -> CopyEvent:
+    def to_device(self, dst: torch.UntypedStorage, host: HostBuffer) -> CopyEvent:
         """Start copying `host` into the (allocated) device storage `dst`."""
         ...
 
@@ -73,7 +82,7 @@ class HostCopier:
         host.copy_(src)
         return host, _DONE
 
-    def to_device(self, dst: torch.UntypedStorage, host: torch.UntypedStorage) -> CopyEvent:
+    def to_device(self, dst: torch.UntypedStorage, host: HostBuffer) -> CopyEvent:
         dst.copy_(host)
         return _DONE
 
@@ -85,28 +94,31 @@ class HostCopier:
 
 
 class CudaCopier:
-    """CUDA: pinned host buffers, one side stream each way, an event per copy."""
+    """CUDA: pinned host buffers from one pool (`pool`, default a HostPool of its
+    default size), one side stream each way, an event per copy."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, pool: HostPool | None = None) -> None:
         self.device = device
         self.d2h = torch.cuda.Stream(device)
         self.h2d = torch.cuda.Stream(device)
+        self.pool = HostPool() if pool is None else pool
 
-    def to_host(self, src: torch.UntypedStorage) -> tuple[torch.UntypedStorage, CopyEvent]:
-        host = torch.empty(src.nbytes(), dtype=torch.uint8, pin_memory=True)
+    def to_host(self, src: torch.UntypedStorage) -> tuple[HostBuffer, CopyEvent]:
+        host = self.pool.take(src.nbytes())
         # the forward wrote src on the compute stream: copy only after it
         self.d2h.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.d2h):
             host.copy_(byte_view(src), non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.d2h)
-        return host.untyped_storage(), event
+        return host, event
 
-    def to_device(self, dst: torch.UntypedStorage, host: torch.UntypedStorage) -> CopyEvent:
+    def to_device(self, dst: torch.UntypedStorage, host: HostBuffer) -> CopyEvent:
         # dst was just allocated on the compute stream: write it only after that
         self.h2d.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.h2d):
-            byte_view(dst).copy_(byte_view(host), non_blocking=True)
+            src = host if isinstance(host, torch.Tensor) else byte_view(host)
+            byte_view(dst).copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.h2d)
         return event

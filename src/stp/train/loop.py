@@ -39,6 +39,7 @@ from stp.train.outlock import lock_error
 from stp.train.pretrained import copy_tokenizer
 from stp.train.resolve import Run
 from stp.train.resume import write_settings
+from stp.train.startup import Startup
 from stp.train.storage import StorageFault, cause_of
 from stp.train.trainer import Trainer, TrainerOptions
 
@@ -71,6 +72,10 @@ class StepReport:
     mfu: float | None = None
     """Model FLOPs of the step over step_time_s and the mesh's dense peak
     (stp.train.mfu); None when the peak is unknown (the CPU)."""
+    startup: dict[str, float] | None = None
+    """On the process's first step: time to first step and its parts, in seconds, on
+    global rank 0 (stp.train.startup: `total`, imports, checks, workers, data, build,
+    load, compile, step, other)."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,8 @@ class RunSummary:
                 f"counts them: causal attention full, recomputation not counted) over "
                 f"{self.job.world_size} x {self.peak.flops / 1e12:g} TFLOP/s dense "
                 f"({self.peak.source})")
+    startup: dict[str, float] | None = None
+    """Time to first step and its parts (StepReport.startup)."""
 
     @property
     def first_loss(self) -> float | None:
@@ -196,17 +203,22 @@ def run(resolved: Run,
         on_step: Callable[[StepReport], None] | None = None) -> RunSummary | None:
     """Train the resolved run on the initialised world (see the module doc)."""
     job = resolved.job
+    clock = Startup.from_env()  # time to first step (stp.train.startup)
     mesh = Mesh.from_world(ParallelDims(job.pp, job.tp, job.dp, job.ep), timeout=job.timeout)
     resolved = _shared_out(resolved)
     job, schedule = resolved.job, resolved.schedule
     if mesh.rank == 0:  # what a later --resume restores (stp.train.resume)
         write_settings(job, job.out_dir())
+    clock.at("workers")
     batches = resolved.family.batches(resolved)  # bytes, tokens, or images and captions
+    evals, sharded = _eval_batches(resolved), None
+    clock.at("data")
     args = (resolved.stage_model(), adamw(job.lr, weight_decay=job.weight_decay), schedule)
     kw = {"mesh": mesh, "options": _options(resolved), "init_from": job.init_from}
     trainer = (Trainer.resume(job.resume, *args, allow_unverified=job.allow_unverified, **kw)
                if job.resume else Trainer(*args, **kw))
-    evals, sharded = _eval_batches(resolved), None
+    clock.at("build")
+    startup: dict[str, float] | None = None
     tokens_per_step = job.global_batch * job.model.seq_len
     losses, times = [], []
     peaks: list[int] | None = None
@@ -220,6 +232,10 @@ def run(resolved: Run,
         start = time.perf_counter()
         loss = trainer.step(batches.batch(step))
         elapsed = time.perf_counter() - start
+        if not losses:  # the end of this process's first step
+            clock.at("step")
+            startup = clock.parts(compile_stats().seconds,
+                                  compile_stats().seconds - compiled_before)
         compile_s = (_slowest(compile_stats().seconds - compiled_before, trainer.device)
                      if job.compile else None)
         compiling += compile_s or 0.0
@@ -239,7 +255,8 @@ def run(resolved: Run,
             on_step(StepReport(step, loss, tokens_per_step / elapsed, elapsed, resident,
                                update.grad_norm, update.lr, update.skipped, eval_loss,
                                saved, trainer.last_figures or None, compile_s,
-                               mfu_of(flops, elapsed, job.world_size, peak)))
+                               mfu_of(flops, elapsed, job.world_size, peak),
+                               startup if len(losses) == 1 else None))
     trainer.finish_param_gather()  # the model after the last step (--overlap-param-gather)
     if job.trace is not None and losses:  # the last step, every rank
         trainer.write_trace(job.trace, {"braid": job.braid, "emulate": job.emulate,
@@ -269,6 +286,7 @@ def run(resolved: Run,
         losses=tuple(losses), step_times_s=tuple(times), tokens_per_step=tokens_per_step,
         resident_activation_bytes=peaks, checkpoint=sharded, memory=memory,
         compile_s=compiling if job.compile else None, step_flops=flops, peak=peak,
+        startup=startup,
     )
 
 

@@ -43,6 +43,7 @@ from stp.train.param_gather import ParamGather
 from stp.train.parts import Parts, TrainerOptions
 from stp.train.precision import Precision
 from stp.train.schedules import is_schedule_file, load_schedule_file
+from stp.train.startup import load_clock
 from stp.train.zero import DPGroup, ShardedPrecision
 
 __all__ = ["TrainerOptions", "StageBuilder", "Parts", "build", "resolve_schedule",
@@ -80,7 +81,7 @@ def stage_builder(model: Any, opts: TrainerOptions, num_stages: int, tp: int,
         family.model.check(model, tp, num_stages)
         if check_ep is not None:
             check_ep(model, ep)
-        weights = None if source is None else source.read
+        weights = None if source is None else load_clock.timed(source.read)
         sp = {"sequence_parallel": True} if opts.sequence_parallel and tp > 1 else {}
         if opts.recompute != "none":
             sp["recompute"] = opts.recompute

@@ -74,6 +74,7 @@ from stp.train.parts import Parts, TrainerOptions
 from stp.train.precision import Precision, UpdateStats, apply_update
 from stp.train.save_full import full_layout, write_full
 from stp.train.setup import StageBuilder, build
+from stp.train.startup import load_clock
 
 __all__ = ["Trainer", "TrainerOptions", "StageBuilder", "OptimizerFactory"]
 
@@ -327,9 +328,9 @@ class Trainer:
         continues from it, `data` skips the batches already used. A checkpoint without
         its checksum manifest is refused unless `allow_unverified`. Collective."""
         trainer = cls(*args, **kwargs)
-        trainer.steps_done = checkpoint.load(trainer.parts, trainer.optimizer, trainer.scheduler,
-                                             checkpoint.latest(path),
-                                             allow_unverified=allow_unverified)
+        load = load_clock.timed(checkpoint.load)  # start-up's `load` (stp.train.startup)
+        trainer.steps_done = load(trainer.parts, trainer.optimizer, trainer.scheduler,
+                                  checkpoint.latest(path), allow_unverified=allow_unverified)
         if trainer._data is not None:
             for _ in range(trainer.steps_done):
                 next(trainer._data)

@@ -1,11 +1,12 @@
 """Parameter names, shapes, TP shard dims, the layer split and mesh-independent init.
 
 Every parameter has one global name shared by the reference model and every
-stage (`embed.weight`, `layers.3.attn.wq.weight`, `norm.weight`, ...). Its full
-value is drawn from a generator seeded by (config.seed, name), then a TP rank
-keeps its slice along `shard_dim` (`tp_slice`): the same seed gives the same
-full model whatever pp and tp are, and a rank only creates the layers of its
-stages. A checkpoint loader (stp.models.hf) reads the same slices from disk.
+stage (`embed.weight`, `layers.3.attn.wq.weight`, `norm.weight`, ...). Its value
+is a function of (config.seed, name, element index) (stp.models.counter_rng), and
+a TP rank computes only its slice along `shard_dim` (`tp_slice`), on its own
+device: the same seed gives the same full model whatever pp and tp are, a rank
+only creates the layers of its stages, and no rank draws a whole tensor to keep a
+part of it. A checkpoint loader (stp.models.hf) reads the same slices from disk.
 
 Two splits are not equal cuts of the full tensor:
 - the vocabulary (embedding, head) is padded to a multiple of tp: a rank's
@@ -24,6 +25,7 @@ from typing import Literal
 
 import torch
 
+from stp.models.counter_rng import normal_slice, splitmix_key
 from stp.shapes.decoder import ModelConfig
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "parameter_specs",
     "init_full",
     "init_shard",
+    "init_slice",
     "shard_range",
 ]
 
@@ -110,25 +113,15 @@ def parameter_specs(
     return specs
 
 
-def _generator(seed: int, name: str) -> torch.Generator:
-    # A stable 63-bit seed from (seed, name): Python's hash() is salted per process.
+def _key(seed: int, name: str) -> int:
+    # A stable 64-bit key from (seed, name): Python's hash() is salted per process.
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return splitmix_key(int.from_bytes(digest[:8], "little"))
 
 
 def init_full(config: ModelConfig, spec: ParamSpec, dtype: torch.dtype) -> torch.Tensor:
-    """The full value of one parameter, on CPU. Drawn in float32 and then cast, so a
-    float64 model holds exactly the values of a float32 one."""
-    if spec.init == "ones":
-        return torch.ones(spec.shape, dtype=dtype)
-    if spec.init == "zeros":
-        return torch.zeros(spec.shape, dtype=dtype)
-    std = config.init_std
-    if spec.init == "normal_out":
-        std = std / math.sqrt(2 * config.num_layers)
-    name = spec.tied_to or spec.name
-    full = torch.randn(spec.shape, generator=_generator(config.seed, name))
-    return (full * std).to(dtype)
+    """The full value of one parameter, on CPU (init_slice of the whole tensor)."""
+    return init_slice(config, spec, ShardSlice(None), device="cpu", dtype=dtype)
 
 
 def shard_range(size: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
@@ -178,6 +171,26 @@ def pad_shard(t: torch.Tensor, where: ShardSlice) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=where.dim)
 
 
+def init_slice(config: ModelConfig, spec: ParamSpec, where: ShardSlice, *,
+               device: torch.device | str = "cpu",
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`where` of one parameter's initial value (padded), made on `device`. Drawn in
+    float32 and then cast, so a float64 model holds exactly the values of a float32
+    one."""
+    shape = list(spec.shape)
+    if where.dim is not None:
+        shape[where.dim] = where.stop - where.start
+    if spec.init in ("ones", "zeros"):
+        fill = torch.ones if spec.init == "ones" else torch.zeros
+        return pad_shard(fill(shape, dtype=dtype, device=device), where)
+    std = config.init_std
+    if spec.init == "normal_out":
+        std = std / math.sqrt(2 * config.num_layers)
+    key = _key(config.seed, spec.tied_to or spec.name)
+    part = normal_slice(key, spec.shape, where.dim, where.start, where.stop, device=device)
+    return pad_shard(part.mul_(std).to(dtype), where)
+
+
 def init_shard(
     config: ModelConfig,
     spec: ParamSpec,
@@ -187,12 +200,7 @@ def init_shard(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """This TP rank's slice of the full parameter (the whole tensor if replicated)."""
-    full = init_full(config, spec, dtype)
-    where = tp_slice(config, spec, tp_size, tp_rank)
-    if where.dim is not None:
-        # cloned: a narrowed view (contiguous along dim 0) would keep the whole
-        # tensor's storage alive, t times the shard's bytes on every TP rank
-        full = pad_shard(full.narrow(where.dim, where.start, where.stop - where.start).clone(),
-                         where)
-    return full.contiguous().to(device)
+    """This TP rank's slice of the full parameter (the whole tensor if replicated),
+    computed alone on `device`."""
+    return init_slice(config, spec, tp_slice(config, spec, tp_size, tp_rank),
+                      device=device, dtype=dtype)

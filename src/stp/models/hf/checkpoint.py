@@ -177,7 +177,7 @@ class HFCheckpoint:
                              f"{self.path}/config.json")
         key = hf_name(spec.tied_to or spec.name, layout_of(self.config))
         where = tp_slice(config, spec, tp_size, tp_rank)
-        return read_slice(self.stored[key], where, dtype).to(device)
+        return read_slice(self.stored[key], where, dtype, device)
 
     def full_tensors(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Every parameter, whole, under stp's names."""

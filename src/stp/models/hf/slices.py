@@ -186,12 +186,14 @@ def scan_finite(stored: StoredTensor) -> None:
         raise ValueError(f"cannot read {stored.file}: {e.strerror or e}") from None
 
 
-def read_slice(stored: StoredTensor, where: ShardSlice, dtype: torch.dtype) -> torch.Tensor:
+def read_slice(stored: StoredTensor, where: ShardSlice, dtype: torch.dtype,
+               device: torch.device | str = "cpu") -> torch.Tensor:
     """Rows [where.start, where.stop) along where.dim of `stored` (the whole tensor when
-    where.dim is None), in `dtype`, with where.pad zero rows appended; NotFinite naming
-    the file and tensor if the slice holds NaN or inf, ValueError if the file changed
-    under us."""
-    out = torch.empty(_shard_shape(stored.shape, where), dtype=dtype)
+    where.dim is None), in `dtype`, with where.pad zero rows appended, made on `device`;
+    NotFinite naming the file and tensor if the slice holds NaN or inf, ValueError if
+    the file changed under us. Off the CPU the rows go through one host block at a
+    time straight into the device tensor (no host copy of the whole shard)."""
+    out = torch.empty(_shard_shape(stored.shape, where), dtype=dtype, device=device)
     if where.pad:
         out.narrow(where.dim or 0, out.shape[where.dim or 0] - where.pad, where.pad).zero_()
     # Tensors seen as (rows, dim 1, the rest): a dim-0 shard is a row range of the file,
@@ -202,15 +204,19 @@ def read_slice(stored: StoredTensor, where: ShardSlice, dtype: torch.dtype) -> t
     lo, hi = (where.start, where.stop) if where.dim == 0 else (0, shape[0])
     cols = slice(where.start, where.stop) if where.dim == 1 else slice(None)
     width = where.stop - where.start if where.dim == 1 else kept.shape[1]
+    on_host = out.device.type == "cpu"
     try:
         with open(stored.file, "rb") as fh:
-            if where.dim != 1 and DTYPES[stored.dtype] == dtype:  # the file's bytes are ours
+            if on_host and where.dim != 1 and DTYPES[stored.dtype] == dtype:  # bytes are ours
                 row_bytes = math.prod(shape[1:]) * dtype.itemsize
                 _read_rows(fh, stored, lo, row_bytes, kept[: hi - lo])
-            else:  # a cast, or some columns of each row: through one small buffer
+            else:  # a cast, some columns of each row, or a device: through one small buffer
                 for first, got in _blocks(fh, stored, lo, hi):
+                    if not on_host:  # checked on the host as it arrives: no device syncs
+                        _check_finite(stored, got[:, cols])
                     kept[first - lo : first - lo + len(got), :width].copy_(got[:, cols])
     except OSError as e:
         raise ValueError(f"cannot read {stored.file}: {e.strerror or e}") from None
-    _check_finite(stored, out)
+    if on_host:
+        _check_finite(stored, out)
     return out

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stp.models.decoder.init import ParamSpec, init_full, pad_shard, parameter_specs, tp_slice
+from stp.models.decoder.init import ParamSpec, init_full, init_slice, parameter_specs, tp_slice
 from stp.models.decoder.stage import ModelStage, _register, check_tp, set_recompute
 from stp.models.decoder.units import AttentionUnit, LossUnit, MLPUnit, RopeCache, Unit
 from stp.models.mllm.rows import check_mllm_sequence
@@ -28,7 +28,7 @@ from stp.models.recompute import check_recompute
 from stp.models.tp.comm import make_allreduce
 from stp.models.tp.sequence import SequenceParallel
 from stp.schedule.placement import partition_layers
-from stp.shapes.decoder import IGNORE_INDEX
+from stp.shapes.decoder import IGNORE_INDEX, ModelConfig
 from stp.shapes.mllm import MLLMConfig
 
 __all__ = ["MLLMStage", "build_mllm_stage", "check_mllm", "mllm_specs", "mllm_init"]
@@ -70,24 +70,25 @@ def mllm_specs(cfg: MLLMConfig, layers: range | None = None, *, first: bool = Tr
     return specs + parameter_specs(cfg.decoder, dec, first=first, last=last)
 
 
+def _base(cfg: MLLMConfig, spec: ParamSpec) -> ModelConfig:
+    """The config a parameter's init reads: the encoder's residual outputs scale by
+    the encoder's depth."""
+    if spec.name.startswith("vision."):
+        return dataclasses.replace(cfg.decoder, num_layers=cfg.vision.num_layers)
+    return cfg.decoder
+
+
 def mllm_init(cfg: MLLMConfig, spec: ParamSpec, dtype: torch.dtype) -> torch.Tensor:
     """The full value of one parameter, seeded by (decoder seed, name) as the decoder's
     (stp.models.init.init_full); the encoder's residual outputs scale by its depth."""
-    base = cfg.decoder
-    if spec.name.startswith("vision."):
-        base = dataclasses.replace(base, num_layers=cfg.vision.num_layers)
-    return init_full(base, spec, dtype)
+    return init_full(_base(cfg, spec), spec, dtype)
 
 
-def _shard(cfg: MLLMConfig, spec: ParamSpec, tp_size: int, tp_rank: int) -> torch.Tensor:
-    full = mllm_init(cfg, spec, torch.float32)
-    where = tp_slice(cfg.decoder, spec, tp_size, tp_rank)
-    if where.dim is not None:
-        # cloned: a narrowed view (contiguous along dim 0) would keep the whole tensor's
-        # storage alive, t times the shard's bytes (as stp.models.decoder.init.init_shard)
-        full = pad_shard(full.narrow(where.dim, where.start, where.stop - where.start).clone(),
-                         where)
-    return full.contiguous()
+def _shard(cfg: MLLMConfig, spec: ParamSpec, tp_size: int, tp_rank: int,
+           device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """This TP rank's slice alone, made on `device` (stp.models.decoder.init.init_slice)."""
+    return init_slice(_base(cfg, spec), spec, tp_slice(cfg.decoder, spec, tp_size, tp_rank),
+                      device=device, dtype=dtype)
 
 
 def check_mllm(cfg: MLLMConfig, tp: int, num_stages: int) -> None:
@@ -238,8 +239,7 @@ def build_mllm_stage(cfg: MLLMConfig, stage: int, num_stages: int, *,
     check_tp(cfg.decoder, tp_size, tp_rank)
     layers = partition_layers(cfg.num_layers, num_stages, partition)[stage]
     specs = mllm_specs(cfg, layers, first=stage == 0, last=stage == num_stages - 1)
-    tensors = {s.name: _shard(cfg, s, tp_size, tp_rank).to(device=device, dtype=dtype)
-               for s in specs}
+    tensors = {s.name: _shard(cfg, s, tp_size, tp_rank, device, dtype) for s in specs}
     return MLLMStage(cfg, stage, num_stages, specs, tensors, tp_size=tp_size, tp_rank=tp_rank,
                      tp_group=tp_group, partition=partition,
                      sequence_parallel=sequence_parallel, recompute=recompute)
