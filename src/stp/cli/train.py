@@ -271,21 +271,33 @@ def _announce(resolved: Any, *, quiet: bool = False) -> bool:
     return True
 
 
+def _torchrun_env() -> bool:
+    """stp.runtime.launch.in_torchrun without importing torch: torchrun's variables set."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
 def run_train(args: argparse.Namespace) -> int:
     # Before torch loads OpenMP (here and in spawned workers): idle intra-op
     # threads sleep instead of spinning. Spinning threads on shared cores
     # (local workers, other jobs) measured 10-100x slower steps on 2 cores.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from stp.runtime.launch import in_torchrun, launch_local
-    from stp.train.job import check
-    from stp.train.outlock import existing_out, hold_out
-    from stp.train.schedules import with_schedule_file
+    from stp.train.precheck import precheck
 
     job = from_args(TrainJob, args)
     if job.plan is not None:
         from stp.train.plan_file import with_plan
 
         job = with_plan(job)
+    if not _torchrun_env():
+        # What the flags alone show is refused before torch loads (5-20 s on a loaded
+        # machine); under torchrun every rank checks and rank 0 alone reports
+        # (_under_torchrun), so the full checks say it there.
+        precheck(job)
+    from stp.runtime.launch import in_torchrun, launch_local
+    from stp.train.job import check
+    from stp.train.outlock import existing_out, hold_out
+    from stp.train.schedules import with_schedule_file
+
     if in_torchrun():
         return _under_torchrun(job, args.json)
     # One run per --out until this process ends (stp.train.outlock). An existing one
