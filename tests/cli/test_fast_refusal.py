@@ -25,6 +25,7 @@ BAD = [
      "the MLP width (from --hidden) 128 must be divisible by --tp 3"),
     (["--tp", "2", "--kv-heads", "3", "--heads", "6", "--hidden", "48"],
      "--kv-heads 3 must be divisible by --tp 2, or divide it"),
+    (["--arch", "moe", "--tp", "3"], "--heads 4 must be divisible by --tp 3"),
     (["--data", "/nonexistent/c.txt"], "data path '/nonexistent/c.txt' does not exist"),
     (["--eval-every", "1", "--eval-data", "/nonexistent/e.txt"],
      "data path '/nonexistent/e.txt' does not exist"),
@@ -70,7 +71,7 @@ def _run(command: str, argv: list[str]) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize("command,argv,message", [
-    ("train", *BAD[0]), ("train", *BAD[1]), ("train", *BAD[3]), ("memory", *BAD[0]),
+    ("train", *BAD[0]), ("train", *BAD[1]), ("train", *BAD[4]), ("memory", *BAD[0]),
 ])
 def test_refused_without_importing_torch(command, argv, message) -> None:
     out = _run(command, argv)

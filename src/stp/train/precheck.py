@@ -17,14 +17,9 @@ from pathlib import Path
 
 from stp.shapes import ModelConfig
 from stp.train.config import DTYPES, TOY_SHAPE, TrainJob
+from stp.train.families import EARLY_TP_CHECKS
 
 __all__ = ["check_data_path", "check_mesh_flags", "precheck"]
-
-_OWN_SHAPE_ARCHS = ("decoder", "moe")
-"""Families whose heads are `--heads` (TOY_SHAPE's when left out), split over --tp as
-stp.models.decoder.stage.check_tp splits them; the multimodal model's encoder has
-heads of its own, checked by its family."""
-
 
 def check_data_path(path: str) -> None:
     """ValueError naming `path` unless it exists (a text file or a directory)."""
@@ -60,9 +55,11 @@ def precheck(job: TrainJob) -> None:
 
 
 def _check_heads(job: TrainJob) -> None:
-    """Heads and kv heads over --tp, for a model whose shape is the flags' (not an
-    --init-from checkpoint's, nor a resumed run's recorded one)."""
-    if job.arch not in _OWN_SHAPE_ARCHS or job.init_from is not None or job.resume is not None:
+    """Heads, the MLP width and kv heads over --tp (the family's EARLY_TP_CHECKS), for a
+    model whose shape is the flags' (not an --init-from checkpoint's, nor a resumed
+    run's recorded one), in stp.models.decoder.stage.check_tp's order and words."""
+    checks = EARLY_TP_CHECKS.get(job.arch, ())
+    if not checks or job.init_from is not None or job.resume is not None:
         return
     m = job.model
     layers, hidden, heads = (getattr(m, k) or v for k, v in TOY_SHAPE.items())
@@ -72,11 +69,11 @@ def _check_heads(job: TrainJob) -> None:
                              num_kv_heads=kv, max_seq_len=m.seq_len)
     except ValueError:
         return  # the full checks name it, in the flags' words
-    if heads % job.tp:
+    if "heads" in checks and heads % job.tp:
         raise ValueError(f"--heads {heads} must be divisible by --tp {job.tp}")
-    if job.arch == "decoder" and config.ffn_hidden % job.tp:  # an MoE's experts have their own
+    if "ffn" in checks and config.ffn_hidden % job.tp:
         raise ValueError(f"the MLP width (from --hidden) {config.ffn_hidden} must be divisible "
                          f"by --tp {job.tp}")
-    if kv % job.tp and job.tp % kv:
+    if "kv_heads" in checks and kv % job.tp and job.tp % kv:
         raise ValueError(f"--kv-heads {kv} must be divisible by --tp {job.tp}, or divide it "
                          "(each kv head is then replicated on --tp / --kv-heads ranks)")
