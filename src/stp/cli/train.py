@@ -77,8 +77,14 @@ class _Progress:
         self.total, self.as_json = total, as_json
         self.tty = sys.stderr.isatty()
         self.every = max(1, total // 20)
+        self.first_figures: dict[str, float] | None = None
+        self.last_figures: dict[str, float] | None = None
 
     def __call__(self, r: Any) -> None:
+        figures = getattr(r, "figures", None)
+        if figures:  # for the summary: the first and the last step's
+            self.first_figures = self.first_figures or figures
+            self.last_figures = figures
         if self.as_json:
             # counted from 1, as the progress line and the checkpoint names count
             row = {"step": r.step + 1, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
@@ -101,6 +107,7 @@ class _Progress:
                 f"{r.tokens_per_s / 1000:.1f}k tok/s | {1000 * r.step_time_s:.0f} ms/step")
         line += "" if r.grad_norm is None else f" | grad {r.grad_norm:.3g} | lr {r.lr:.3g}"
         line += "" if r.eval_loss is None else f" | eval {r.eval_loss:.4f}"
+        line += _figures_text(figures)
         if r.eval_loss is not None and not self.tty:
             print(line, file=sys.stderr, flush=True)
             return
@@ -111,8 +118,60 @@ class _Progress:
             print(line, file=sys.stderr, flush=True)
 
 
-def _summary(s: Any, as_json: bool) -> None:
-    """Rank 0's closing lines (s: stp.train.loop.RunSummary)."""
+def _figures_text(figures: dict[str, float] | None) -> str:
+    """An MoE step's figures for the progress line: the load-balancing loss and the
+    busiest expert's share over the mean (1.00: balanced)."""
+    if not figures or "aux_loss" not in figures:
+        return ""
+    return f" | aux {figures['aux_loss']:.4g} | load {figures.get('expert_load', 1.0):.2f}"
+
+
+def _on_off(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def _model_text(config: Any, parameters: int, job: Any) -> str:
+    """The model as it ran: family, layers x width, parameters, an MoE's experts and
+    its ep, a multimodal model's vision encoder (read from the config, duck-typed:
+    no family's class is named above the models)."""
+    from stp.cli.memory import format_count
+
+    if job.emulate is not None:
+        return f"model emulated compute ({job.emulate} ms)"
+    vision, decoder = getattr(config, "vision", None), getattr(config, "decoder", config)
+    experts = getattr(decoder, "num_experts", None)
+    family = "mllm" if vision is not None else "moe" if experts else "decoder"
+    text = f"model {family} "
+    if vision is not None:
+        text += (f"vision {vision.num_layers}x{vision.hidden} ({vision.image_size}-px images, "
+                 f"patch {vision.patch_size}, merge {vision.merge}) + decoder ")
+    text += f"{decoder.num_layers}x{decoder.hidden} ({format_count(parameters)} params)"
+    if experts:
+        text += f", moe {experts} experts top-{decoder.top_k} ep{job.ep}"
+    return text
+
+
+def _ran_line(s: Any, config: Any) -> str:
+    """One line stating the configuration as it ran (s: stp.train.loop.RunSummary;
+    config: the model's, stp.train.resolve.Run.config)."""
+    job = s.job
+    sp = job.sequence_parallel and job.tp > 1  # no effect at --tp 1
+    shard = job.shard_optimizer and job.dp > 1
+    gather = job.overlap_param_gather and shard  # only with a sharded optimizer
+    return (f"ran: pp{job.pp} tp{job.tp} dp{job.dp} schedule {job.schedule} "
+            f"m{s.microbatches} mb{job.microbatch_size} seq {job.model.seq_len} | "
+            f"{job.dtype} | sp {_on_off(sp)} | recompute {job.recompute} | "
+            f"shard-optimizer {_on_off(shard)} | overlap grad-sync "
+            f"{_on_off(job.overlap_grad_sync)}, param-gather {_on_off(gather)} | "
+            f"offload {job.offload}{' | compile' if job.compile else ''} | "
+            f"{_model_text(config, s.parameters, job)}")
+
+
+def _summary(s: Any, as_json: bool, config: Any = None,
+             figures: tuple[dict[str, float] | None, dict[str, float] | None] = (None, None),
+             ) -> None:
+    """Rank 0's closing lines (s: stp.train.loop.RunSummary; config: the model's;
+    figures: the first and the last step's MoE figures)."""
     job = s.job
     trained = len(s.step_times_s)
     first = job.steps - trained + 1
@@ -121,6 +180,13 @@ def _summary(s: Any, as_json: bool) -> None:
         f"dp={job.dp} (m={s.microbatches}, {s.backend} on {s.device}, "
         f"{s.parameters:,} parameters)"
     )
+    if config is not None:
+        text += "\n" + _ran_line(s, config)
+    start, end = figures
+    if end and "aux_loss" in end:
+        text += (f"\nmoe: aux loss {start['aux_loss']:.4g} -> {end['aux_loss']:.4g}, "  # type: ignore[index]
+                 f"expert load {end.get('expert_load', 1.0):.2f} in the last step (busiest "
+                 "expert over the mean; 1.00 is balanced)")
     if first > 1:
         text += f"\nsteps {first}..{job.steps}, resumed after step {first - 1}"
     if job.partition is not None:
@@ -164,7 +230,8 @@ def _train_here(resolved: Any, as_json: bool) -> int:
     from stp.train.loop import run
 
     job = resolved.job
-    tracker = StepTracker(_Progress(job.steps, as_json))
+    progress = _Progress(job.steps, as_json)
+    tracker = StepTracker(progress)
     if os.environ.get("RANK", "0") == "0":
         exit_on_signals(interrupt_printer(tracker, bar=not as_json))
     else:
@@ -187,7 +254,8 @@ def _train_here(resolved: Any, as_json: bool) -> int:
         if heartbeat is not None:
             heartbeat.stop()
     if summary is not None:
-        _summary(summary, as_json)
+        _summary(summary, as_json, resolved.config,
+                 (progress.first_figures, progress.last_figures))
     return 0
 
 
