@@ -33,6 +33,9 @@ import dataclasses
 import json
 import os
 import sys
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from stp.cli.common import EXIT_USAGE
@@ -116,6 +119,53 @@ class _Progress:
             print("\r" + line + "\x1b[K", end=end, file=sys.stderr, flush=True)
         elif done % self.every == 0 or done in (1, self.total):
             print(line, file=sys.stderr, flush=True)
+
+
+class _CompileProgress:
+    """Rank 0's word on --compile's first step, which compiles for seconds to minutes
+    before it can report anything: on a terminal a line on stderr redrawn every
+    `every_s` seconds with the time so far; off a terminal one line when it starts
+    and one when it is done (a log gets no carriage returns). Called by the loop
+    (stp.train.loop.run's on_compile): None at the start, the seconds at the end."""
+
+    def __init__(self, tty: bool, every_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.tty, self.every_s, self.clock = tty, every_s, clock
+        self.start = 0.0
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+
+    def __call__(self, seconds: float | None) -> None:
+        if seconds is None:
+            self._begin()
+        else:
+            self._end(seconds)
+
+    def _begin(self) -> None:
+        self.start = self.clock()
+        if not self.tty:
+            say("compiling the model (--compile, first step) ...")
+            return
+        self.tick()
+        self._ticker = threading.Thread(target=self._run, daemon=True, name="stp-compiling")
+        self._ticker.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.tick()
+
+    def tick(self) -> None:
+        """Redraw the terminal line with the seconds so far."""
+        spent = self.clock() - self.start
+        os.write(2, f"\rcompiling the model (--compile, first step): {spent:.0f} s\x1b[K"
+                 .encode())
+
+    def _end(self, seconds: float) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
+        line = f"compiled in {seconds:.1f} s (--compile; the first step's time includes it)"
+        say("\r" + line + "\x1b[K" if self.tty else line)
 
 
 def _figures_text(figures: dict[str, float] | None) -> str:
@@ -240,7 +290,7 @@ def _train_here(resolved: Any, as_json: bool) -> int:
     try:
         init_distributed(timeout=job.timeout)
         heartbeat = Heartbeat.from_env(timeout=job.timeout)
-        summary = run(resolved, tracker)
+        summary = run(resolved, tracker, on_compile=_CompileProgress(sys.stderr.isatty()))
     except (ValueError, RuntimeError) as e:  # RankError, a backend's error: one line
         if getattr(type(e), "agreed", False) and job.world_size > 1:
             # every rank raised the same verdict: rank 0 says it once, the launcher

@@ -166,8 +166,12 @@ def _options(run: Run) -> TrainerOptions:
 
 
 def run(resolved: Run,
-        on_step: Callable[[StepReport], None] | None = None) -> RunSummary | None:
-    """Train the resolved run on the initialised world (see the module doc)."""
+        on_step: Callable[[StepReport], None] | None = None, *,
+        on_compile: Callable[[float | None], None] | None = None) -> RunSummary | None:
+    """Train the resolved run on the initialised world (see the module doc).
+    `on_compile` (rank 0, with --compile): called with None as the first step, which
+    compiles, starts, and with its compile seconds once it is done, so the caller
+    can say what the silent minutes are."""
     job = resolved.job
     mesh = Mesh.from_world(ParallelDims(job.pp, job.tp, job.dp, job.ep), timeout=job.timeout)
     resolved = _shared_out(resolved)
@@ -186,7 +190,11 @@ def run(resolved: Run,
     copies: list[int] | None = None  # what the DP reductions' copies added to them
     skips = SkipCounter(job.max_skipped_steps)  # a run that trains nothing stops
     compiling = 0.0  # seconds the steps spent compiling (--compile)
-    for step in range(trainer.steps_done, job.steps):
+    tell = on_compile if job.compile and mesh.rank == 0 else None
+    first_step = trainer.steps_done
+    for step in range(first_step, job.steps):
+        if tell is not None and step == first_step:
+            tell(None)
         compiled_before = compile_stats().seconds
         start = time.perf_counter()
         loss = trainer.step(batches.batch(step))
@@ -194,6 +202,8 @@ def run(resolved: Run,
         compile_s = (_slowest(compile_stats().seconds - compiled_before, trainer.device)
                      if job.compile else None)
         compiling += compile_s or 0.0
+        if tell is not None and step == first_step:
+            tell(compile_s)
         losses.append(loss)
         times.append(elapsed)
         resident = trainer.activation_peaks()  # collective, outside the timed step
