@@ -24,6 +24,24 @@ Three parts, each recorded under its key in the JSON (`--only` picks some):
   train    `stp train` on this GPU (NCCL, one rank, pp 1) with --recompute none,
            selective, full and --offload all: step time, tokens/s and the measured
            bytes per category beside `stp memory`'s estimate for the same flags.
+  peer     the single-device peer (issue 35): a plain PyTorch loop written without
+           stp (stp.bench.plain_loop: its own attention via SDPA, SwiGLU, RMSNorm,
+           rotary; fp32 parameters under bf16 autocast, fused AdamW, gradient
+           accumulation, clipping), eager and torch.compile, beside the step `stp
+           train --pp 1 --schedule 1f1b` runs, eager and --compile, on the same
+           shape, batches and optimizer settings, rounds alternating
+           (stp.bench.single_device.time_sides): ms/step, tokens/s, MFU, peak bytes,
+           and `eager_ms_per_step_ratio` / `compiled_ms_per_step_ratio` (stp / plain).
+           On a GPU the issue's two shapes (8 layers, hidden 2048, 16/8 heads, seq
+           2048, 4 x 2 sequences; 16 layers, hidden 4096, 32/8 heads, seq 4096,
+           4 x 1), bf16; on the CPU a small one in float32.
+
+`--counts` (any machine, the CPU, small shape): per step, for stp's step and the
+plain loop, eager and compiled, aten ops, autograd nodes, compiled-graph calls
+and host synchronisations by kind and by place in the code
+(stp.bench.single_device.count_sides), and the ratios stp / plain; `--md FILE`
+rewrites the tables between FILE's `<!-- counts -->` markers
+(benchmarks/results/single_device.md says the command).
 
 A multi-rank run (TP or PP across GPUs, NCCL all-reduces braided) needs as many
 GPUs as ranks: NCCL refuses two ranks on one device. With one GPU the braided
@@ -48,6 +66,7 @@ from dataclasses import replace
 
 import torch
 
+from stp.bench.single_device import SIDES, SingleSpec, count_sides, counts_with_ratios, time_sides
 from stp.costmodel.decoder_costs import derive_decoder
 from stp.costmodel.model import layer_flops
 from stp.costmodel.presets import HARDWARE, MODELS
@@ -240,14 +259,113 @@ def bench_compile(smoke: bool) -> list[dict]:
     return rows
 
 
+PEER_SHAPES = {  # the issue's two GPU shapes, and a small one for the CPU
+    "372m": SingleSpec(layers=8, hidden=2048, heads=16, kv_heads=8, seq_len=2048,
+                       microbatches=4, microbatch_size=2, device="cuda"),
+    "2.8b": SingleSpec(layers=16, hidden=4096, heads=32, kv_heads=8, seq_len=4096,
+                       microbatches=4, microbatch_size=1, device="cuda"),
+    "cpu-small": SingleSpec(layers=2, hidden=64, heads=4, kv_heads=4, seq_len=64,
+                            microbatches=4, microbatch_size=2, device="cpu"),
+}
+
+
+def bench_peer(device: torch.device, rounds: int) -> list[dict]:
+    """The single-device peer (module doc) on each shape of this device."""
+    names = ["372m", "2.8b"] if device.type == "cuda" else ["cpu-small"]
+    rows = []
+    for name in names:
+        try:
+            row = time_sides(PEER_SHAPES[name], rounds=rounds, steps=3, warmup=2)
+        except torch.OutOfMemoryError as e:  # 2.8b: a pair needs about 100 GB
+            row = {"error": f"out of memory: {str(e).splitlines()[0]}"}
+        rows.append({"shape": name, **row})
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def format_peer(row: dict) -> str:
+    """One Markdown table of a shape's four sides and the stp / plain ratios."""
+    if "error" in row:
+        return f"shape {row['shape']}: {row['error']}"
+    lines = [f"shape {row['shape']} ({row['spec']['dtype']}): "
+             + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.endswith("_ratio")),
+             "| side | ms/step | tokens/s | MFU | resident | peak | warm-up s |",
+             "|---|---|---|---|---|---|---|"]
+    for side, r in row["sides"].items():
+        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
+        peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 1e9:.2f} GB"
+        lines.append(f"| {side} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.0f} | {mfu} | "
+                     f"{r['resident_bytes'] / 1e9:.3f} GB | {peak} | {r['warmup_s']:.1f} |")
+    return "\n".join(lines)
+
+
+COUNT_KEYS = ("aten ops", "autograd nodes", "compiled graph calls", "host syncs")
+
+
+def format_counts(doc: dict) -> str:
+    """The counts per step as Markdown: one table, then each side's host reads by place."""
+    lines = ["| side | " + " | ".join(COUNT_KEYS) + " | AdamW step-counter reads (no sync) |",
+             "|---" * (len(COUNT_KEYS) + 2) + "|"]
+    for side, r in doc["sides"].items():
+        cells = " | ".join(f"{r.get(k, 0):.0f}" for k in COUNT_KEYS)
+        steps = r.get("AdamW step-counter reads (host tensors, no sync)", 0)
+        lines.append(f"| {side} | {cells} | {steps:.0f} |")
+    lines.append("")
+    lines += [f"- `{k}`: {v:.3f}" for k, v in doc.items() if k.endswith("_ratio")]
+    for mode in ("eager", "compiled"):
+        more = doc.get(f"{mode} aten_ops stp runs more")
+        if more:
+            lines.append(f"- {mode}, the aten ops stp runs most more often (stp / plain per "
+                         "step): " + ", ".join(f"`{k}` {a:g} / {b:g}"
+                                               for k, (a, b) in more.items()))
+    for side, r in doc["sides"].items():
+        kinds = ", ".join(f"{k.removeprefix('sync: ')} {v:g}" for k, v in r.items()
+                          if k.startswith("sync: "))
+        places = "; ".join(f"`{k}` {v:g}" for k, v in r["host reads by place"].items())
+        lines.append(f"- {side}: host syncs by kind: {kinds or 'none'}; host reads by place: "
+                     f"{places or 'none'}")
+    return "\n".join(lines)
+
+
+def counts_main(out: str | None, md: str | None) -> int:
+    """--counts: the per-step counts at the small CPU shape, eager and compiled."""
+    spec = PEER_SHAPES["cpu-small"]
+    counts = count_sides(spec, sides=SIDES)
+    doc = {"torch": torch.__version__, "spec": spec.__dict__ | {"dtype": spec.dtype},
+           **counts_with_ratios(counts)}
+    text = format_counts(doc)
+    print(text)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as fh:
+            json.dump(doc, fh, indent=1)
+    if md:
+        with open(md) as fh:
+            page = fh.read()
+        head, mark, rest = page.partition("<!-- counts -->")
+        _, end, tail = rest.partition("<!-- /counts -->")
+        if not mark or not end:
+            raise SystemExit(f"{md}: no <!-- counts --> ... <!-- /counts --> markers")
+        with open(md, "w") as fh:
+            fh.write(f"{head}{mark}\n{text}\n{end}{tail}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="write the figures as JSON here")
-    p.add_argument("--only", default="units,copier,train,compile", help="parts to run")
+    p.add_argument("--only", default="units,copier,train,compile,peer", help="parts to run")
     p.add_argument("--presets", default="llama3-405b,qwen2-12.1b,qwen2-72b,zb-6.2b")
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--cpu-smoke", action="store_true", help="toy sizes on the CPU")
+    p.add_argument("--counts", action="store_true",
+                   help="only the per-step counts of stp and the plain loop on the CPU")
+    p.add_argument("--md", default=None, help="with --counts: rewrite this file's tables")
+    p.add_argument("--rounds", type=int, default=3, help="peer: alternating rounds")
     args = p.parse_args(argv)
+    if args.counts:
+        return counts_main(args.out, args.md)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     cuda = torch.cuda.is_available() and not args.cpu_smoke
@@ -293,6 +411,11 @@ def main(argv: list[str]) -> int:
             print(f"compile {r['run']}: " + (str(r["error"]) if "error" in r else
                   f"step {r['median_step_s'] * 1e3:.1f} ms, compile {r['compile_s']:.1f} s, "
                   f"losses {[round(x, 5) for x in r['losses'][:3]]}"))
+    if "peer" in parts:
+        doc["peer"] = bench_peer(device, args.rounds)
+        save()
+        for row in doc["peer"]:
+            print(format_peer(row))
     return 0
 
 

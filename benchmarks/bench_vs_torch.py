@@ -125,7 +125,7 @@ def main(argv: list[str]) -> int:
         f"{time.strftime('%Y-%m-%d')}. Step = zero grads, m microbatches, loss all-reduce, "
         "SGD step, global gradient norm; ms are medians over rounds; ratios stp/torch per round "
         "(below 1: stp faster); peak MiB: resident growth during one step, per rank. "
-        "What the ratios come from: README.md, Performance, "
+        "What the ratios come from: docs/performance.md, "
         "\"Against torch.distributed.pipelining\".\n"
     )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

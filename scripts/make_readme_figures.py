@@ -1,10 +1,10 @@
-"""Regenerate the figures the README embeds, from the generators and the simulator.
+"""Regenerate the figures the README and docs/ embed, from the generators and the simulator.
 
     python scripts/make_readme_figures.py            # writes docs/
     python scripts/make_readme_figures.py --out-dir /tmp/figs
 
 tests/viz/test_readme_figures.py checks the committed SVGs are what this
-script writes today, so the pictures in the README stay true.
+script writes today, so the pictures in the README and docs/ stay true.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def mllm_stp() -> SimResult:
 
 
 def figures() -> dict[str, Scene]:
-    """File name -> Scene of every README figure."""
+    """File name -> Scene of every figure the README and docs/ embed."""
     stp = simulate(generate("stp", P, M), COSTS)
     results = [
         simulate(generate(name, P, M), COSTS)

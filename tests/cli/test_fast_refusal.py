@@ -30,7 +30,8 @@ BAD = [
     (["--eval-every", "1", "--eval-data", "/nonexistent/e.txt"],
      "data path '/nonexistent/e.txt' does not exist"),
     (["--dp", "2", "--ep", "3", "--arch", "moe"], "--ep 3 must divide --dp 2"),
-    (["--lr-schedule", "cosine", "--min-lr", "1"], "--min-lr 1 is above --lr 0.003"),
+    (["--lr", "0.003", "--lr-schedule", "cosine", "--min-lr", "1"],
+     "--min-lr 1 is above --lr 0.003"),
     (["--init-from", "/nonexistent/model"],
      "checkpoint directory '/nonexistent/model' does not exist"),
 ]

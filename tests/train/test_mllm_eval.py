@@ -60,7 +60,7 @@ def _reference_eval_losses(job: TrainJob) -> list[float]:
     """The one-process model's mean held-out loss after steps N, 2N, ..."""
     cfg = model_config(job)
     model = build_mllm_reference(cfg, torch.float64)
-    opt = adamw(job.lr)(list(model.parameters()))
+    opt = adamw(resolve(job).job.lr)(list(model.parameters()))  # the default of its width
     train, evals, out = mllm_batches(job, cfg), _eval_batches(resolve(job)), []
     for step in range(job.steps):
         opt.zero_grad()

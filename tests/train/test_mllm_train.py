@@ -40,7 +40,7 @@ JOB = TrainJob(arch="mllm", model=ModelShape(layers=2, hidden=32, heads=4, seq_l
 def _reference_losses(job: TrainJob, steps: int) -> list[float]:
     cfg = model_config(job)
     model = build_mllm_reference(cfg, torch.float64)
-    opt = adamw(job.lr)(list(model.parameters()))
+    opt = adamw(resolve(job).job.lr)(list(model.parameters()))  # the default of its width
     batches, out = mllm_batches(job, cfg), []
     for step in range(steps):
         opt.zero_grad()

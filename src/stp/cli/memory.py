@@ -83,7 +83,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     # where the two modes differ (dtype, microbatch size, seq-len)
     open_job = replace(TrainJob(), dtype=None, microbatch_size=None,
                        model=replace(TrainJob().model, seq_len=None))
-    add_flags(p, TrainJob, defaults=open_job)
+    # memory's own --hardware (a HardwareSpec) stands for train's (an MFU peak)
+    add_flags(p, TrainJob, defaults=open_job,
+              only=tuple(f.name for f in dataclasses.fields(TrainJob) if f.name != "hardware"))
     _action(p, "dtype").choices = (*_action(p, "dtype").choices, "float16")
     for dest, text in (("dtype", "float32, or bfloat16 with --model"),
                        ("microbatch_size", "4, or 1 with --model"),
@@ -187,7 +189,7 @@ def _train_estimate(args: argparse.Namespace) -> tuple[MemoryEstimate, str]:
                         ("seq_len", defaults.model.seq_len)):
         if getattr(filled, dest) is None:
             setattr(filled, dest, value)
-    job = with_schedule_file(from_args(TrainJob, filled))
+    job = with_schedule_file(from_args(TrainJob, filled, hardware=None))
     precheck(job)  # what the flags alone show, before torch loads (stp.train.precheck)
     from stp.train.job import check_plan
     from stp.train.memory_check import no_estimate_reason, run_estimate, run_features

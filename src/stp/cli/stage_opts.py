@@ -41,7 +41,7 @@ def add_stage_args(p: argparse.ArgumentParser) -> None:
         "model's layers (with --model) and scale --cost per layer",
     )
     p.add_argument("--stage-costs", default=None, metavar="FILE.json",
-                   help="every global stage's own costs and memory (format in the README)")
+                   help="every global stage's own costs and memory (format in docs/schedules.md)")
     p.add_argument("--costs-from", default=None, metavar="TRACE.json",
                    help="per-stage costs measured by `stp train --trace` (as `stp costs`)")
 

@@ -96,6 +96,7 @@ class _Progress:
             row.update({"skipped": True} if r.skipped else {})
             row.update({} if r.eval_loss is None else {"eval_loss": r.eval_loss})
             row.update({} if getattr(r, "compile_s", None) is None else {"compile_s": r.compile_s})
+            row["mfu"] = getattr(r, "mfu", None)  # null: the device's peak is unknown
             row.update(getattr(r, "figures", None) or {})  # e.g. an MoE's aux_loss
             print(json.dumps(row), flush=True)
             return
@@ -109,6 +110,7 @@ class _Progress:
                 f"[{'=' * fill}{' ' * (width - fill)}] loss {r.loss:.4f} | "
                 f"{r.tokens_per_s / 1000:.1f}k tok/s | {1000 * r.step_time_s:.0f} ms/step")
         line += "" if r.grad_norm is None else f" | grad {r.grad_norm:.3g} | lr {r.lr:.3g}"
+        line += "" if getattr(r, "mfu", None) is None else f" | MFU {r.mfu:.1%}"
         line += "" if r.eval_loss is None else f" | eval {r.eval_loss:.4f}"
         line += _figures_text(figures)
         if r.eval_loss is not None and not self.tty:
@@ -251,6 +253,8 @@ def _summary(s: Any, as_json: bool, config: Any = None,
         text += (f"\ncompiled (--compile): {s.compile_s:.1f} s compiling, inside the first "
                  "step (left out of the ms/step above)" if trained > 1 else
                  f"\ncompiled (--compile): {s.compile_s:.1f} s of the step compiling")
+    if getattr(s, "mfu_line", None):
+        text += f"\n{s.mfu_line}"
     if s.resident_activation_bytes:
         peaks = ", ".join(f"{b / 2**20:.2f}" for b in s.resident_activation_bytes)
         text += f"\npeak resident activations per rank (offload {job.offload}): {peaks} MiB"
@@ -268,7 +272,8 @@ def _summary(s: Any, as_json: bool, config: Any = None,
 
         compiled = {} if getattr(s, "compile_s", None) is None else {"compile_s": s.compile_s}
         print(json.dumps({"summary": True, "steps": len(s.step_times_s), **compiled,
-                          **memory_summary(s.memory)}), flush=True)
+                          "mfu": getattr(s, "mfu", None), **memory_summary(s.memory)}),
+              flush=True)
 
 
 def _train_here(resolved: Any, as_json: bool) -> int:

@@ -60,7 +60,7 @@ limit as the layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from stp.costmodel.hardware import (
     HardwareSpec,
@@ -76,7 +76,8 @@ from stp.sim.costs import Costs
 from stp.sim.layered import LayeredCosts
 from stp.sim.stages import StageCost
 
-__all__ = ["Derived", "decoder_layered_costs", "derive_decoder", "edge_costs", "head_flops"]
+__all__ = ["Derived", "decoder_layered_costs", "decoder_model_flops", "derive_decoder",
+           "edge_costs", "head_flops"]
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,16 @@ def head_flops(model: ModelSpec) -> float:
     """FLOPs of the output layer's matmul in one pass (F, B and W each), one TP rank."""
     s, b, h = model.sequence, model.micro_batch, model.hidden
     return 2.0 * s * b * h * model.vocab / model.tp
+
+
+def decoder_model_flops(model: ModelSpec) -> float:
+    """Training FLOPs of one microbatch of the whole model: F, B and W of every layer
+    and of the output layer, unsharded, no recomputation (the numerator of MFU:
+    Chowdhery et al., PaLM, arXiv 2204.02311, appendix B, counts no recomputed work).
+    Attention is counted full, `4 s^2 b h` a forward, as `layer_flops` counts it,
+    not halved for the causal mask; the embedding lookup is no matmul."""
+    spec = replace(model, tp=1, recompute="none", sequence_parallel=False)
+    return model.layers * sum(layer_flops(spec)) + 3 * head_flops(spec)
 
 
 def _allreduce_ms(num_bytes: float, model: ModelSpec, hw: HardwareSpec) -> float:

@@ -14,13 +14,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from stp.costmodel.decoder_costs import decoder_layered_costs, derive_decoder
+from stp.costmodel.decoder_costs import decoder_layered_costs, decoder_model_flops, derive_decoder
 from stp.costmodel.mllm import MLLMSpec
-from stp.costmodel.mllm_costs import check_mllm_partition, derive_mllm, mllm_layered_costs
+from stp.costmodel.mllm_costs import (
+    check_mllm_partition,
+    derive_mllm,
+    mllm_layered_costs,
+    mllm_model_flops,
+)
 from stp.costmodel.model import ModelSpec
 from stp.costmodel.moe import MoESpec
 
-__all__ = ["SpecCosts", "costs_of"]
+__all__ = ["SpecCosts", "costs_of", "model_flops"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,9 @@ class SpecCosts:
     check_partition: Callable[[Any, tuple[int, ...]], None]
     """(spec, counts): ValueError (one line) for counts that cannot cut the model, in
     the family's own words."""
+    model_flops: Callable[[Any], float]
+    """spec -> training FLOPs of one microbatch of the whole model (F, B, W; unsharded,
+    no recomputation): what MFU divides (`model_flops`)."""
 
 
 def _any_partition(spec: ModelSpec, counts: tuple[int, ...]) -> None:
@@ -42,11 +50,14 @@ def _any_partition(spec: ModelSpec, counts: tuple[int, ...]) -> None:
 
 
 _BY_SPEC: dict[type, SpecCosts] = {
-    ModelSpec: SpecCosts(derive_decoder, decoder_layered_costs, _any_partition),
+    ModelSpec: SpecCosts(derive_decoder, decoder_layered_costs, _any_partition,
+                          decoder_model_flops),
     # a mixture of experts is a decoder whose MLP hooks and all-to-all (costmodel.moe)
     # the decoder's functions read
-    MoESpec: SpecCosts(derive_decoder, decoder_layered_costs, _any_partition),
-    MLLMSpec: SpecCosts(derive_mllm, mllm_layered_costs, check_mllm_partition),
+    MoESpec: SpecCosts(derive_decoder, decoder_layered_costs, _any_partition,
+                          decoder_model_flops),
+    MLLMSpec: SpecCosts(derive_mllm, mllm_layered_costs, check_mllm_partition,
+                        mllm_model_flops),
 }
 
 
@@ -57,3 +68,10 @@ def costs_of(spec: Any) -> SpecCosts:
         raise ValueError(f"no cost model for a {type(spec).__name__}; give a ModelSpec or "
                          "an MLLMSpec (stp.costmodel)")
     return found
+
+
+def model_flops(spec: Any) -> float:
+    """Training FLOPs of one microbatch of `spec`'s whole model (F, B and W, unsharded,
+    no recomputation, attention counted full): MFU's numerator, the count `stp plan`
+    reports its MFU with."""
+    return costs_of(spec).model_flops(spec)

@@ -29,7 +29,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from stp.costmodel.decoder_costs import Derived, derive_decoder, edge_costs, head_flops
+from stp.costmodel.decoder_costs import (
+    Derived,
+    decoder_model_flops,
+    derive_decoder,
+    edge_costs,
+    head_flops,
+)
 from stp.costmodel.hardware import HardwareSpec, allreduce_time, p2p_time
 from stp.costmodel.mllm import (
     MLLMSpec,
@@ -45,7 +51,8 @@ from stp.sim.costs import Costs
 from stp.sim.layered import LayeredCosts
 from stp.sim.stages import StageCost, StageCosts
 
-__all__ = ["MixedLayeredCosts", "check_mllm_partition", "derive_mllm", "mllm_layered_costs"]
+__all__ = ["MixedLayeredCosts", "check_mllm_partition", "derive_mllm", "mllm_layered_costs",
+           "mllm_model_flops"]
 
 
 def _ar_ms(num_bytes: float, spec: MLLMSpec, hw: HardwareSpec) -> float:
@@ -209,3 +216,14 @@ def check_mllm_partition(spec: MLLMSpec, counts: tuple[int, ...]) -> None:
         raise ValueError(f"--partition {shown} sums to {sum(counts)} layers but {spec.name} has "
                          f"{spec.vision_layers} vision + {spec.layers} decoder = "
                          f"{spec.total_layers}; count both, vision layers first")
+
+
+def mllm_model_flops(spec: MLLMSpec) -> float:
+    """Training FLOPs of one microbatch of the whole multimodal model, unsharded, no
+    recomputation: the decoder over text and image positions (`decoder_model_flops`),
+    every encoder block's F, B and W, the merger's three passes and the patch
+    embedding's F and W (the pixels need no gradient)."""
+    one = replace(spec, tp=1)
+    blocks = spec.vision_layers * sum(vision_layer_flops(one))
+    return (decoder_model_flops(decoder_view(one)) + blocks + 3 * merger_flops(one)
+            + 2 * patch_embed_flops(one))

@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from stp.costmodel.decoder_costs import derive_decoder
+from stp.costmodel.decoder_costs import decoder_model_flops, derive_decoder
 from stp.costmodel.hardware import (
     HardwareSpec,
     allgather_time,
@@ -54,8 +54,7 @@ from stp.costmodel.memory import (
     estimate_run,
     rank_parameters,
 )
-from stp.costmodel.model import ModelSpec, layer_flops, num_parameters
-from stp.costmodel.stages import head_flops
+from stp.costmodel.model import ModelSpec, num_parameters
 from stp.plan.expert_sync import expert_parameters, group_seconds, rank_experts
 from stp.plan.space import Config
 from stp.schedule.registry import generate
@@ -256,6 +255,4 @@ def model_flops_per_sequence(model: ModelSpec, seq_len: int) -> float:
     """Training FLOPs of one sequence (F, B and W of every layer and the output
     layer, no recomputation, unsharded): the numerator of MFU (Chowdhery et
     al., PaLM, arXiv 2204.02311, appendix B: recomputed work is not counted)."""
-    spec = replace(model, tp=1, sequence=seq_len, micro_batch=1, recompute="none",
-                   sequence_parallel=False)
-    return model.layers * sum(layer_flops(spec)) + 3 * head_flops(spec)
+    return decoder_model_flops(replace(model, sequence=seq_len, micro_batch=1))

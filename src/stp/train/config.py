@@ -16,8 +16,8 @@ from typing import Any
 from stp.costmodel.model import RECOMPUTE_MODES
 from stp.train.families import MODULES as FAMILY_MODULES
 
-__all__ = ["ARCHS", "DTYPES", "LR_SCHEDULES", "TOY_SHAPE", "MoEShape", "ModelShape", "TrainJob",
-           "VisionShape", "option"]
+__all__ = ["ARCHS", "DEFAULT_LR", "DTYPES", "LR_SCHEDULES", "TOY_SHAPE", "MoEShape", "ModelShape",
+           "TrainJob", "VisionShape", "default_lr", "option"]
 
 DTYPES = ("float32", "float64", "bfloat16")
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -141,7 +141,12 @@ class TrainJob:
         None, "--arch mllm: a directory of PNG/JPEG images with captions.txt ('FILE<TAB>"
         "caption' lines); default: coloured shapes drawn from --seed", metavar="DIR")
     steps: int = option(200, "optimizer steps", minimum=1)
-    lr: float = option(3e-3, "AdamW learning rate", above=0, maximum=10)
+    lr: float | None = option(
+        None, "AdamW learning rate (default 3e-3 x min(1, 256 / hidden), hidden being the "
+        "width of the model trained, an --init-from checkpoint's too: 3e-3 up to hidden 256, "
+        "7.5e-4 at 1024, 1.875e-4 at 4096, where 3e-3 diverged)", above=0,
+        maximum=10)
+    """None until resolved: stp.train.resolve fills in `default_lr` of the model's width."""
     seed: int = option(0, "init and data seed", minimum=0)
     dtype: str = option("float32", "compute dtype; bfloat16 keeps fp32 master weights, main "
                         "grads and optimizer state", choices=DTYPES)
@@ -237,6 +242,13 @@ class TrainJob:
         "rotary, SwiGLU, the loss; linears, the deferred weight gradients, braiding, offload "
         "and recomputation as without it (docs/compile.md). The first step compiles; "
         "compile seconds are reported apart from step times")
+    hardware: str | None = option(
+        None, "the device the MFU is measured against: h100, h100-pcie, h100-nvl, h200, "
+        "h200-nvl, a100, a800 (or stp plan's a100-80g, a800-80g, h100-80g), or its dense peak "
+        "for --dtype in FLOP/s (e.g. 989e12); default: torch.cuda.get_device_name() in that "
+        "table, none on the CPU (mfu null). MFU counts the model's FLOPs as stp plan does: "
+        "matmuls, causal attention counted full, recomputation not counted",
+        metavar="NAME|FLOPS")
     trace: str | None = option(
         None, "write the last step's measured trace (every unit, all-reduce, send and "
         "receive of every rank; open in ui.perfetto.dev)", metavar="FILE.json")
@@ -270,6 +282,19 @@ class TrainJob:
         if self.out is not None:
             return Path(self.out)
         return new_run_dir(Path("runs"), time.strftime("train-%Y%m%d-%H%M%S"))
+
+
+DEFAULT_LR = 3e-3
+"""The learning rate of the toy models (hidden <= LR_WIDTH)."""
+LR_WIDTH = 256
+"""Above this width the default learning rate falls as 1 / hidden (Adam's update of a
+matmul's weights moves its output in proportion to the fan-in, so a fixed rate that
+suits width 64 diverges at 4096: loss 6.5 -> 32 by step 3 on an H200)."""
+
+
+def default_lr(hidden: int) -> float:
+    """`--lr` left out: 3e-3 x min(1, 256 / hidden)."""
+    return DEFAULT_LR * min(1.0, LR_WIDTH / hidden)
 
 
 def new_run_dir(root: Path, name: str) -> Path:

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from stp.costmodel.peaks import check_hardware
 from stp.models.emulated import parse_emulate
 from stp.runtime.mesh import ParallelDims
 from stp.schedule.offload import parse_policy
@@ -50,7 +51,9 @@ def check(job: TrainJob, world_size: int | None = None) -> Run:
                 f"data {job.data!r} holds {size} bytes, fewer than "
                 f"--seq-len + 2 = {job.model.seq_len + 2}"
             )
-    _check_training(job, run.config)
+    if job.hardware is not None:
+        check_hardware(job.hardware)
+    _check_training(dataclasses.replace(job, lr=run.job.lr), run.config)  # --lr resolved
     if job.save_full is not None:  # after --out, which may be its directory, is made
         _check_save_full(job)
     check_memory(run, None if world_size is None else int(os.environ.get(

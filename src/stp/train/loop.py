@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stp.costmodel.peaks import Peak
 from stp.models.compile import compile_stats
 from stp.runtime.launch import in_torchrun
 from stp.runtime.mesh import Mesh, ParallelDims
@@ -32,6 +33,8 @@ from stp.train.config import TrainJob
 from stp.train.finite import SkipCounter
 from stp.train.lr import LRSchedule, adamw
 from stp.train.memory_measure import CATEGORIES, measure
+from stp.train.mfu import device_peak, step_flops, unknown_peak_line
+from stp.train.mfu import mfu as mfu_of
 from stp.train.outlock import lock_error
 from stp.train.pretrained import copy_tokenizer
 from stp.train.resolve import Run
@@ -65,6 +68,9 @@ class StepReport:
     compile_s: float | None = None
     """With --compile: seconds of this step spent compiling, on the rank that spent
     the most (inside step_time_s; 0 once every shape is compiled)."""
+    mfu: float | None = None
+    """Model FLOPs of the step over step_time_s and the mesh's dense peak
+    (stp.train.mfu); None when the peak is unknown (the CPU)."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,27 @@ class RunSummary:
     in flight added to the peak of resident activations, `StepMemory.peak_with_held`)."""
     compile_s: float | None = None
     """With --compile: the steps' compile seconds (StepReport.compile_s), summed."""
+    step_flops: float | None = None
+    """Model FLOPs of one step over the whole mesh (stp.train.mfu.step_flops)."""
+    peak: Peak | None = None
+    """One device's dense peak for the run's dtype; None: unknown (the CPU)."""
+
+    @property
+    def mfu(self) -> float | None:
+        """MFU of the mean step time (step_time_s: the first step left out)."""
+        t = self.step_time_s
+        return None if t is None else mfu_of(self.step_flops, t, self.job.world_size, self.peak)
+
+    @property
+    def mfu_line(self) -> str:
+        """The log's MFU line: the figure and what it divides, or why there is none."""
+        value = self.mfu
+        if value is None or self.peak is None or self.step_flops is None:
+            return unknown_peak_line(self.device, self.job.dtype, self.job.emulate is not None)
+        return (f"MFU {value:.1%}: {self.step_flops:.3g} model FLOPs a step (as stp plan "
+                f"counts them: causal attention full, recomputation not counted) over "
+                f"{self.job.world_size} x {self.peak.flops / 1e12:g} TFLOP/s dense "
+                f"({self.peak.source})")
 
     @property
     def first_loss(self) -> float | None:
@@ -190,6 +217,8 @@ def run(resolved: Run,
     copies: list[int] | None = None  # what the DP reductions' copies added to them
     skips = SkipCounter(job.max_skipped_steps)  # a run that trains nothing stops
     compiling = 0.0  # seconds the steps spent compiling (--compile)
+    flops = step_flops(resolved)
+    peak = device_peak(mesh.device, job.dtype, job.hardware)
     tell = on_compile if job.compile and mesh.rank == 0 else None
     first_step = trainer.steps_done
     for step in range(first_step, job.steps):
@@ -219,7 +248,8 @@ def run(resolved: Run,
         if mesh.rank == 0 and on_step is not None and update is not None:
             on_step(StepReport(step, loss, tokens_per_step / elapsed, elapsed, resident,
                                update.grad_norm, update.lr, update.skipped, eval_loss,
-                               saved, trainer.last_figures or None, compile_s))
+                               saved, trainer.last_figures or None, compile_s,
+                               mfu_of(flops, elapsed, job.world_size, peak)))
     trainer.finish_param_gather()  # the model after the last step (--overlap-param-gather)
     if job.trace is not None and losses:  # the last step, every rank
         trainer.write_trace(job.trace, {"braid": job.braid, "emulate": job.emulate,
@@ -248,7 +278,7 @@ def run(resolved: Run,
         device=str(mesh.device), parameters=parameters,
         losses=tuple(losses), step_times_s=tuple(times), tokens_per_step=tokens_per_step,
         resident_activation_bytes=peaks, checkpoint=sharded, memory=memory,
-        compile_s=compiling if job.compile else None,
+        compile_s=compiling if job.compile else None, step_flops=flops, peak=peak,
     )
 
 

@@ -49,7 +49,8 @@ def precheck(job: TrainJob) -> None:
         p = Path(job.tokenizer)
         if not (p / "tokenizer.json" if p.is_dir() else p).is_file():
             raise ValueError(f"--tokenizer {job.tokenizer!r}: no tokenizer.json there")
-    if job.lr_schedule != "constant" and job.min_lr > job.lr:
+    # --lr left out is resolved from the model's width (stp.train.config.default_lr)
+    if job.lr is not None and job.lr_schedule != "constant" and job.min_lr > job.lr:
         raise ValueError(f"--min-lr {job.min_lr:g} is above --lr {job.lr:g}; give --min-lr <= --lr")
     _check_heads(job)
 

@@ -28,7 +28,7 @@ from stp.schedule import Schedule
 from stp.schedule.placement import partition_layers
 from stp.sim.layered import check_partition, parse_partition
 from stp.train.checkpoint import latest, read_info
-from stp.train.config import TrainJob
+from stp.train.config import TrainJob, default_lr
 from stp.train.families import TrainFamily, family_named, family_of
 from stp.train.resume import restore_settings, run_dir_of
 from stp.train.schedules import job_schedule
@@ -107,6 +107,8 @@ def resolve(job: TrainJob, config: Any = None) -> Run:
     # an --init-from checkpoint's config.json decides the family (a Mixtral is an MoE)
     family = family_of(config) or family
     family.check_run(job, config, schedule)
+    if job.lr is None:  # the default of the width actually trained (--init-from's too)
+        job = dataclasses.replace(job, lr=default_lr(family.model.hidden(config)))
     partition = _partition(job, family, config, schedule)
     if partition is not None:
         job = dataclasses.replace(job, partition=",".join(map(str, partition)))
