@@ -19,11 +19,15 @@ at (a killed, failed or frozen one). Ctrl-C (SIGINT) or SIGTERM stops every
 rank at once: `stp: interrupted at step N; last checkpoint: ...`, exit 130
 (SIGTERM: 143). See stp.cli.train_supervise.
 
-Output: a progress bar on stderr (loss, tokens/s, step time), a summary and
-a sharded checkpoint at the end (--save-full / --save-hf: the whole model as
-one safetensors file / a Hugging Face directory, written stage by stage);
-with --json, one JSON object per step on stdout and nothing else there.
-torch is imported only when the command runs.
+Output: a progress bar on stderr (loss, tokens/s, step time; an MoE's aux
+loss and expert load), with --compile a word while the first step compiles,
+a summary (its `ran:` line states the configuration as it ran: mesh,
+schedule, batch, dtype, sp, recompute, sharded optimizer, overlaps, offload,
+the model) and a sharded checkpoint at the end (--save-full / --save-hf: the
+whole model as one safetensors file / a Hugging Face directory, written
+stage by stage); with --json, one JSON object per step on stdout and nothing
+else there. torch is imported only when the command runs, after the checks
+the flags alone allow (stp.train.precheck).
 """
 
 from __future__ import annotations
