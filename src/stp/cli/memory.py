@@ -184,8 +184,7 @@ def _train_estimate(args: argparse.Namespace) -> tuple[MemoryEstimate, str]:
     from stp.cli.flags import from_args
     from stp.costmodel import parse_hardware
     from stp.train.config import TrainJob
-    from stp.train.job import check_plan
-    from stp.train.memory_check import no_estimate_reason, run_estimate, run_features
+    from stp.train.precheck import precheck
     from stp.train.schedules import with_schedule_file
 
     defaults = TrainJob()
@@ -200,6 +199,9 @@ def _train_estimate(args: argparse.Namespace) -> tuple[MemoryEstimate, str]:
 
         job = with_plan(job)
     job = with_schedule_file(job)
+    precheck(job)  # what the flags alone show, before torch loads (stp.train.precheck)
+    from stp.train.job import check_plan
+    from stp.train.memory_check import no_estimate_reason, run_estimate, run_features
     check_work(2 * job.pp, job.num_microbatches, 1, f"--pp {job.pp} -m {job.num_microbatches}")
     config = None
     if job.init_from is not None:  # config.json alone: the weights need not be there

@@ -19,13 +19,17 @@ at (a killed, failed or frozen one). Ctrl-C (SIGINT) or SIGTERM stops every
 rank at once: `stp: interrupted at step N; last checkpoint: ...`, exit 130
 (SIGTERM: 143). See stp.cli.train_supervise.
 
-Output: a progress bar on stderr (loss, tokens/s, step time), a summary and
-a sharded checkpoint at the end (--save-full / --save-hf: the whole model as
-one safetensors file / a Hugging Face directory, written stage by stage);
-with --json, one JSON object per step on stdout and nothing else there. After
-the first step, one start-up line on stderr: the time to first step and where it
-went (stp.train.startup); --json's first row records it as "startup".
-torch is imported only when the command runs.
+Output: a progress bar on stderr (loss, tokens/s, step time; an MoE's aux
+loss and expert load), with --compile a word while the first step compiles,
+a summary (its `ran:` line states the configuration as it ran: mesh,
+schedule, batch, dtype, sp, recompute, sharded optimizer, overlaps, offload,
+the model) and a sharded checkpoint at the end (--save-full / --save-hf: the
+whole model as one safetensors file / a Hugging Face directory, written
+stage by stage); with --json, one JSON object per step on stdout and nothing
+else there. After the first step, one start-up line on stderr: the time to
+first step and where it went (stp.train.startup); --json's first row records
+it as "startup". torch is imported only when the command runs, after the
+checks the flags alone allow (stp.train.precheck).
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from stp.cli.common import EXIT_USAGE
@@ -80,12 +86,18 @@ class _Progress:
         self.total, self.as_json = total, as_json
         self.tty = sys.stderr.isatty()
         self.every = max(1, total // 20)
+        self.first_figures: dict[str, float] | None = None
+        self.last_figures: dict[str, float] | None = None
 
     def __call__(self, r: Any) -> None:
         if getattr(r, "startup", None) is not None:  # once, on stderr, --json or not
             from stp.train.startup import line
 
             print(line(r.startup), file=sys.stderr, flush=True)
+        figures = getattr(r, "figures", None)
+        if figures:  # for the summary: the first and the last step's
+            self.first_figures = self.first_figures or figures
+            self.last_figures = figures
         if self.as_json:
             # counted from 1, as the progress line and the checkpoint names count
             row = {"step": r.step + 1, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
@@ -111,6 +123,7 @@ class _Progress:
         line += "" if r.grad_norm is None else f" | grad {r.grad_norm:.3g} | lr {r.lr:.3g}"
         line += "" if getattr(r, "mfu", None) is None else f" | MFU {r.mfu:.1%}"
         line += "" if r.eval_loss is None else f" | eval {r.eval_loss:.4f}"
+        line += _figures_text(figures)
         if r.eval_loss is not None and not self.tty:
             print(line, file=sys.stderr, flush=True)
             return
@@ -121,8 +134,107 @@ class _Progress:
             print(line, file=sys.stderr, flush=True)
 
 
-def _summary(s: Any, as_json: bool) -> None:
-    """Rank 0's closing lines (s: stp.train.loop.RunSummary)."""
+class _CompileProgress:
+    """Rank 0's word on --compile's first step, which compiles for seconds to minutes
+    before it can report anything: on a terminal a line on stderr redrawn every
+    `every_s` seconds with the time so far; off a terminal one line when it starts
+    and one when it is done (a log gets no carriage returns). Called by the loop
+    (stp.train.loop.run's on_compile): None at the start, the seconds at the end."""
+
+    def __init__(self, tty: bool, every_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.tty, self.every_s, self.clock = tty, every_s, clock
+        self.start = 0.0
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+
+    def __call__(self, seconds: float | None) -> None:
+        if seconds is None:
+            self._begin()
+        else:
+            self._end(seconds)
+
+    def _begin(self) -> None:
+        self.start = self.clock()
+        if not self.tty:
+            say("compiling the model (--compile, first step) ...")
+            return
+        self.tick()
+        self._ticker = threading.Thread(target=self._run, daemon=True, name="stp-compiling")
+        self._ticker.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.tick()
+
+    def tick(self) -> None:
+        """Redraw the terminal line with the seconds so far."""
+        spent = self.clock() - self.start
+        os.write(2, f"\rcompiling the model (--compile, first step): {spent:.0f} s\x1b[K"
+                 .encode())
+
+    def _end(self, seconds: float) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
+        line = f"compiled in {seconds:.1f} s (--compile; the first step's time includes it)"
+        say("\r" + line + "\x1b[K" if self.tty else line)
+
+
+def _figures_text(figures: dict[str, float] | None) -> str:
+    """An MoE step's figures for the progress line: the load-balancing loss and the
+    busiest expert's share over the mean (1.00: balanced)."""
+    if not figures or "aux_loss" not in figures:
+        return ""
+    return f" | aux {figures['aux_loss']:.4g} | load {figures.get('expert_load', 1.0):.2f}"
+
+
+def _on_off(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def _model_text(config: Any, parameters: int, job: Any) -> str:
+    """The model as it ran: family, layers x width, parameters, an MoE's experts and
+    its ep, a multimodal model's vision encoder (read from the config, duck-typed:
+    no family's class is named above the models)."""
+    from stp.cli.memory import format_count
+
+    if job.emulate is not None:
+        return f"model emulated compute ({job.emulate} ms)"
+    vision, decoder = getattr(config, "vision", None), getattr(config, "decoder", config)
+    experts = getattr(decoder, "num_experts", None)
+    family = "mllm" if vision is not None else "moe" if experts else "decoder"
+    text = f"model {family} "
+    if vision is not None:
+        text += (f"vision {vision.num_layers}x{vision.hidden} ({vision.image_size}-px images, "
+                 f"patch {vision.patch_size}, merge {vision.merge}) + decoder ")
+    text += f"{decoder.num_layers}x{decoder.hidden} ({format_count(parameters)} params)"
+    if experts:
+        text += f", moe {experts} experts top-{decoder.top_k} ep{job.ep}"
+    return text
+
+
+def _ran_line(s: Any, config: Any) -> str:
+    """One line stating the configuration as it ran (s: stp.train.loop.RunSummary;
+    config: the model's, stp.train.resolve.Run.config)."""
+    job = s.job
+    sp = job.sequence_parallel and job.tp > 1  # no effect at --tp 1
+    shard = job.shard_optimizer and job.dp > 1
+    gather = job.overlap_param_gather and shard  # only with a sharded optimizer
+    return (f"ran: pp{job.pp} tp{job.tp} dp{job.dp} schedule {job.schedule} "
+            f"m{s.microbatches} mb{job.microbatch_size} seq {job.model.seq_len} | "
+            f"{job.dtype} | sp {_on_off(sp)} | recompute {job.recompute} | "
+            f"shard-optimizer {_on_off(shard)} | overlap grad-sync "
+            f"{_on_off(job.overlap_grad_sync)}, param-gather {_on_off(gather)} | "
+            f"offload {job.offload}{' | compile' if job.compile else ''} | "
+            f"{_model_text(config, s.parameters, job)}")
+
+
+def _summary(s: Any, as_json: bool, config: Any = None,
+             figures: tuple[dict[str, float] | None, dict[str, float] | None] = (None, None),
+             ) -> None:
+    """Rank 0's closing lines (s: stp.train.loop.RunSummary; config: the model's;
+    figures: the first and the last step's MoE figures)."""
     job = s.job
     trained = len(s.step_times_s)
     first = job.steps - trained + 1
@@ -131,6 +243,13 @@ def _summary(s: Any, as_json: bool) -> None:
         f"dp={job.dp} (m={s.microbatches}, {s.backend} on {s.device}, "
         f"{s.parameters:,} parameters)"
     )
+    if config is not None:
+        text += "\n" + _ran_line(s, config)
+    start, end = figures
+    if end and "aux_loss" in end:
+        text += (f"\nmoe: aux loss {start['aux_loss']:.4g} -> {end['aux_loss']:.4g}, "  # type: ignore[index]
+                 f"expert load {end.get('expert_load', 1.0):.2f} in the last step (busiest "
+                 "expert over the mean; 1.00 is balanced)")
     if first > 1:
         text += f"\nsteps {first}..{job.steps}, resumed after step {first - 1}"
     if job.partition is not None:
@@ -177,7 +296,8 @@ def _train_here(resolved: Any, as_json: bool) -> int:
     from stp.train.loop import run
 
     job = resolved.job
-    tracker = StepTracker(_Progress(job.steps, as_json))
+    progress = _Progress(job.steps, as_json)
+    tracker = StepTracker(progress)
     if os.environ.get("RANK", "0") == "0":
         exit_on_signals(interrupt_printer(tracker, bar=not as_json))
     else:
@@ -186,7 +306,7 @@ def _train_here(resolved: Any, as_json: bool) -> int:
     try:
         init_distributed(timeout=job.timeout)
         heartbeat = Heartbeat.from_env(timeout=job.timeout)
-        summary = run(resolved, tracker)
+        summary = run(resolved, tracker, on_compile=_CompileProgress(sys.stderr.isatty()))
     except (ValueError, RuntimeError) as e:  # RankError, a backend's error: one line
         if getattr(type(e), "agreed", False) and job.world_size > 1:
             # every rank raised the same verdict: rank 0 says it once, the launcher
@@ -200,7 +320,8 @@ def _train_here(resolved: Any, as_json: bool) -> int:
         if heartbeat is not None:
             heartbeat.stop()
     if summary is not None:
-        _summary(summary, as_json)
+        _summary(summary, as_json, resolved.config,
+                 (progress.first_figures, progress.last_figures))
     return 0
 
 
@@ -284,18 +405,17 @@ def _announce(resolved: Any, *, quiet: bool = False) -> bool:
     return True
 
 
+def _torchrun_env() -> bool:
+    """stp.runtime.launch.in_torchrun without importing torch: torchrun's variables set."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
 def run_train(args: argparse.Namespace) -> int:
     # Before torch loads OpenMP (here and in spawned workers): idle intra-op
     # threads sleep instead of spinning. Spinning threads on shared cores
     # (local workers, other jobs) measured 10-100x slower steps on 2 cores.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from stp.runtime.launch import in_torchrun, launch_local
-    from stp.train.job import check
-    from stp.train.outlock import existing_out, hold_out
-    from stp.train.schedules import with_schedule_file
-    from stp.train.startup import mark_launch
-
-    entered = time.time()  # time to first step's `imports` (torch, stp) end here
+    from stp.train.precheck import precheck
 
     job = from_args(TrainJob, args)
     if job.plan is not None:
@@ -306,6 +426,18 @@ def run_train(args: argparse.Namespace) -> int:
         if os.environ.get("RANK", "0") == "0":
             for note in notes:
                 say(f"stp: note: {note}")
+    if not _torchrun_env():
+        # What the flags alone show is refused before torch loads (5-20 s on a loaded
+        # machine); under torchrun every rank checks and rank 0 alone reports
+        # (_under_torchrun), so the full checks say it there.
+        precheck(job)
+    from stp.runtime.launch import in_torchrun, launch_local
+    from stp.train.job import check
+    from stp.train.outlock import existing_out, hold_out
+    from stp.train.schedules import with_schedule_file
+    from stp.train.startup import mark_launch
+
+    entered = time.time()  # time to first step's `imports` (torch, stp) end here
     if in_torchrun():
         mark_launch(entered)  # each rank's own process; its checks count as workers
         return _under_torchrun(job, args.json)

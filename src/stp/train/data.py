@@ -29,6 +29,8 @@ from typing import Protocol
 
 import torch
 
+from stp.train.precheck import check_data_path
+
 __all__ = [
     "VOCAB_SIZE", "DEFAULT_MAX_BYTES", "MIN_BYTES", "Corpus", "open_corpus", "read_corpus",
     "stdlib_files", "ByteBatches", "split_batch",
@@ -139,8 +141,7 @@ def open_corpus(
         max_bytes = min(max_bytes or DEFAULT_MAX_BYTES, DEFAULT_MAX_BYTES)
     else:
         p = Path(path)
-        if not p.exists():
-            raise ValueError(f"data path {str(path)!r} does not exist; give a file or a directory")
+        check_data_path(str(path))  # ValueError naming it when missing
         files, skipped = _files_under(p)
         what = repr(str(path))
     used, sizes, total = [], [], 0

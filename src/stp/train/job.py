@@ -20,10 +20,11 @@ from stp.models.emulated import parse_emulate
 from stp.runtime.mesh import ParallelDims
 from stp.schedule.offload import parse_policy
 from stp.train.checkpoint import check_resume, check_writable, complete_checkpoints
-from stp.train.config import DTYPES, TrainJob
+from stp.train.config import TrainJob
 from stp.train.data import open_corpus, read_corpus
 from stp.train.families import family_of
 from stp.train.memory_check import check_memory
+from stp.train.precheck import check_mesh_flags
 from stp.train.pretrained import check_pretrained
 from stp.train.resolve import Run, resolve
 from stp.train.storage import check_free_space, checkpoint_bytes
@@ -73,14 +74,10 @@ def check_plan(job: TrainJob, world_size: int | None = None, config: Any = None)
     resolved run, offload, emulation, sequence parallelism), and the run;
     `stp memory` prices a train command line after these. `config`: the model's,
     already read (stp.train.resolve.resolve)."""
-    if job.dp % job.ep:
-        raise ValueError(f"--ep {job.ep} must divide --dp {job.dp} (the expert-parallel "
-                         "groups are carved from the data-parallel ranks)")
+    check_mesh_flags(job)  # --ep against --dp, --dtype (stp.train.precheck)
     dims = ParallelDims(job.pp, job.tp, job.dp, job.ep)
     if world_size is not None:
         dims.check_world(world_size)
-    if job.dtype not in DTYPES:
-        raise ValueError(f"--dtype {job.dtype!r} not accepted; choose one of {', '.join(DTYPES)}")
     run = resolve(job, config)  # schedule, model (config.json checked), partition, tokenizer
     parse_policy(job.offload)  # ValueError naming the accepted policies
     if job.emulate is not None:

@@ -200,8 +200,12 @@ def _options(run: Run) -> TrainerOptions:
 
 
 def run(resolved: Run,
-        on_step: Callable[[StepReport], None] | None = None) -> RunSummary | None:
-    """Train the resolved run on the initialised world (see the module doc)."""
+        on_step: Callable[[StepReport], None] | None = None, *,
+        on_compile: Callable[[float | None], None] | None = None) -> RunSummary | None:
+    """Train the resolved run on the initialised world (see the module doc).
+    `on_compile` (rank 0, with --compile): called with None as the first step, which
+    compiles, starts, and with its compile seconds once it is done, so the caller
+    can say what the silent minutes are."""
     job = resolved.job
     clock = Startup.from_env()  # time to first step (stp.train.startup)
     mesh = Mesh.from_world(ParallelDims(job.pp, job.tp, job.dp, job.ep), timeout=job.timeout)
@@ -227,7 +231,11 @@ def run(resolved: Run,
     compiling = 0.0  # seconds the steps spent compiling (--compile)
     flops = step_flops(resolved)
     peak = device_peak(mesh.device, job.dtype, job.hardware)
-    for step in range(trainer.steps_done, job.steps):
+    tell = on_compile if job.compile and mesh.rank == 0 else None
+    first_step = trainer.steps_done
+    for step in range(first_step, job.steps):
+        if tell is not None and step == first_step:
+            tell(None)
         compiled_before = compile_stats().seconds
         start = time.perf_counter()
         loss = trainer.step(batches.batch(step))
@@ -239,6 +247,8 @@ def run(resolved: Run,
         compile_s = (_slowest(compile_stats().seconds - compiled_before, trainer.device)
                      if job.compile else None)
         compiling += compile_s or 0.0
+        if tell is not None and step == first_step:
+            tell(compile_s)
         losses.append(loss)
         times.append(elapsed)
         resident = trainer.activation_peaks()  # collective, outside the timed step

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from stp.models.family import ModelFamily
 
-__all__ = ["MODULES", "TrainFamily", "family_named", "family_of"]
+__all__ = ["EARLY_TP_CHECKS", "MODULES", "TrainFamily", "family_named", "family_of"]
 
 MODULES: Mapping[str, str] = {
     "decoder": "stp.train.families.decoder",
@@ -33,6 +33,15 @@ MODULES: Mapping[str, str] = {
     "moe": "stp.train.families.moe",
 }
 """`--arch` name -> the module whose `FAMILY` it is, one line per family."""
+
+EARLY_TP_CHECKS: Mapping[str, tuple[str, ...]] = {
+    "decoder": ("heads", "kv_heads", "ffn"),
+    "moe": ("heads", "kv_heads"),
+}
+"""What of a family's split over --tp `stp.train.precheck` may check from the flags
+alone, before the family (and torch) loads: its decoder's heads and kv heads, and
+the decoder's dense MLP width (an MoE's experts have their own widths; the
+multimodal model's encoder its own heads). A family left out is checked only in full."""
 
 
 class TrainFamily(Protocol):
