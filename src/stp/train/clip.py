@@ -31,7 +31,7 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["counted_mask", "grad_norm", "clip_coefficient", "scale_grads"]
+__all__ = ["counted_mask", "grad_norm", "global_norm", "clip_coefficient", "scale_grads"]
 
 EPS = 1e-6
 """torch.nn.utils.clip_grad_norm_'s guard against dividing by a zero norm."""
@@ -63,12 +63,14 @@ def counted_mask(
     return mask
 
 
-def grad_norm(
+def global_norm(
     grads: Sequence[torch.Tensor], counted: Sequence[bool],
     world_sum: Callable[[torch.Tensor], None] | None,
-) -> float:
-    """The global L2 norm (module doc); `world_sum` all-reduces a float64 scalar
-    in place over the world (None in a world of one). Collective."""
+) -> torch.Tensor:
+    """The global L2 norm (module doc) as a float64 scalar tensor on the gradients'
+    device, not read: the trainer reads it with the step's loss in one host sync
+    (stp.train.grad_sync). `world_sum` all-reduces a float64 scalar in place over
+    the world (None in a world of one). Collective."""
     mine = [g for g, c in zip(grads, counted, strict=True) if c]
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -77,7 +79,15 @@ def grad_norm(
         total = total + norms.pow(2).sum()
     if world_sum is not None:
         world_sum(total)
-    return float(total.sqrt())
+    return total.sqrt()
+
+
+def grad_norm(
+    grads: Sequence[torch.Tensor], counted: Sequence[bool],
+    world_sum: Callable[[torch.Tensor], None] | None,
+) -> float:
+    """`global_norm`, read as a Python float. Collective."""
+    return float(global_norm(grads, counted, world_sum))
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

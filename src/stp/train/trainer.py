@@ -283,10 +283,13 @@ class Trainer:
             self.aux.start(m)
         losses = self.executor.run(inputs, tgts, scale=ratio / m,
                                    boundary_shape=self.boundary_shape(tgts[0]))
-        if self.aux is not None:
-            self.last_figures = self.aux.collect(m)
+        figures = None if self.aux is None else self.aux.reduce()
         self.precision.fold()
-        loss, norm = self.parts.sync.after_backward(losses, m, ratio)
+        # the loss, the norm (whose finiteness decides the skip) and the aux figures
+        # are read from the device at once: the step's one host sync
+        loss, norm = self.parts.sync.after_backward(losses, m, ratio, figures)
+        if self.aux is not None:
+            self.last_figures = self.aux.figures(self.parts.sync.extra_values, m)
         gather = self.parts.param_gather
         self.last_update = apply_update(self.precision, self.optimizer, self.scheduler, norm,
                                         self.options.clip_grad,
