@@ -75,7 +75,8 @@ def global_norm(
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
     if mine:
-        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in mine])
+        # one multi-tensor call: each norm as torch.linalg.vector_norm(g, dtype=float64)
+        norms = torch.stack(torch._foreach_norm(mine, 2, dtype=torch.float64))
         total = total + norms.pow(2).sum()
     if world_sum is not None:
         world_sum(total)
@@ -98,5 +99,5 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
 def scale_grads(grads: Sequence[torch.Tensor], factor: float) -> None:
     """Multiply every gradient in place (torch multiplies even by 1.0; so do we, so
     that a clipped run and torch's agree bit for bit)."""
-    for g in grads:
-        g.mul_(factor)
+    if grads:
+        torch._foreach_mul_(list(grads), factor)
