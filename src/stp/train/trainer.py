@@ -22,6 +22,8 @@ One `step` = one iteration over m microbatches of the global batch:
        for, the rest run now; one flat all-reduce per stage; with
        `shard_optimizer` a reduce-scatter, each replica keeping its rows:
        stp.train.zero), and the global gradient norm taken over the whole model;
+       the loss and the norm are read from the device together, the step's one
+       host sync (tests/train/test_host_syncs.py);
     4. the gradients are clipped by that norm (stp.train.clip; inf/NaN: the
        step is skipped on every rank); the optimizer steps, in bf16 on fp32
        master weights and main grads (stp.train.precision), and the LR
