@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -118,6 +119,17 @@ def fusable(params: Iterable[torch.Tensor]) -> bool | None:
     return True if ok else None
 
 
+def _contiguous_grads(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    """Make every gradient contiguous before a fused step: torch's fused CPU AdamW
+    (torch 2.13) reads a gradient's memory in order, ignoring its strides, so a
+    transposed one gives a wrong update. stp's gradients are contiguous (checked
+    once per tensor here, a few dozen calls a step); a user's stage may not be."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None and not p.grad.is_contiguous():
+                p.grad = p.grad.contiguous()
+
+
 def adamw(
     lr: float, *, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
@@ -130,7 +142,11 @@ def adamw(
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
 
     def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(param_groups(params, weight_decay), lr=lr, betas=betas,
-                                 eps=eps, fused=fusable(params))
+        fused = fusable(params)
+        opt = torch.optim.AdamW(param_groups(params, weight_decay), lr=lr, betas=betas,
+                                eps=eps, fused=fused)
+        if fused:
+            opt.register_step_pre_hook(_contiguous_grads)
+        return opt
 
     return make
