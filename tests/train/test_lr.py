@@ -58,3 +58,29 @@ def test_min_lr_above_the_lr_is_refused() -> None:
     opt = adamw(1e-3)([torch.nn.Parameter(torch.ones(2, 2))])
     with pytest.raises(ValueError, match="min_lr 0.01 is above the learning rate 0.001"):
         make_scheduler(opt, LRSchedule("cosine", total_steps=5, min_lr=1e-2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_adamw_is_fused_and_steps_as_torchs_loop_even_on_a_transposed_gradient(dtype) -> None:
+    """stp train's AdamW is torch's fused kernel (one call per step, no read of each
+    step count); its updates are torch's single-tensor AdamW's within an ulp, also for
+    a gradient that is a transposed view (which the fused CPU kernel alone misreads)."""
+    gen = torch.Generator().manual_seed(3)
+    start = [torch.randn(6, 4, generator=gen, dtype=dtype), torch.randn(5, dtype=dtype,
+                                                                       generator=gen)]
+    ours = [torch.nn.Parameter(t.clone()) for t in start]
+    ref = [torch.nn.Parameter(t.clone()) for t in start]
+    opt = adamw(0.1, weight_decay=0.1)(ours)
+    assert all(g.get("fused") for g in opt.param_groups)
+    ref_opt = torch.optim.AdamW(param_groups(ref, 0.1), lr=0.1, betas=(0.9, 0.95), eps=1e-8,
+                                foreach=False)
+    for _ in range(3):
+        grads = [torch.randn(4, 6, generator=gen, dtype=dtype).t(),
+                 torch.randn(5, generator=gen, dtype=dtype)]
+        for p, q, g in zip(ours, ref, grads, strict=True):
+            p.grad, q.grad = g, g.contiguous()
+        opt.step()
+        ref_opt.step()
+    tol = {torch.float32: 1e-6, torch.float64: 1e-14}[dtype]
+    for p, q in zip(ours, ref, strict=True):
+        assert torch.allclose(p, q, rtol=tol, atol=tol), (p - q).abs().max()

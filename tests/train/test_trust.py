@@ -389,7 +389,9 @@ def test_stp_train_with_nan_gradients_exits_non_zero(
     from stp.cli.main import main
     from stp.train import grad_sync  # where a step's gradient norm is taken
 
-    monkeypatch.setattr(grad_sync, "grad_norm", lambda *a, **k: float("inf"))
+    # the norm stays a device tensor until the step's one read (stp.train.grad_sync)
+    monkeypatch.setattr(grad_sync, "global_norm",
+                        lambda *a, **k: torch.tensor(float("inf"), dtype=torch.float64))
     data = tmp_path / "data.txt"
     data.write_text(Path(checkpoint.__file__).read_text()[:3000])
     out = tmp_path / "o"

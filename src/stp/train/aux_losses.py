@@ -55,12 +55,15 @@ class AuxLosses:
             st.set_num_microbatches(microbatches)
             st.take_aux()
 
-    def collect(self, microbatches: int) -> dict[str, float]:
-        """After a step's backward: the step's figures (collective)."""
-        total, counts = 0.0, None
+    def reduce(self) -> torch.Tensor:
+        """After a step's backward: [aux loss sum, routing choices per expert], summed
+        over the world (collective), on this rank's device and not read: the trainer
+        reads it with the step's loss and norm in one host sync (`figures`)."""
+        total: Any = 0.0
+        counts = None
         for st in self.stages.values():
             aux, c = st.take_aux()
-            total += aux
+            total = total + aux
             if c is not None:
                 counts = c if counts is None else counts + c
         experts = next(iter(self.stages.values())).config.num_experts
@@ -70,9 +73,17 @@ class AuxLosses:
             if counts is not None:
                 flat[1:] = counts.to(flat)
         self.sync.collective("aux loss all-reduce", WORLD, dist.all_reduce, flat)
+        return flat
+
+    def figures(self, values: list[float], microbatches: int) -> dict[str, float]:
+        """The step's figures from `reduce`'s tensor, read (module doc)."""
         d = self.mesh.dims
-        load = flat[1:]
-        mean = float(load.mean())
-        return {"aux_loss": float(flat[0]) / (self.num_layers * microbatches * d.dp),
-                "expert_load": float(load.max()) / mean if mean > 0 else 1.0,
-                "expert_tokens_max": float(load.max()), "expert_tokens_mean": mean}
+        load = values[1:]
+        mean = sum(load) / len(load)
+        return {"aux_loss": values[0] / (self.num_layers * microbatches * d.dp),
+                "expert_load": max(load) / mean if mean > 0 else 1.0,
+                "expert_tokens_max": max(load), "expert_tokens_mean": mean}
+
+    def collect(self, microbatches: int) -> dict[str, float]:
+        """After a step's backward: the step's figures (collective; reads them)."""
+        return self.figures(self.reduce().tolist(), microbatches)

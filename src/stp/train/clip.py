@@ -31,7 +31,7 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["counted_mask", "grad_norm", "clip_coefficient", "scale_grads"]
+__all__ = ["counted_mask", "grad_norm", "global_norm", "clip_coefficient", "scale_grads"]
 
 EPS = 1e-6
 """torch.nn.utils.clip_grad_norm_'s guard against dividing by a zero norm."""
@@ -63,21 +63,32 @@ def counted_mask(
     return mask
 
 
-def grad_norm(
+def global_norm(
     grads: Sequence[torch.Tensor], counted: Sequence[bool],
     world_sum: Callable[[torch.Tensor], None] | None,
-) -> float:
-    """The global L2 norm (module doc); `world_sum` all-reduces a float64 scalar
-    in place over the world (None in a world of one). Collective."""
+) -> torch.Tensor:
+    """The global L2 norm (module doc) as a float64 scalar tensor on the gradients'
+    device, not read: the trainer reads it with the step's loss in one host sync
+    (stp.train.grad_sync). `world_sum` all-reduces a float64 scalar in place over
+    the world (None in a world of one). Collective."""
     mine = [g for g, c in zip(grads, counted, strict=True) if c]
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
     if mine:
-        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in mine])
+        # one multi-tensor call: each norm as torch.linalg.vector_norm(g, dtype=float64)
+        norms = torch.stack(torch._foreach_norm(mine, 2, dtype=torch.float64))
         total = total + norms.pow(2).sum()
     if world_sum is not None:
         world_sum(total)
-    return float(total.sqrt())
+    return total.sqrt()
+
+
+def grad_norm(
+    grads: Sequence[torch.Tensor], counted: Sequence[bool],
+    world_sum: Callable[[torch.Tensor], None] | None,
+) -> float:
+    """`global_norm`, read as a Python float. Collective."""
+    return float(global_norm(grads, counted, world_sum))
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:
@@ -88,5 +99,5 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
 def scale_grads(grads: Sequence[torch.Tensor], factor: float) -> None:
     """Multiply every gradient in place (torch multiplies even by 1.0; so do we, so
     that a clipped run and torch's agree bit for bit)."""
-    for g in grads:
-        g.mul_(factor)
+    if grads:
+        torch._foreach_mul_(list(grads), factor)

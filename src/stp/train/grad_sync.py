@@ -78,7 +78,7 @@ import torch.distributed as dist
 
 from stp.runtime.errors import RankError, wrap
 from stp.runtime.mesh import Mesh
-from stp.train.clip import counted_mask, grad_norm
+from stp.train.clip import counted_mask, global_norm
 from stp.train.in_flight import InFlight
 from stp.train.precision import Precision
 from stp.train.shards import box_of, norm_key
@@ -143,6 +143,8 @@ class GradSync:
         parameters, then its experts, reduced in place (module doc)."""
         self._in_flight: list[InFlight] = []
         self._reduced: set[int] = set()
+        self.extra_values: list[float] = []
+        """What the last `after_backward`'s `extra` held, read with its loss and norm."""
         self.sampler: Callable[[], None] | None = None
         """Called after each launch: the activation offloader's `sample`, so the copies'
         bytes (`held_bytes`) are measured with the activations (stp.train.setup)."""
@@ -217,20 +219,30 @@ class GradSync:
             f.finish()
 
     def after_backward(self, losses: Mapping[int, torch.Tensor], microbatches: int,
-                       valid_ratio: float) -> tuple[float, float]:
+                       valid_ratio: float,
+                       extra: torch.Tensor | None = None) -> tuple[float, float]:
         """(the step's mean loss, the global gradient norm), both the same on every
         rank, with the gradients summed where shared and averaged over DP.
         `losses`: this rank's microbatch mean losses (empty off the last stage);
         `valid_ratio`: the global batch's share of counted targets (each
-        microbatch's mean is over its own valid targets). Collective."""
+        microbatch's mean is over its own valid targets). Both figures are read
+        from the device at once, the step's one host sync; `extra` (a 1-d tensor on
+        this rank's device, e.g. the auxiliary losses' reduced figures) is read in
+        the same sync and left in `self.extra_values`. Collective."""
         self.finish_reductions()
         self.sum_shared()
-        loss = self.world_loss(losses, microbatches, valid_ratio)
+        loss = self.world_loss_tensor(losses, microbatches, valid_ratio)
         rest = [i for i in range(len(self.precision.names)) if i not in self._reduced]
         if rest:
             self._reduce(rest, None, async_op=False)
         self._reduced = set()
-        return loss, self.grad_norm()
+        norm = self.grad_norm_tensor().to(loss.device)
+        parts = [loss.reshape(1), norm.reshape(1)]
+        if extra is not None:
+            parts.append(extra.to(loss))
+        values = torch.cat(parts).tolist()  # the one host sync of a step
+        self.extra_values = values[2:]
+        return values[0], values[1]
 
     def _reduce(self, idx: list[int], stage: int | None, *, async_op: bool) -> list[InFlight]:
         """The DP reduction of parameters `idx` (of `stage`; None: whatever is left):
@@ -268,14 +280,25 @@ class GradSync:
 
     def world_loss(self, losses: Mapping[int, torch.Tensor], microbatches: int,
                    valid_ratio: float, *, action: str = "loss all-reduce") -> float:
+        """`world_loss_tensor`, read as a Python float. Collective."""
+        return float(self.world_loss_tensor(losses, microbatches, valid_ratio, action=action))
+
+    def world_loss_tensor(self, losses: Mapping[int, torch.Tensor], microbatches: int,
+                          valid_ratio: float, *,
+                          action: str = "loss all-reduce") -> torch.Tensor:
         """The global batch's mean loss from the microbatch means on the ranks holding
-        the last stage (one TP rank of each counts), summed over the world."""
+        the last stage (one TP rank of each counts), summed over the world: a float64
+        scalar on this rank's device, not read (no host sync per microbatch)."""
         d = self.mesh.dims
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.holds_loss and self.mesh.coord.tp == 0:
-            total += sum(float(v) for v in losses.values()) / (microbatches * d.dp) * valid_ratio
+        if self.holds_loss and self.mesh.coord.tp == 0 and losses:
+            # summed one by one in float64, in the order Python's sum of floats did
+            mine = torch.zeros((), dtype=torch.float64, device=self.device)
+            for v in losses.values():
+                mine += v.detach().to(mine)
+            total += mine / (microbatches * d.dp) * valid_ratio
         self.collective(action, WORLD, dist.all_reduce, total)
-        return float(total)
+        return total
 
     def average_dp(self, indices: Iterable[int] | None = None, *,
                    async_op: bool = False) -> list[InFlight]:
@@ -330,11 +353,15 @@ class GradSync:
 
     def grad_norm(self) -> float:
         """The global L2 norm of the gradients (stp.train.clip). Collective."""
+        return float(self.grad_norm_tensor())
+
+    def grad_norm_tensor(self) -> torch.Tensor:
+        """`grad_norm` as a float64 scalar tensor, not read. Collective."""
         world_sum = None
         if self.mesh.dims.world_size > 1:
             world_sum = functools.partial(self.collective, "grad-norm all-reduce", WORLD,
                                           dist.all_reduce)
-        return grad_norm(self.precision.grads(), self.counted, world_sum)
+        return global_norm(self.precision.grads(), self.counted, world_sum)
 
 
 def _views_of(flat: torch.Tensor, grads: list[torch.Tensor]) -> bool:

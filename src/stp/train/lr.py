@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -103,6 +104,32 @@ def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[di
     return [g for g in groups if g["params"]]
 
 
+FUSED_DEVICES = ("cpu", "cuda")
+"""Where torch's fused AdamW runs (`_fused_adamw_`)."""
+
+
+def fusable(params: Iterable[torch.Tensor]) -> bool | None:
+    """True when torch's fused AdamW can step every one of `params`: one kernel call
+    over all of them instead of about fifteen small ops and a read of the step count
+    per parameter (the for-each loop torch picks on the CPU); None (torch's choice)
+    otherwise."""
+    ps = list(params)
+    ok = bool(ps) and all(p.device.type in FUSED_DEVICES and p.is_floating_point()
+                          for p in ps)
+    return True if ok else None
+
+
+def _contiguous_grads(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    """Make every gradient contiguous before a fused step: torch's fused CPU AdamW
+    (torch 2.13) reads a gradient's memory in order, ignoring its strides, so a
+    transposed one gives a wrong update. stp's gradients are contiguous (checked
+    once per tensor here, a few dozen calls a step); a user's stage may not be."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None and not p.grad.is_contiguous():
+                p.grad = p.grad.contiguous()
+
+
 def adamw(
     lr: float, *, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
@@ -115,7 +142,11 @@ def adamw(
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
 
     def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(param_groups(params, weight_decay), lr=lr, betas=betas,
-                                 eps=eps)
+        fused = fusable(params)
+        opt = torch.optim.AdamW(param_groups(params, weight_decay), lr=lr, betas=betas,
+                                eps=eps, fused=fused)
+        if fused:
+            opt.register_step_pre_hook(_contiguous_grads)
+        return opt
 
     return make

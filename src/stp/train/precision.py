@@ -120,12 +120,17 @@ class Precision:
         return run
 
     def _fold(self, indices: Iterable[int]) -> None:
-        """main grad += model .grad (in fp32); the model's .grad is dropped."""
+        """main grad += model .grad (in fp32); the model's .grad is dropped. One
+        multi-tensor add for all of them (the same adds, fewer calls)."""
+        mains, grads = [], []
         for i in indices:
             p = self.model[i]
             if p.grad is not None:
-                self._main_grad(i).add_(p.grad)
+                mains.append(self._main_grad(i))
+                grads.append(p.grad)
                 p.grad = None
+        if mains:
+            torch._foreach_add_(mains, grads)
 
     def fold(self, indices: Iterable[int] | None = None) -> None:
         """Fold what is left in the model's `.grad` (call after the backward; `indices`:
@@ -136,8 +141,7 @@ class Precision:
     def zero_grad(self) -> None:
         """Zero the main grads (mixed; the model's own `.grad` the stages zero)."""
         if self.mixed:
-            for i in range(len(self.model)):
-                self._main_grad(i).zero_()
+            torch._foreach_zero_([self._main_grad(i) for i in range(len(self.model))])
 
     def grads(self) -> list[torch.Tensor]:
         """The gradient of each parameter in `params` (created as zeros if missing)."""
@@ -172,8 +176,7 @@ class Precision:
     def copy_to_model(self) -> None:
         """Round the masters into the model (mixed; nothing to do when pure)."""
         if self.mixed:
-            for p, master in zip(self.model, self.params, strict=True):
-                p.copy_(master)
+            torch._foreach_copy_(self.model, self.params)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ One `step` = one iteration over m microbatches of the global batch:
        for, the rest run now; one flat all-reduce per stage; with
        `shard_optimizer` a reduce-scatter, each replica keeping its rows:
        stp.train.zero), and the global gradient norm taken over the whole model;
+       the loss and the norm are read from the device together, the step's one
+       host sync (tests/train/test_host_syncs.py);
     4. the gradients are clipped by that norm (stp.train.clip; inf/NaN: the
        step is skipped on every rank); the optimizer steps, in bf16 on fp32
        master weights and main grads (stp.train.precision), and the LR
@@ -284,10 +286,13 @@ class Trainer:
             self.aux.start(m)
         losses = self.executor.run(inputs, tgts, scale=ratio / m,
                                    boundary_shape=self.boundary_shape(tgts[0]))
-        if self.aux is not None:
-            self.last_figures = self.aux.collect(m)
+        figures = None if self.aux is None else self.aux.reduce()
         self.precision.fold()
-        loss, norm = self.parts.sync.after_backward(losses, m, ratio)
+        # the loss, the norm (whose finiteness decides the skip) and the aux figures
+        # are read from the device at once: the step's one host sync
+        loss, norm = self.parts.sync.after_backward(losses, m, ratio, figures)
+        if self.aux is not None:
+            self.last_figures = self.aux.figures(self.parts.sync.extra_values, m)
         gather = self.parts.param_gather
         self.last_update = apply_update(self.precision, self.optimizer, self.scheduler, norm,
                                         self.options.clip_grad,

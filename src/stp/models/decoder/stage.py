@@ -235,8 +235,10 @@ class ModelStage(nn.Module):
                     f"stage 0 takes token ids [batch, seq] of int32/int64, got "
                     f"{x.dtype} {tuple(x.shape)}"
                 )
-            # Value checks only on CPU: on an accelerator they would sync every microbatch.
-            if x.device.type == "cpu" and x.numel() and (x.min() < 0 or x.max() >= c.vocab_size):
+            # Value checks only on CPU, read on the host (numpy: no aten op, no sync);
+            # on an accelerator they would sync every microbatch.
+            ids = x.numpy() if x.device.type == "cpu" else None
+            if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= c.vocab_size):
                 raise ValueError(f"token ids must be in [0, vocab_size={c.vocab_size})")
         elif x.dim() != 3 or x.shape[-1] != c.hidden:
             raise ValueError(
@@ -255,9 +257,8 @@ class ModelStage(nn.Module):
                 raise ValueError(
                     f"the last stage needs targets of shape {(x.shape[0], seq)}, got {got}"
                 )
-            outside = None if targets.device.type != "cpu" else (
-                (targets < 0) & (targets != IGNORE_INDEX) | (targets >= c.vocab_size))
-            if outside is not None and bool(outside.any()):
+            t = targets.numpy() if targets.device.type == "cpu" else None
+            if t is not None and ((t < 0) & (t != IGNORE_INDEX) | (t >= c.vocab_size)).any():
                 raise ValueError(f"targets must be in [0, vocab_size={c.vocab_size}) or "
                                  f"{IGNORE_INDEX} (left out of the loss)")
         elif targets is not None:

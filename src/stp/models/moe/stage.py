@@ -137,13 +137,15 @@ class MoEStage(ModelStage):
         for unit in self.moe_units:
             unit.aux_seed = seed
 
-    def take_aux(self) -> tuple[float, torch.Tensor | None]:
+    def take_aux(self) -> tuple[Any, torch.Tensor | None]:
         """(sum of the load-balancing losses this stage computed since the last call,
         over its MoE layers and microbatches; routing choices per expert, summed
         likewise; None without MoE layers); forgets them."""
-        total, counts = 0.0, None
+        total: Any = 0.0  # a float64 tensor once a term is added: read by the trainer
+        counts = None
         for unit in self.moe_units:
-            total += sum(float(a) for a in unit.aux.values())
+            for a in unit.aux.values():
+                total = total + a.detach().to(torch.float64)
             for c in unit.counts.values():
                 counts = c.clone() if counts is None else counts + c
             unit.aux.clear()

@@ -26,7 +26,8 @@ __all__ = ["LinearGrad", "NormGrad", "EmbedGrad", "ReadyGrad", "WGradEntry", "WG
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     """param.grad += grad, creating it on first use (gradients accumulate over
     microbatches until the optimizer zeroes them)."""
-    grad = grad.to(param.dtype)
+    if grad.dtype != param.dtype:  # checked here: a no-op .to() is still a dispatch
+        grad = grad.to(param.dtype)
     if param.grad is None:
         param.grad = grad.contiguous()
     else:
@@ -52,10 +53,14 @@ class LinearGrad:
         # with a graph would keep every microbatch's x and dy alive until zero_grad
         x2 = self.x.detach().reshape(-1, self.x.shape[-1])
         gy2 = self.grad_out.detach().reshape(-1, self.grad_out.shape[-1])
+        dtype = self.weight.dtype
         if self.weight.grad is None:
-            self.weight.grad = (gy2.t() @ x2).to(self.weight.dtype)
+            dw = gy2.t() @ x2
+            self.weight.grad = dw if dw.dtype == dtype else dw.to(dtype)
+        elif gy2.dtype == dtype and x2.dtype == dtype:
+            self.weight.grad.addmm_(gy2.t(), x2)
         else:
-            self.weight.grad.addmm_(gy2.t().to(self.weight.dtype), x2.to(self.weight.dtype))
+            self.weight.grad.addmm_(gy2.t().to(dtype), x2.to(dtype))
 
 
 @dataclass

@@ -1,0 +1,90 @@
+"""A training step reads the device once: the loss, the gradient norm (whose
+finiteness decides the inf/NaN skip) and the auxiliary figures come back in one
+host synchronisation at the end of the step (issue 35: at most one per step).
+
+Counted from the Python side, so the count is the same on any device: every
+`item`, `tolist`, `cpu`, `numpy` and Python conversion (`float`, `int`, `bool`)
+of a tensor during `Trainer.step`, seen by a TorchFunctionMode. Reads of the
+batch the caller handed in (host memory: not a device read) are left out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from stp.models import ModelConfig
+from stp.train.lr import adamw
+from stp.train.trainer import Trainer
+
+CONFIG = ModelConfig(hidden=32, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=16)
+READS = {"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__"}
+
+
+class HostReads(TorchFunctionMode):
+    """Records the name of every read of a tensor's value into Python or host memory,
+    except of tensors sharing storage with `host` (the caller's batch)."""
+
+    def __init__(self, host: tuple[torch.Tensor, ...]) -> None:
+        super().__init__()
+        self.host = {t.untyped_storage().data_ptr() for t in host}
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if (name in READS and args and isinstance(args[0], torch.Tensor)
+                and args[0].untyped_storage().data_ptr() not in self.host):
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, CONFIG.vocab_size, (8, 17),
+                        generator=torch.Generator().manual_seed(step))
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def _reads(trainer: Trainer, batch: tuple[torch.Tensor, torch.Tensor]) -> list[str]:
+    with HostReads(batch) as mode:
+        trainer.step(batch)
+    return mode.reads
+
+
+@pytest.mark.parametrize("dtype,clip", [(torch.float32, None), (torch.bfloat16, 1.0)])
+def test_one_host_sync_per_step(dtype: torch.dtype, clip: float | None) -> None:
+    trainer = Trainer(CONFIG, adamw(1e-3), "1f1b", microbatches=4, dtype=dtype,
+                      clip_grad=clip)
+    trainer.step(_batch(0))  # the first step builds the optimizer's state
+    reads = _reads(trainer, _batch(1))
+    assert reads == ["tolist"], reads
+    assert trainer.last_update is not None and not trainer.last_update.skipped
+
+
+def test_nonfinite_step_is_skipped_with_the_same_one_sync() -> None:
+    """The skip is decided on the norm read with the loss: nothing updated, and the
+    step still reads the device once."""
+    trainer = Trainer(CONFIG, adamw(1e-3), "1f1b", microbatches=4, dtype=torch.bfloat16)
+    trainer.step(_batch(0))
+    before = {n: p.detach().clone() for n, p in trainer.named_parameters()}
+    masters = [p.detach().clone() for p in trainer.precision.params]
+    fold = trainer.precision.fold
+
+    def poisoned(indices: Any = None) -> None:
+        fold(indices)
+        trainer.precision.grads()[0].view(-1)[0] = float("nan")
+
+    trainer.precision.fold = poisoned  # type: ignore[method-assign]
+    reads = _reads(trainer, _batch(1))
+    trainer.precision.fold = fold  # type: ignore[method-assign]
+    assert reads == ["tolist"], reads
+    u = trainer.last_update
+    assert u is not None and u.skipped and u.grad_norm != u.grad_norm  # NaN
+    assert all(torch.equal(before[n], p) for n, p in trainer.named_parameters())
+    assert all(torch.equal(a, b) for a, b in zip(masters, trainer.precision.params,
+                                                 strict=True))
+    trainer.step(_batch(2))
+    assert trainer.last_update is not None and not trainer.last_update.skipped
