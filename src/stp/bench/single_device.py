@@ -24,9 +24,10 @@ before it) and the ratios stp / plain.
 them; the load does not change them): aten ops (every `aten::` event, nested
 ones too), autograd nodes (`autograd::engine::evaluate_function`),
 compiled-graph calls (inductor graphs called) and host synchronisations:
-`aten::_local_scalar_dense` (`.item()`, `float(t)`, `int(t)`, `bool(t)`) and
+`aten::_local_scalar_dense` (`.item()`, `float(t)`, `int(t)`, `bool(t)`; those
+inside an optimizer's step read its host step counters and are counted apart) and
 the Python calls that read a device tensor on the host or wait for the device
-(`Tensor.cpu`, `.tolist`, `.numpy`, `torch.cuda.synchronize`,
+(`Tensor.cpu`, `.tolist`, `torch.cuda.synchronize`,
 `torch.cuda.mem_get_info`), counted by kind. On the CPU every tensor is a
 host tensor, so a `.cpu()` / `.tolist()` there is counted as the wait it is on
 a GPU.
@@ -293,7 +294,9 @@ def _ratios(rows: dict[str, dict[str, Any]], key: str) -> dict[str, float]:
 
 # -- per-step counts ---------------------------------------------------------------
 
-_HOST_READS = ("cpu", "tolist", "numpy")
+_HOST_READS = ("cpu", "tolist")
+"""`.numpy()` is not among them: it reads host tensors only (a device tensor refuses it),
+so it never waits for a device; a check reading the host batch through it is free."""
 _SCALAR_READS = ("item", "__float__", "__int__", "__bool__")
 """What reaches aten::_local_scalar_dense from Python; wrapped only to say where."""
 
@@ -369,7 +372,10 @@ def _step_counts(events: Any, steps: int) -> dict[str, Any]:
         if ev.name.startswith("aten::"):
             counts["aten ops"] += 1
             ops[ev.name] += 1
-        if ev.name == "aten::_local_scalar_dense" and STEP_COUNTER in parents:
+        in_optimizer = any(p.startswith("Optimizer.step#") for p in parents)
+        if ev.name == "aten::_local_scalar_dense" and (STEP_COUNTER in parents or in_optimizer):
+            # AdamW's step counts: host tensors read inside the optimizer's step (the
+            # fused kernel's too), on the device with a GPU's fused/capturable state
             counts["AdamW step-counter reads (host tensors, no sync)"] += 1
         elif ev.name == "aten::_local_scalar_dense":
             counts["host syncs"] += 1

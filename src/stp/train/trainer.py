@@ -249,8 +249,12 @@ class Trainer:
             return None
         peaks: list[Any] = [None] * self.dims.world_size
         mem = self.offloader.memory
-        self.parts.sync.collective("memory gather", WORLD, dist.all_gather_object, peaks,
-                                   (mem.peak_bytes, max(0, mem.peak_with_held - mem.peak_bytes)))
+        mine = (mem.peak_bytes, max(0, mem.peak_with_held - mem.peak_bytes))
+        if self.dims.world_size == 1:  # host counters: nothing to gather, no device read
+            peaks[0] = mine
+        else:
+            self.parts.sync.collective("memory gather", WORLD, dist.all_gather_object, peaks,
+                                       mine)
         self.copy_peaks = [int(c) for _, c in peaks]
         """What the DP reductions' copies in flight added to each rank's peak of resident
         activations in the last step (`StepMemory.peak_with_held`), set with the peaks."""
