@@ -142,3 +142,25 @@ def test_bad_optimizer_settings_name_the_value(lr: float, wd: float, message: st
     """Kills: lr 0 accepted (`lr >= 0`), and the messages lost."""
     with pytest.raises(ValueError, match=message):
         adamw(lr, weight_decay=wd)
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"kind": "step"},
+     r"^lr schedule 'step' not accepted; choose one of constant, cosine, linear$"),
+    ({"warmup": -1}, r"^warmup \(-1\) and total_steps \(0\) must be >= 0$"),
+    ({"min_lr": float("inf")}, r"^min_lr must be a finite number >= 0, got inf$"),
+    ({"min_lr": -0.5}, r"^min_lr must be a finite number >= 0, got -0\.5$"),
+])
+def test_bad_schedules_name_the_value_and_what_is_accepted(kw, message) -> None:
+    """Kills: the messages lost or garbled, and `finite and >= 0` weakened to `or` (an
+    infinite or a negative min_lr accepted)."""
+    with pytest.raises(ValueError, match=message):
+        LRSchedule(**kw)
+
+
+def test_a_one_step_decay_reaches_min_lr_at_its_end() -> None:
+    """Kills: the decay span floored at 2 instead of 1 (a one-update decay would stop
+    halfway). By hand: linear from 1.0 to 0.2 over total_steps - warmup = 1 update."""
+    s = LRSchedule("linear", total_steps=3, warmup=2, min_lr=0.2)
+    assert [s.lr(k, 1.0) for k in range(5)] == [0.5, 1.0, 1.0, pytest.approx(0.2),
+                                                 pytest.approx(0.2)]
