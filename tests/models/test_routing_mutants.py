@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from stp.models.moe.routing import aux_loss, expert_counts, route, softmax_dtype
 
@@ -62,8 +63,6 @@ def test_softmax_dtype_is_float32_or_float64() -> None:
 def test_aux_loss_is_transformers_load_balancing_loss_of_one_layer() -> None:
     """Kills: f or P divided by the wrong count, E missing, counts summed per slot,
     the softmax over tokens. Reference: transformers' load_balancing_loss_func."""
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
-
     gen = torch.Generator().manual_seed(1)
     experts, k = 4, 2
     logits = torch.randn(6, experts, generator=gen, dtype=torch.float64)
