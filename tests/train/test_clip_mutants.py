@@ -72,8 +72,12 @@ def test_the_lowest_global_rank_holding_a_key_counts_it(monkeypatch) -> None:
     monkeypatch.setattr(dist, "get_world_size", lambda: 3)
 
     def gather(out: list[object], mine: object) -> None:
-        assert len(out) == 3
-        out[:] = [(r, keys) for r, keys in held.items()]
+        """all_gather_object: fills a list of world-size slots with every rank's object."""
+        assert out == [None, None, None]
+        rank, keys = mine  # type: ignore[misc]
+        assert keys == held[rank]
+        for r in range(3):
+            out[r] = (r, held[r])
 
     masks = {r: counted_mask(keys, rank=r, gather=gather) for r, keys in held.items()}
     assert masks == {0: [True], 1: [False, True], 2: [False, True]}
