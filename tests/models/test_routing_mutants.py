@@ -81,3 +81,25 @@ def test_aux_loss_by_hand_with_an_unchosen_expert() -> None:
     ids = torch.tensor([[0], [0]])
     assert aux_loss(logits, ids, 3).item() == pytest.approx(3 * 1.0 * (0.5 + 0.7) / 2, rel=1e-12)
     assert expert_counts(torch.tensor([[0, 1], [0, 1]]), 3).tolist() == [2, 2, 0]
+
+
+def test_aux_loss_of_bf16_logits_is_taken_in_float32() -> None:
+    """Kills: the aux-loss softmax without its float32 dtype (taken in bf16). Reference:
+    the same loss of the logits cast to float32 (exact in float32: bf16 -> fp32 is)."""
+    gen = torch.Generator().manual_seed(2)
+    logits = (torch.randn(32, 4, generator=gen) * 2).to(torch.bfloat16)
+    _, ids = route(logits, 2, norm_topk_prob=True)
+    ours = aux_loss(logits, ids, 4)
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours, aux_loss(logits.float(), ids, 4))
+
+
+def test_aux_loss_shares_in_float64_for_a_float64_model() -> None:
+    """Kills: the choice counts left as integers (their share then divided in the
+    default float32). Three tokens, k = 1, choices (0, 0, 1): f = (2/3, 1/3, 0), which
+    float32 rounds at 1e-8."""
+    logits = torch.cat([_logits(0.5, 0.3, 0.2), _logits(0.6, 0.3, 0.1), _logits(0.2, 0.7, 0.1)])
+    ids = torch.tensor([[0], [0], [1]])
+    p0, p1 = (0.5 + 0.6 + 0.2) / 3, (0.3 + 0.3 + 0.7) / 3
+    assert aux_loss(logits, ids, 3).item() == pytest.approx(3 * (2 / 3 * p0 + 1 / 3 * p1),
+                                                            rel=1e-14)

@@ -133,6 +133,14 @@ def test_adamw_is_torchs_with_the_documented_defaults() -> None:
         assert all(torch.equal(p, q) for p, q in zip(ours, theirs, strict=True))
 
 
+def test_adamw_passes_on_its_betas_and_eps() -> None:
+    """Kills: betas or eps not passed to torch.optim.AdamW (its defaults, (0.9, 0.999)
+    and 1e-8, would run instead; 1e-8 is also stp's default, so only a caller's eps
+    shows the bug)."""
+    opt = adamw(1e-2, betas=(0.8, 0.9), eps=1e-6)([torch.nn.Parameter(torch.ones(2, 2))])
+    assert opt.param_groups[0]["betas"] == (0.8, 0.9) and opt.param_groups[0]["eps"] == 1e-6
+
+
 @pytest.mark.parametrize("lr,wd,message", [
     (0.0, 0.0, r"^lr must be > 0, got 0\.0$"),
     (-1.0, 0.0, r"^lr must be > 0, got -1\.0$"),
