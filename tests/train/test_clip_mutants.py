@@ -106,3 +106,30 @@ def test_only_the_counted_gradients_enter_the_norm() -> None:
     assert grad_norm([a, b], [True, True], None) == 5.0
     assert grad_norm([a, b], [True, False], None) == 3.0
     assert grad_norm([a, b], [False, True], None) == 4.0
+
+
+def test_gradients_and_their_marks_must_pair_up() -> None:
+    """Kills: zip without strict=True (a mask shorter than the gradients would
+    silently leave the last ones out of the norm)."""
+    g = torch.ones(2, dtype=torch.float64)
+    with pytest.raises(ValueError):
+        grad_norm([g, g], [True], None)
+
+
+class _Reduced(Exception):
+    """Raised by the fake world sum once it has seen the scalar."""
+
+
+def test_the_summed_scalar_lives_on_the_gradients_device() -> None:
+    """Kills: the float64 scalar made on the default device (CPU) instead of the
+    gradients' (NCCL all-reduces only CUDA tensors, also on a rank that counts no
+    gradient). The meta device stands in for CUDA on a CPU-only machine."""
+    g = torch.empty(3, device="meta")
+
+    def world_sum(total: torch.Tensor) -> None:
+        assert total.device == g.device
+        raise _Reduced
+
+    for counted in ([False], [True]):
+        with pytest.raises(_Reduced):
+            grad_norm([g], counted, world_sum)
