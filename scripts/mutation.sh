@@ -31,6 +31,6 @@ start=$SECONDS
 nice -n 10 python -m mutmut run --max-children "${MUTMUT_CHILDREN:-2}" "$@"
 echo "mutation run of $module took $((SECONDS - start)) s"
 echo "survivors of $module (python -m mutmut show NAME in $stage for the diff):"
-python -m mutmut results | grep -v ': killed$' || true
+python -m mutmut results | grep -v ': killed$\|: not checked$' || true
 python -m mutmut export-cicd-stats >/dev/null
 echo "$module: $(python "$root/scripts/mutation_stage.py" score mutants/mutmut-cicd-stats.json)"
