@@ -99,7 +99,8 @@ class _Train:
         raise AssertionError("no step within the start-up time")
 
     def finish(self, within: float) -> tuple[int, list[str], float]:
-        """(exit status, stderr lines that are not progress, seconds it took)."""
+        """(exit status, stderr lines that are not progress or the start-up line, seconds
+        it took)."""
         start = time.monotonic()
         try:
             code = self.proc.wait(timeout=within)
@@ -109,7 +110,8 @@ class _Train:
         elapsed = time.monotonic() - start
         while (line := self.lines.get(timeout=10)) is not None:
             self.stderr.append(line)
-        return code, [x.rstrip("\n") for x in self.stderr if not x.startswith("step ")], elapsed
+        said = [x.rstrip("\n") for x in self.stderr]
+        return code, [x for x in said if not x.startswith(("step ", "start-up: "))], elapsed
 
     def leftovers(self) -> list[int]:
         time.sleep(0.2)
