@@ -23,27 +23,9 @@ import sys
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
 
-READS = {"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__"}
-
-
-class HostReads(TorchFunctionMode):
-    """Names of the reads of tensors not sharing storage with `host`."""
-
-    def __init__(self, host: tuple[torch.Tensor, ...]) -> None:
-        super().__init__()
-        self.host = {t.untyped_storage().data_ptr() for t in host}
-        self.reads: list[str] = []
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        name = getattr(func, "__name__", "")
-        if (name in READS and args and isinstance(args[0], torch.Tensor)
-                and args[0].untyped_storage().data_ptr() not in self.host):
-            self.reads.append(name)
-        return func(*args, **(kwargs or {}))
+from stp.bench.host_reads import HostReads
 
 
 def _inside(event: Any, prefix: str) -> bool:

@@ -14,34 +14,13 @@ from typing import Any
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
+from stp.bench.host_reads import HostReads
 from stp.models import ModelConfig
 from stp.train.lr import adamw
 from stp.train.trainer import Trainer
 
 CONFIG = ModelConfig(hidden=32, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=16)
-READS = {"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__"}
-
-
-class HostReads(TorchFunctionMode):
-    """Records the name of every read of a tensor's value into Python or host memory,
-    except of tensors sharing storage with `host` (the caller's batch)."""
-
-    def __init__(self, host: tuple[torch.Tensor, ...]) -> None:
-        super().__init__()
-        self.host = {t.untyped_storage().data_ptr() for t in host}
-        self.reads: list[str] = []
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        name = getattr(func, "__name__", "")
-        if (name in READS and args and isinstance(args[0], torch.Tensor)
-                and args[0].untyped_storage().data_ptr() not in self.host):
-            self.reads.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, CONFIG.vocab_size, (8, 17),
                         generator=torch.Generator().manual_seed(step))
