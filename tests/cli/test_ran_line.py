@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 from stp.cli.flags import from_args
 from stp.cli.main import build_parser, main
-from stp.cli.train import _Progress, _ran_line
+from stp.cli.train_output import Progress as _Progress
+from stp.cli.train_output import ran_line as _ran_line
 from stp.train.config import TrainJob
 from stp.train.job import model_config
 from stp.train.loop import RunSummary

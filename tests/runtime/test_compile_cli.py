@@ -62,7 +62,7 @@ def test_compiling_is_said_before_the_first_step_line(capfd, monkeypatch, tmp_pa
 
 
 def test_compiling_line_on_a_terminal_counts_seconds(capfd) -> None:
-    from stp.cli.train import _CompileProgress
+    from stp.cli.train_output import CompileProgress as _CompileProgress
 
     now = [100.0]
     progress = _CompileProgress(tty=True, every_s=3600, clock=lambda: now[0])

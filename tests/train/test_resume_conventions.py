@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from stp.cli.main import main
-from stp.cli.train import _Progress
+from stp.cli.train_output import Progress as _Progress
 from stp.train import checkpoint
 from stp.train.data import open_corpus
 
