@@ -1,4 +1,4 @@
-"""Sharded checkpoints (stp.train.checkpoint) of a model of a few hundred MB.
+"""Sharded checkpoints (stp.train.checkpoint.sharded) of a model of a few hundred MB.
 
 Two gloo workers train a byte-level decoder (default h=768, 8 layers: about
 60M parameters, 240 MB in float32) on pp=2 with AdamW, then print:
@@ -35,8 +35,8 @@ from typing import Any
 
 def _trainer(args: argparse.Namespace, mesh: Any) -> Any:
     from stp.models import ModelConfig
-    from stp.train.lr import adamw
-    from stp.train.trainer import Trainer
+    from stp.train.step.lr import adamw
+    from stp.train.step.trainer import Trainer
 
     config = ModelConfig(vocab_size=256, hidden=args.hidden, num_layers=args.layers,
                          num_heads=args.heads, num_kv_heads=args.heads, max_seq_len=64, seed=0)
@@ -71,8 +71,8 @@ def _worker(args: argparse.Namespace, root: str) -> dict[str, Any]:
 
     from stp.runtime.launch import init_distributed
     from stp.runtime.mesh import Mesh, ParallelDims
-    from stp.train import checkpoint
-    from stp.train.data import ByteBatches, read_corpus
+    from stp.train.checkpoint import sharded as checkpoint
+    from stp.train.data.corpus import ByteBatches, read_corpus
 
     init_distributed(timeout=600)
     rank, out = dist.get_rank(), Path(root)

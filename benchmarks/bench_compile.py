@@ -46,7 +46,7 @@ def _size(text: str) -> tuple[int, int, int]:
 def _measure(args: argparse.Namespace, size: tuple[int, int, int]) -> dict:
     from stp.models.compile import compile_stats
     from stp.runtime.mesh import Mesh, ParallelDims
-    from stp.train.trainer import Trainer, TrainerOptions
+    from stp.train.step.trainer import Trainer, TrainerOptions
 
     hidden, layers, seq = size
     mesh = Mesh.from_world(ParallelDims(args.pp, args.tp, 1), timeout=1200)

@@ -47,7 +47,7 @@ def _step_times(args: argparse.Namespace, schedule: str) -> dict[str, list[float
     from stp.models.emulated import parse_emulate
     from stp.runtime.mesh import Mesh, ParallelDims
     from stp.schedule import registry
-    from stp.train.trainer import Trainer
+    from stp.train.step.trainer import Trainer
 
     mesh = Mesh.from_world(ParallelDims(2, 1, 2), timeout=300)
     sch = registry.make(schedule, 2, args.m)

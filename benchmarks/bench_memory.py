@@ -1,9 +1,9 @@
 """`stp memory` against what `stp train` measured, per category, on small runs.
 
 For each configuration: `stp train FLAGS --steps 2 --json` (its closing
-object holds every rank's measured bytes, stp.train.memory_measure) and
+object holds every rank's measured bytes, stp.train.run.memory_measure) and
 `stp memory FLAGS --json` (the estimate `stp train` checks before launching,
-stp.train.memory_check.run_estimate) with the same flags. Printed per
+stp.train.run.memory_check.run_estimate) with the same flags. Printed per
 configuration: estimated / measured bytes of the measured peak rank, per
 category, and the relative error of the total. The total compared is over
 the categories both sides count (weights, grads, masters, optimizer,
@@ -101,7 +101,7 @@ TARGET = 0.10
 
 def missing_flag(flags: list[str]) -> str | None:
     """The first flag of `flags` that `stp train` does not have yet."""
-    from stp.train.config import TrainJob
+    from stp.train.run.config import TrainJob
 
     fields = {f.name for f in dataclasses.fields(TrainJob)}
     return next((f for f in flags if f in NEEDS and NEEDS[f] not in fields), None)

@@ -1,11 +1,11 @@
 """Does the multimodal model look at the image? Trains `--arch mllm` (the stp
 Trainer, one process) for 80 steps on the seeded coloured-shape captions
-(stp.train.images), and again with every image blanked (a caption-only
+(stp.train.data.images), and again with every image blanked (a caption-only
 baseline), from the same initial weights on the same batches. Prints both
 curves every 10 steps and the means of the last 10 steps, of two losses: the
 total (every caption byte) and the image-dependent one (only the bytes the
 image decides: the first byte of each position, colour and shape word and the
-separator after a shape; stp.train.images.image_choices). Past a word's first
+separator after a shape; stp.train.data.images.image_choices). Past a word's first
 byte the text predicts the rest, so the total moves less than the
 image-dependent loss; the model that sees the images must end lower on both.
 The image-dependent loss of a step is taken by a forward pass on the step's
@@ -34,11 +34,11 @@ import torch
 
 from stp.files import write_text_atomic
 from stp.models import IGNORE_INDEX
-from stp.train.config import ModelShape, TrainJob, VisionShape
+from stp.train.run.config import ModelShape, TrainJob, VisionShape
 from stp.train.families.mllm import mllm_batches
-from stp.train.job import model_config
-from stp.train.lr import adamw
-from stp.train.trainer import Trainer
+from stp.train.run.job import model_config
+from stp.train.step.lr import adamw
+from stp.train.step.trainer import Trainer
 
 JOB = TrainJob(arch="mllm", model=ModelShape(layers=2, hidden=64, heads=4, seq_len=64),
                vision=VisionShape(image_size=32, patch=4, vision_layers=2), pp=1,

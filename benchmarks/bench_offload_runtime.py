@@ -42,8 +42,8 @@ def _measure(pp: int, args: argparse.Namespace) -> dict[str, Any]:
     from stp.models import ModelConfig
     from stp.runtime.mesh import Mesh, ParallelDims
     from stp.schedule.registry import make as make_schedule
-    from stp.train.data import ByteBatches, read_corpus
-    from stp.train.trainer import Trainer
+    from stp.train.data.corpus import ByteBatches, read_corpus
+    from stp.train.step.trainer import Trainer
 
     mesh = Mesh.from_world(ParallelDims(pp, 1, 1), timeout=120)
     cfg = ModelConfig(vocab_size=256, hidden=args.hidden, num_layers=args.layers,

@@ -4,7 +4,7 @@ than its share?
 Before, every run ended with `Trainer.full_state_dict()` (the whole model
 gathered on global rank 0) and rank 0 wrote it to `checkpoint.pt`. Now a run
 ends with its sharded checkpoint, and `--save-full PATH` writes the whole model
-as one safetensors file stage by stage (stp.train.save_full). This runs the
+as one safetensors file stage by stage (stp.train.checkpoint.save_full). This runs the
 same short job three times on a pp x tp mesh (default pp2 x tp2, a 57M-parameter
 float32 byte-level decoder: 8 layers, width 768):
 
@@ -49,8 +49,8 @@ def _worker(resolved: Any, mode: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from stp.runtime.launch import init_distributed
-    from stp.train.loop import run
-    from stp.train.trainer import Trainer
+    from stp.train.run.loop import run
+    from stp.train.step.trainer import Trainer
 
     marks: dict[str, int] = {}
     count, save_full = Trainer.parameter_count, Trainer.save_full
@@ -81,7 +81,7 @@ def _worker(resolved: Any, mode: str) -> dict[str, Any]:
 def run_mode(job: Any, mode: str, out: Path) -> list[dict[str, Any]]:
     """Per-rank figures of one run of `job` in `mode`, its output in `out`."""
     from stp.runtime.launch import launch_local
-    from stp.train.job import check
+    from stp.train.run.job import check
 
     job = dataclasses.replace(job, out=str(out), save_full=(
         str(out / "model.safetensors") if mode == "--save-full" else None))
@@ -146,7 +146,7 @@ def main() -> None:
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "rank0_memory.md"))
     args = p.parse_args()
 
-    from stp.train.config import ModelShape, TrainJob
+    from stp.train.run.config import ModelShape, TrainJob
 
     job = TrainJob(pp=args.pp, tp=args.tp, steps=args.steps, microbatches=2 * args.pp,
                    microbatch_size=1, timeout=600,

@@ -39,7 +39,7 @@ def _config(args: argparse.Namespace):
 
 def _measure(args: argparse.Namespace) -> dict[str, int]:
     from stp.runtime.mesh import Mesh, ParallelDims
-    from stp.train.trainer import Trainer
+    from stp.train.step.trainer import Trainer
 
     mesh = Mesh.from_world(ParallelDims(args.pp, args.tp, 1), timeout=300)
     gen = torch.Generator().manual_seed(0)

@@ -47,7 +47,7 @@ def _measure(args: argparse.Namespace, sp: bool) -> dict[str, int]:
     from stp.models import ModelConfig
     from stp.runtime.mesh import Mesh, ParallelDims
     from stp.runtime.offload import graph_saved
-    from stp.train.trainer import Trainer
+    from stp.train.step.trainer import Trainer
 
     mesh = Mesh.from_world(ParallelDims(1, args.tp, 1), timeout=120)
     cfg = ModelConfig(vocab_size=256, hidden=args.hidden, num_layers=args.layers,

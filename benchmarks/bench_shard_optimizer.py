@@ -4,10 +4,10 @@ Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
 Parameter Models" (arXiv 1910.02054), section 5.1: with the optimizer states
 partitioned over N_d data-parallel ranks, each rank keeps 1 / N_d of them.
 This script trains a bfloat16 decoder (fp32 master weights, main grads and
-AdamW moments; stp.train.precision) on one pipeline rank and dp = 1, 2, 4
+AdamW moments; stp.train.step.precision) on one pipeline rank and dp = 1, 2, 4
 ranks (gloo), with `shard_optimizer=True` (at dp 1 it changes nothing), takes
 one step so that AdamW's state exists, and prints each rank's measured bytes
-(stp.train.memory_measure: live tensors, each storage once):
+(stp.train.run.memory_measure: live tensors, each storage once):
 
   masters    the fp32 master weights this rank holds
   optimizer  AdamW's exp_avg and exp_avg_sq (and its step counters)
@@ -44,9 +44,9 @@ def _config(args: argparse.Namespace):
 
 def _measure(args: argparse.Namespace, dp: int) -> dict[str, int]:
     from stp.runtime.mesh import Mesh, ParallelDims
-    from stp.train.lr import adamw
-    from stp.train.memory_measure import measure
-    from stp.train.trainer import Trainer
+    from stp.train.step.lr import adamw
+    from stp.train.run.memory_measure import measure
+    from stp.train.step.trainer import Trainer
 
     mesh = Mesh.from_world(ParallelDims(1, 1, dp), timeout=300)
     trainer = Trainer(_config(args), adamw(1e-3), "1f1b", mesh=mesh, microbatches=2,
@@ -110,7 +110,7 @@ def main() -> None:
             "pp 1, tp 1; `shard_optimizer=True`; bytes per rank after one step")
     lines = ["# The sharded optimizer's bytes per rank (ZeRO stage 1)", "",
              "Measured on the CPU with gloo (`python3 benchmarks/bench_shard_optimizer.py`; "
-             "stp.train.memory_measure), beside the cost model's estimate (`stp memory "
+             "stp.train.run.memory_measure), beside the cost model's estimate (`stp memory "
              "--shard-optimizer`).", "", head, "",
              "| dp | rank | masters | optimizer | grads | weights | masters+optimizer / dp 1 "
              "| estimate masters | estimate optimizer |",

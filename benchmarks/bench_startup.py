@@ -10,7 +10,7 @@ For each tree, in a fresh process per measurement:
           machine) to build and initialise TP rank 0's stage of the whole model
           (`build_stage(config, 0, 1, tp_size=t, tp_rank=0)`, an identity all-reduce),
           at each `--tp`: what one rank of a t-way run spends making its parameters;
-  ttfs    time to first step of `stp train <flags> --steps 2 --json` (stp.train.startup's
+  ttfs    time to first step of `stp train <flags> --steps 2 --json` (stp.train.run.startup's
           definition): from the spawn of the process to its first step's JSON row
           (step 2, the last, writes the checkpoint: not timed),
           timed by this script (the same clock for every tree, whether or not the

@@ -46,8 +46,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
 
     from stp.models import ModelConfig
-    from stp.train.lr import adamw
-    from stp.train.trainer import Trainer
+    from stp.train.step.lr import adamw
+    from stp.train.step.trainer import Trainer
 
     torch.manual_seed(0)
     cfg = ModelConfig(hidden=64, num_layers=4, num_heads=4, num_kv_heads=4, max_seq_len=128)

@@ -3,7 +3,7 @@
 #
 #   scripts/mutation.sh MODULE        # MODULE: a [tool.stp-mutation.*] name in pyproject.toml
 #   MUTMUT_CHILDREN=1 scripts/mutation.sh sim
-#   scripts/mutation.sh lr 'stp.train.lr.x_adamw*'   # re-test only these mutants
+#   scripts/mutation.sh lr 'stp.train.step.lr.x_adamw*'   # re-test only these mutants
 #
 # Runs in .mutation/MODULE/ (mutmut keeps its state in mutants/ there, so a
 # second run only re-tests mutants of changed functions), prints the survivors

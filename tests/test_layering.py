@@ -152,9 +152,9 @@ def test_the_import_graph_has_no_circles():
 
 def test_the_cycle_check_sees_a_circle():
     """Negative control: the job <-> plan circle the restructure removed."""
-    graph = {"stp.train.job": {"stp.train.plan"}, "stp.train.plan": {"stp.train.job"},
-             "stp.train.loop": {"stp.train.job"}}
-    assert _cycles(graph) == [["stp.train.job", "stp.train.plan"]]
+    graph = {"stp.train.run.job": {"stp.train.plan"}, "stp.train.plan": {"stp.train.run.job"},
+             "stp.train.run.loop": {"stp.train.run.job"}}
+    assert _cycles(graph) == [["stp.train.plan", "stp.train.run.job"]]
 
 
 # The concrete classes of the model families: only a family's own modules (under
@@ -217,9 +217,9 @@ def test_every_package_has_a_row():
 
 
 @pytest.mark.parametrize("layer,forbidden", [
-    ("runtime", "stp.models.decoder.stage"), ("runtime", "stp.train.trainer"),
+    ("runtime", "stp.models.decoder.stage"), ("runtime", "stp.train.step.trainer"),
     ("runtime", "stp.cli.main"), ("schedule", "torch"), ("sim", "torch.nn"),
-    ("models", "stp.train.job"), ("train", "stp.bench.peer"),
+    ("models", "stp.train.run.job"), ("train", "stp.bench.peer"),
 ])
 def test_the_check_sees_a_forbidden_import(layer, forbidden):
     """Negative control: the table refuses the arrows the issue names."""

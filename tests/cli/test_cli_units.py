@@ -10,7 +10,7 @@ import pytest
 
 from stp.cli.main import main
 from stp.cli.memory import format_count, format_ms
-from stp.train.memory_check import available_host_bytes
+from stp.train.run.memory_check import available_host_bytes
 
 
 def _out(capsys, *argv) -> str:

@@ -1,7 +1,7 @@
 """A command line whose mistake the flags alone show is refused before torch loads
-(stp.train.precheck): one line, exit 2, `torch` never imported, for `stp train` and
+(stp.train.run.precheck): one line, exit 2, `torch` never imported, for `stp train` and
 for `stp memory` pricing a train command line; and the early refusal says what the
-full checks (stp.train.job, which import torch) say of the same flags."""
+full checks (stp.train.run.job, which import torch) say of the same flags."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 
 from stp.cli.flags import from_args
 from stp.cli.main import build_parser
-from stp.train.job import check
-from stp.train.precheck import precheck
+from stp.train.run.job import check
+from stp.train.run.precheck import precheck
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -38,14 +38,14 @@ BAD = [
 
 
 def _job(argv: list[str]):
-    from stp.train.config import TrainJob
+    from stp.train.run.config import TrainJob
 
     return from_args(TrainJob, build_parser().parse_args(["train", *argv]))
 
 
 @pytest.mark.parametrize("argv,message", BAD)
 def test_early_refusal_reads_as_the_full_checks(argv, message) -> None:
-    """The independent reference: stp.train.job.check, which builds the model's config
+    """The independent reference: stp.train.run.job.check, which builds the model's config
     and checks it against the mesh with the model's own rules."""
     job = _job(argv)
     with pytest.raises(ValueError) as early:

@@ -115,9 +115,9 @@ def _train_run_estimate(argv):
     """The estimate `stp train ARGV` checks against --memory-budget before launching."""
     from stp.cli.flags import from_args
     from stp.cli.main import build_parser
-    from stp.train.config import TrainJob
-    from stp.train.job import check
-    from stp.train.memory_check import run_estimate
+    from stp.train.run.config import TrainJob
+    from stp.train.run.job import check
+    from stp.train.run.memory_check import run_estimate
 
     job = from_args(TrainJob, build_parser().parse_args(["train", *argv]))
     return run_estimate(check(job))

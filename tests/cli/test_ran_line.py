@@ -14,9 +14,9 @@ from stp.cli.flags import from_args
 from stp.cli.main import build_parser, main
 from stp.cli.train_output import Progress as _Progress
 from stp.cli.train_output import ran_line as _ran_line
-from stp.train.config import TrainJob
-from stp.train.job import model_config
-from stp.train.loop import RunSummary
+from stp.train.run.config import TrainJob
+from stp.train.run.job import model_config
+from stp.train.run.loop import RunSummary
 
 
 def _ran(*argv: str, parameters: int = 140_000) -> str:

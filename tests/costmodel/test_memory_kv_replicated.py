@@ -5,9 +5,9 @@ With num_kv_heads < tp each kv head is replicated on tp / num_kv_heads ranks
 whole kv head of K and V, not kv_heads / tp of one. `stp.costmodel.memory` prices
 that (`_layer_parameters`: max(kv_heads // t, 1) heads a rank). The reference
 here is what the runtime really holds: every TP rank's stages built at the
-layout's partition, and the bytes `stp.train.memory_measure.measure` counts
+layout's partition, and the bytes `stp.train.run.memory_measure.measure` counts
 (by storage) of their parameters, the fp32 main grads and masters of
-stp.train.precision and a torch AdamW's state after one step (its step
+stp.train.step.precision and a torch AdamW's state after one step (its step
 counters, which the model leaves out, subtracted); and the activations a layer
 keeps, `stp.costmodel.kept`, against stp.runtime.offload's census of a TP rank's
 forward.
@@ -33,8 +33,8 @@ from stp.runtime.offload import ActivationOffloader, runtime_plan
 from stp.schedule.lower import lower
 from stp.schedule.registry import make as make_schedule
 from stp.shapes import MoEConfig
-from stp.train.memory_measure import measure
-from stp.train.precision import Precision
+from stp.train.run.memory_measure import measure
+from stp.train.step.precision import Precision
 
 PP, SEQ, MBS = 2, 16, 2
 

@@ -12,7 +12,7 @@ import torch
 from _parity import random_batch, rel, sgd, two_steps
 
 from stp.shapes.moe import MoEConfig
-from stp.train.trainer import Trainer
+from stp.train.step.trainer import Trainer
 
 MOE = MoEConfig(
     vocab_size=32, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden=64,
@@ -23,9 +23,9 @@ SAME = 1e-10
 
 
 def _mllm():
-    from stp.train.config import ModelShape, TrainJob, VisionShape
+    from stp.train.run.config import ModelShape, TrainJob, VisionShape
     from stp.train.families.mllm import mllm_batches
-    from stp.train.job import model_config
+    from stp.train.run.job import model_config
 
     job = TrainJob(arch="mllm", model=ModelShape(layers=2, hidden=32, heads=4, seq_len=12),
                    vision=VisionShape(image_size=8, patch=2, vision_layers=2,

@@ -146,7 +146,7 @@ def test_compiled_units_really_run_compiled_kernels() -> None:
 
 
 def test_a_stage_without_units_and_a_non_bool_are_refused_in_one_line() -> None:
-    from stp.train.trainer import TrainerOptions
+    from stp.train.step.trainer import TrainerOptions
 
     with pytest.raises(ValueError, match=r"^compile=True: stage object has no stp units"):
         compile_stages([object()])

@@ -34,7 +34,7 @@ from test_hf_dist import _batch, _compare, _sgd
 
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
-from stp.train.trainer import Trainer
+from stp.train.step.trainer import Trainer
 
 TOL = 1e-9
 LR = {"llama": 0.1, "qwen2": 0.1, "mllm": 0.5}  # _sgd's and _parity.sgd's

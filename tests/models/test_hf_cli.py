@@ -26,7 +26,7 @@ import torch
 
 from stp.cli.main import main
 from stp.models import hf
-from stp.train.tokens import TokenBatches, TokenStream, eos_id, tokenize
+from stp.train.data.tokens import TokenBatches, TokenStream, eos_id, tokenize
 
 COMMON = ["--data", "{data}", "--steps", "3", "--dtype", "float64", "--seq-len", "16",
           "--json", "--timeout", "60"]

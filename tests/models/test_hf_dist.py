@@ -85,7 +85,7 @@ def _same_files(a: Path, b: Path) -> bool:
 
 def _worker(rank: int, world: int, paths: dict[str, str], out_dir: str) -> dict:
     from stp.runtime.mesh import Mesh, ParallelDims
-    from stp.train.trainer import Trainer
+    from stp.train.step.trainer import Trainer
 
     results: dict[str, object] = {}
     for dims, schedule in MESHES.items():

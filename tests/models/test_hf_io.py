@@ -171,7 +171,7 @@ def test_bad_checkpoints_are_refused_naming_the_path(
 def test_trainer_refuses_a_transformers_module_in_one_line(checkpoints: dict[str, Path]) -> None:
     from transformers import AutoModelForCausalLM
 
-    from stp.train.trainer import Trainer
+    from stp.train.step.trainer import Trainer
 
     module = AutoModelForCausalLM.from_pretrained(checkpoints["llama"])
     with pytest.raises(ValueError) as err:

@@ -20,7 +20,7 @@ CASES = [("llama", "stp", "full"), ("qwen2", "1f1b", "full")]
 
 def _worker(rank: int, world: int, paths: dict[str, str]) -> dict:
     from stp.runtime.mesh import Mesh, ParallelDims
-    from stp.train.trainer import Trainer
+    from stp.train.step.trainer import Trainer
 
     mesh = Mesh.from_world(ParallelDims(2, 2, 1), timeout=60)
     results = {}

@@ -19,7 +19,7 @@ TOL = 1e-9
 
 def _worker(rank: int, world: int, paths: dict[str, str]) -> dict:
     from stp.runtime.mesh import Mesh, ParallelDims
-    from stp.train.trainer import Trainer
+    from stp.train.step.trainer import Trainer
 
     mesh = Mesh.from_world(ParallelDims(2, 2, 1), timeout=60)
     results = {}

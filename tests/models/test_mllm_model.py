@@ -11,7 +11,7 @@ from stp.models import IGNORE_INDEX, ModelConfig
 from stp.models.mllm.reference import build_mllm_reference
 from stp.models.mllm.stage import build_mllm_stage
 from stp.shapes.mllm import MLLMConfig, VisionConfig
-from stp.train.images import CaptionBatches, ShapeImages, image_choices
+from stp.train.data.images import CaptionBatches, ShapeImages, image_choices
 
 DEC = ModelConfig(vocab_size=256, hidden=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   max_seq_len=64, seed=1)

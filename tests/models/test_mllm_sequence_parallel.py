@@ -28,8 +28,8 @@ from stp.models.mllm.reference import build_mllm_reference
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
 from stp.shapes.mllm import MLLMConfig, VisionConfig
-from stp.train.images import CaptionBatches, ShapeImages
-from stp.train.trainer import Trainer
+from stp.train.data.images import CaptionBatches, ShapeImages
+from stp.train.step.trainer import Trainer
 from stp.viz.measured_read import load_measured_trace
 
 DEC = ModelConfig(vocab_size=256, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -218,8 +218,8 @@ def test_image_tokens_plus_caption_not_divisible_by_tp_is_refused_in_one_line(ca
 
 def test_the_whole_sequence_decides_not_the_caption_alone(tmp_path):
     """An odd caption is accepted when image tokens + caption divide by tp."""
-    from stp.train.config import ModelShape, TrainJob, VisionShape
-    from stp.train.job import check
+    from stp.train.run.config import ModelShape, TrainJob, VisionShape
+    from stp.train.run.job import check
 
     job = TrainJob(arch="mllm", model=ModelShape(layers=2, hidden=32, heads=4, seq_len=13),
                    vision=VisionShape(image_size=12, patch=2, vision_layers=2, vision_hidden=8),
@@ -237,10 +237,10 @@ def test_stp_train_arch_mllm_sequence_parallel_matches_one_process(tmp_path):
     import subprocess
     import sys
 
-    from stp.train.config import ModelShape, TrainJob, VisionShape
+    from stp.train.run.config import ModelShape, TrainJob, VisionShape
     from stp.train.families.mllm import mllm_batches
-    from stp.train.job import model_config
-    from stp.train.lr import adamw
+    from stp.train.run.job import model_config
+    from stp.train.step.lr import adamw
 
     job = TrainJob(arch="mllm", model=ModelShape(layers=2, hidden=32, heads=4, seq_len=13),
                    vision=VisionShape(image_size=12, patch=2, vision_layers=2, vision_hidden=8),

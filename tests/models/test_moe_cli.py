@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from stp.cli.main import main
-from stp.train.tokens import TokenBatches, TokenStream, eos_id, tokenize
+from stp.train.data.tokens import TokenBatches, TokenStream, eos_id, tokenize
 
 SEQ, GLOBAL_BATCH = 16, 8
 

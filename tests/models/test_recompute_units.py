@@ -64,9 +64,9 @@ def test_decoder_stage_recomputes_the_same_bits_and_full_keeps_less(fuse: bool) 
 
 def test_multimodal_stage_recomputes_the_same_bits() -> None:
     from stp.models.mllm.stage import build_mllm_stage
-    from stp.train.config import ModelShape, TrainJob, VisionShape
+    from stp.train.run.config import ModelShape, TrainJob, VisionShape
     from stp.train.families.mllm import mllm_batches
-    from stp.train.job import model_config
+    from stp.train.run.job import model_config
 
     job = TrainJob(arch="mllm", model=ModelShape(layers=2, hidden=32, heads=4, seq_len=12),
                    vision=VisionShape(image_size=8, patch=2, vision_layers=2, vision_hidden=8),
@@ -85,7 +85,7 @@ def test_multimodal_stage_recomputes_the_same_bits() -> None:
 
 
 def test_a_bad_mode_is_one_line_naming_the_modes() -> None:
-    from stp.train.parts import TrainerOptions
+    from stp.train.run.parts import TrainerOptions
 
     with pytest.raises(ValueError, match=r"^recompute 'half': choose one of none, selective, "
                                          r"full$"):
@@ -95,8 +95,8 @@ def test_a_bad_mode_is_one_line_naming_the_modes() -> None:
 
 
 def test_a_stage_builder_refuses_recompute() -> None:
-    from stp.train.parts import TrainerOptions
-    from stp.train.setup import stage_builder
+    from stp.train.run.parts import TrainerOptions
+    from stp.train.run.setup import stage_builder
 
     with pytest.raises(ValueError, match="recompute='full' needs a model config"):
         stage_builder(lambda *a, **k: None, TrainerOptions(recompute="full", hidden=8), 2, 1)

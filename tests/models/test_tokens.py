@@ -12,7 +12,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from stp.train.tokens import TokenBatches, TokenStream, eos_id, find_tokenizer, tokenize
+from stp.train.data.tokens import TokenBatches, TokenStream, eos_id, find_tokenizer, tokenize
 
 
 @pytest.fixture()

@@ -15,8 +15,8 @@ from stp.cli import plan as plan_cli
 from stp.cli.main import main
 from stp.costmodel import MODELS
 from stp.costmodel.model import num_parameters
-from stp.train.config import TrainJob
-from stp.train.resolve import resolve
+from stp.train.run.config import TrainJob
+from stp.train.run.resolve import resolve
 
 # stp train's --layers 4 --hidden 32 --heads 4 --kv-heads 2 on bytes, as a config.json:
 # intermediate_size is the decoder's default SwiGLU width for hidden 32 (8h/3 -> 128)
@@ -107,7 +107,7 @@ def test_a_model_on_the_command_line_must_agree_with_the_plan(capsys, tmp_path):
 
 def test_a_changed_config_json_is_refused(capsys, tmp_path):
     path = _config(tmp_path)
-    from stp.train.model_source import file_sha256
+    from stp.train.run.model_source import file_sha256
 
     plan = _plan_file(tmp_path, {"model_name": path, **JOB},
                       model={"config": path, "sha256": file_sha256(path)})

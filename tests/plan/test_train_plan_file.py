@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from stp.cli.main import main
-from stp.train import plan_file
+from stp.train.run import plan_file
 
 TINY = ["--layers", "2", "--hidden", "16", "--heads", "2", "--steps", "2", "--timeout", "60",
         "--json"]

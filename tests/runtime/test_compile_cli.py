@@ -49,9 +49,9 @@ def test_compiling_is_said_before_the_first_step_line(capfd, monkeypatch, tmp_pa
     """Off a terminal: one line as the compiling first step starts, one with its
     seconds when it ends, both before step 1's progress line (compilation itself
     replaced by nothing: what is tested is where the lines go)."""
-    import stp.train.setup
+    import stp.train.run.setup
 
-    monkeypatch.setattr(stp.train.setup, "compile_stages", lambda stages: None)
+    monkeypatch.setattr(stp.train.run.setup, "compile_stages", lambda stages: None)
     assert main(["train", *TINY, "--compile", "--steps", "2", "--out", str(tmp_path)]) == 0
     err = capfd.readouterr().err.splitlines()
     starts = [i for i, line in enumerate(err) if line.startswith("compiling the model")]

@@ -16,7 +16,7 @@ from _parity import LEVER_MODELS, LeverCase, compare_with_reference, random_batc
 
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
-from stp.train.trainer import Trainer, TrainerOptions
+from stp.train.step.trainer import Trainer, TrainerOptions
 
 MODELS = LEVER_MODELS
 CONFIG, TIED = MODELS["untied"], MODELS["tied"]

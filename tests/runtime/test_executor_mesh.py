@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from stp.runtime.errors import first_line, is_timeout
 from stp.runtime.mesh import Coord, ParallelDims
-from stp.train.data import ByteBatches, read_corpus, split_batch, stdlib_files
+from stp.train.data.corpus import ByteBatches, read_corpus, split_batch, stdlib_files
 
 
 @settings(deadline=None)  # no wall-time bound: a loaded machine is slow

@@ -25,7 +25,7 @@ from stp.runtime.mesh import Mesh, ParallelDims
 from stp.runtime.p2p import P2P
 from stp.schedule.lower import LoweredSchedule, lower
 from stp.schedule.registry import make as make_schedule
-from stp.train.trainer import Trainer
+from stp.train.step.trainer import Trainer
 
 TIMEOUT = 1.5
 LATE = 2 * TIMEOUT

@@ -28,7 +28,7 @@ from stp.schedule import registry
 from stp.schedule.ir import passes_of
 from stp.schedule.lower import lower
 from stp.schedule.registry import make as make_schedule
-from stp.train.trainer import Trainer
+from stp.train.step.trainer import Trainer
 
 VOCAB, HIDDEN, SEQ, MBS = 11, 6, 5, 2
 

@@ -35,7 +35,7 @@ from stp.runtime.store import seal
 from stp.runtime.watch import BeatMonitor, Heartbeat
 from stp.schedule.lower import lower
 from stp.schedule.registry import make as make_schedule
-from stp.train.config import TrainJob
+from stp.train.run.config import TrainJob
 
 GLOO_CLOSED = ("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
                "closed by peer [127.0.0.1]:60041. This is typically caused by a remote worker "

@@ -1,5 +1,5 @@
 """The DP gradient reduction overlapped with the backward (`overlap_grad_sync`, the
-default; stp.train.grad_sync, stp.runtime.executor's `grads_final`).
+default; stp.train.step.grad_sync, stp.runtime.executor's `grads_final`).
 
 pp2 x dp2, float64, two SGD steps on the tied decoder (its embedding and head
 gradients summed between the pipeline ranks, so the shared sum meets the
@@ -33,7 +33,7 @@ from _parity import LEVER_MODELS, compare_with_reference, random_batch, sgd
 
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
-from stp.train.trainer import Trainer
+from stp.train.step.trainer import Trainer
 
 TIED, UNTIED = LEVER_MODELS["tied"], LEVER_MODELS["untied"]
 SEQ, M, TOL = 8, 4, 1e-9

@@ -27,7 +27,7 @@ from test_moe_parity import CONFIG, SEQ, _check
 from stp.models.hf import load as load_hf
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
-from stp.train.trainer import Trainer
+from stp.train.step.trainer import Trainer
 
 # -- the groups --------------------------------------------------------------------------
 
@@ -143,7 +143,7 @@ run's trace shows every expert all-to-all."""
     assert one["loss"] < 1e-12 and one["param"] < 1e-12, one
 
 
-# -- bf16: the main grads packed (stp.train.zero) -------------------------------------
+# -- bf16: the main grads packed (stp.train.step.zero) -------------------------------------
 
 
 def _bf16_worker(rank: int, world: int) -> dict:

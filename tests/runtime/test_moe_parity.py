@@ -28,7 +28,7 @@ from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
 from stp.schedule.registry import make as make_schedule
 from stp.shapes.moe import MoEConfig
-from stp.train.trainer import Trainer
+from stp.train.step.trainer import Trainer
 
 CONFIG = MoEConfig(
     vocab_size=32, hidden=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden=64,

@@ -1,6 +1,6 @@
 """The executor's `params_needed(stage)` hook (stp.runtime.executor), the mirror image of
 `grads_final`: where the trainer waits for a stage's parameters gathered since
-the last optimizer step (stp.train.param_gather).
+the last optimizer step (stp.train.step.param_gather).
 
 In one process, every schedule on one pipeline rank (two stages on it for the
 V and interleaved ones; braided blocks for STP and DualPipeV), the executor

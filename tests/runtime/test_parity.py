@@ -36,8 +36,8 @@ from stp.models import ModelConfig
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
 from stp.schedule.registry import make as make_schedule
-from stp.train.grad_sync import GradSync
-from stp.train.trainer import Trainer
+from stp.train.step.grad_sync import GradSync
+from stp.train.step.trainer import Trainer
 
 MESHES = [(2, 1, 1), (2, 2, 1), (4, 1, 1), (1, 2, 1), (2, 1, 2)]
 CONFIG = ModelConfig(

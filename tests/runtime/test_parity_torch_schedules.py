@@ -20,7 +20,7 @@ from stp.models import ModelConfig
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import Block
 from stp.schedule.registry import make as make_schedule
-from stp.train.trainer import Trainer
+from stp.train.step.trainer import Trainer
 
 NAMES = ("looped-bfs", "zb-interleaved", "dualpipev")
 CONFIG = ModelConfig(

@@ -45,13 +45,13 @@ def test_bad_recompute_is_one_line(argv: list[str], needle: str, capsys) -> None
 
 def test_the_pre_launch_memory_estimate_prices_the_recompute_mode() -> None:
     """`stp train` refuses a run that cannot fit from the cost model's estimate
-    (stp.train.memory_check): it prices the job's --recompute, so full recomputation
+    (stp.train.run.memory_check): it prices the job's --recompute, so full recomputation
     lets a run through that would not fit without it."""
     import dataclasses
 
-    from stp.train.config import ModelShape, TrainJob
-    from stp.train.memory_check import run_estimate
-    from stp.train.resolve import resolve
+    from stp.train.run.config import ModelShape, TrainJob
+    from stp.train.run.memory_check import run_estimate
+    from stp.train.run.resolve import resolve
 
     job = TrainJob(model=ModelShape(layers=4, hidden=32, heads=4, seq_len=16), tp=2,
                    microbatch_size=1)

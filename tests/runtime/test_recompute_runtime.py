@@ -32,7 +32,7 @@ from _parity import (
 
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
-from stp.train.trainer import Trainer, TrainerOptions
+from stp.train.step.trainer import Trainer, TrainerOptions
 
 MODELS = LEVER_MODELS
 CONFIG, TIED = MODELS["untied"], MODELS["tied"]

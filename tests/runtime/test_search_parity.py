@@ -20,7 +20,7 @@ from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import Block, Kind, Schedule, v_placement, validate
 from stp.search import search
 from stp.sim import Costs
-from stp.train.trainer import Trainer
+from stp.train.step.trainer import Trainer
 
 CONFIG = ModelConfig(
     vocab_size=32, hidden=32, num_layers=8, num_heads=4, num_kv_heads=2, ffn_hidden=64,

@@ -21,7 +21,7 @@ from stp.models.decoder.shared_grads import SharedGrads
 from stp.models.tp.sequence import SequenceParallel
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
-from stp.train.trainer import Trainer
+from stp.train.step.trainer import Trainer
 
 CONFIG = ModelConfig(
     vocab_size=32, hidden=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden=64,

@@ -24,7 +24,7 @@ from _parity import compare_with_reference, random_batch, sgd, two_steps
 from stp.models import ModelConfig
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
-from stp.train.trainer import Trainer
+from stp.train.step.trainer import Trainer
 
 CONFIG = ModelConfig(
     vocab_size=32, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden=64,

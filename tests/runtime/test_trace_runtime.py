@@ -29,7 +29,7 @@ from stp.schedule.ir import Kind, passes_of
 from stp.schedule.lower import Comm, lower
 from stp.schedule.registry import make as make_schedule
 from stp.sim.result import Span
-from stp.train.trainer import Trainer
+from stp.train.step.trainer import Trainer
 
 LAYERS, SHAPE = 2, (2, 8, 16)
 CONFIG = ModelConfig(vocab_size=32, hidden=32, num_layers=8, num_heads=4, num_kv_heads=2,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from stp.cli.main import main
-from stp.train.config import TrainJob, new_run_dir
+from stp.train.run.config import TrainJob, new_run_dir
 
 TINY = ["--schedule", "1f1b", "--pp", "2", "--layers", "2", "--hidden", "32", "--heads", "4",
         "--seq-len", "16", "--microbatch-size", "1", "-m", "2", "--steps", "2"]
@@ -53,9 +53,9 @@ def test_run_directories_are_unique(tmp_path, monkeypatch) -> None:
 MEASURE = """
 import resource, sys
 import torch
-from stp.train.config import TrainJob
-from stp.train.data import ByteBatches, open_corpus, read_corpus
-from stp.train.job import check
+from stp.train.run.config import TrainJob
+from stp.train.data.corpus import ByteBatches, open_corpus, read_corpus
+from stp.train.run.job import check
 
 def peak_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -24,7 +24,7 @@ from stp.bench.peer_torch import DecoderPart, TorchSide, lm_loss  # noqa: E402
 from stp.models import ModelConfig, build_reference  # noqa: E402
 from stp.schedule import registry  # noqa: E402
 from stp.schedule.placement import stage_layers  # noqa: E402
-from stp.train.trainer import Trainer  # noqa: E402
+from stp.train.step.trainer import Trainer  # noqa: E402
 
 CONFIG = ModelConfig(vocab_size=64, hidden=32, num_layers=4, num_heads=4, num_kv_heads=2,
                      ffn_hidden=64, max_seq_len=16, seed=5)

@@ -25,7 +25,7 @@ from _dist import run_dist  # noqa: E402
 from stp.bench.peer_tp import TorchTPSide, peer_mesh  # noqa: E402
 from stp.models import ModelConfig  # noqa: E402
 from stp.schedule import registry  # noqa: E402
-from stp.train.trainer import Trainer  # noqa: E402
+from stp.train.step.trainer import Trainer  # noqa: E402
 
 CONFIG = ModelConfig(vocab_size=64, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2,
                      ffn_hidden=64, max_seq_len=16, seed=3)

@@ -10,7 +10,7 @@ import torch
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
 from stp.models import ModelConfig, build_reference
-from stp.train.lr import LRSchedule, adamw
+from stp.train.step.lr import LRSchedule, adamw
 
 CONFIG = ModelConfig(
     vocab_size=32, hidden=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden=64,
@@ -22,7 +22,7 @@ CLIP = 0.05
 """Below every step's gradient norm (about 1 to 2 here): clipping is active."""
 LR, WEIGHT_DECAY = 1e-2, 0.1
 BETAS, EPS = (0.9, 0.95), 1e-8
-"""stp.train.lr.adamw's documented defaults, which `optimizer` relies on."""
+"""stp.train.step.lr.adamw's documented defaults, which `optimizer` relies on."""
 SCHEDULE = LRSchedule("cosine", total_steps=6, warmup=2, min_lr=1e-3)
 TOL = 1e-9
 
@@ -55,7 +55,7 @@ def train(trainer, steps: range) -> list[tuple[float, float, float]]:
 
 def reference(steps: int) -> tuple[list[tuple[float, float, float]], dict[str, torch.Tensor]]:
     """The same training in one process with torch's own pieces, set up as
-    stp.train.lr documents: weight decay on matrices only, warm-up from
+    stp.train.step.lr documents: weight decay on matrices only, warm-up from
     LR / warmup to LR over `warmup` updates, then cosine to min_lr at
     total_steps."""
     # torch's cosine is periodic past T_max, where stp's schedule holds min_lr.

@@ -21,8 +21,8 @@ from _train_common import CONFIG, TOL, M, batch, optimizer, options, train, wors
 from stp.cli.main import main
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
-from stp.train import checkpoint
-from stp.train.trainer import Trainer
+from stp.train.checkpoint import sharded as checkpoint
+from stp.train.step.trainer import Trainer
 
 
 def _four_ranks(rank: int, world: int, root: str) -> dict:

@@ -13,8 +13,8 @@ import torch
 from stp.models import ModelConfig
 from stp.shapes.mllm import MLLMConfig, VisionConfig
 from stp.shapes.moe import MoEConfig
-from stp.train import job as job_mod
-from stp.train import storage
+from stp.train.run import job as job_mod
+from stp.train.checkpoint import storage
 from stp.train.families import family_of
 
 DENSE = ModelConfig(vocab_size=64, hidden=16, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -60,7 +60,7 @@ def test_a_disk_too_small_for_the_family_is_refused_before_training(config, tmp_
     params = family_of(config).model.parameter_count(config)
     free = storage.checkpoint_bytes(params, "float32")  # without the margin: too small
     monkeypatch.setattr(storage.shutil, "disk_usage", lambda p: usage(10**9, 0, free))
-    from stp.train.config import TrainJob
+    from stp.train.run.config import TrainJob
 
     with pytest.raises(storage.StorageFault, match="--out"):
         job_mod._check_training(TrainJob(out=str(tmp_path / "out")), config)

@@ -10,7 +10,7 @@ step's norm (nothing is clipped) and below it (every step is clipped).
 
 The model ties its embedding and head: the reference holds one tensor, stp a
 copy on each stage that needs it, both given the summed gradient, to be
-counted ONCE in the norm (stp.train.clip). Both copies on one rank: pp1 (one
+counted ONCE in the norm (stp.train.step.clip). Both copies on one rank: pp1 (one
 stage holds both) and ZB-V, whose V puts the first and the last stage on rank
 0 (at pp1 its two stages, at pp2 stages 0 and 3). Across ranks: pp2 (ZB-V) and
 tp2 (1F1B; RMSNorm gains and the one kv head replicated on both TP ranks), the
@@ -28,7 +28,7 @@ from _parity import random_batch, rel, sgd
 from stp.models import ModelConfig, build_reference
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
-from stp.train.trainer import Trainer
+from stp.train.step.trainer import Trainer
 
 TIED = ModelConfig(
     vocab_size=30, hidden=32, num_layers=4, num_heads=4, num_kv_heads=1, ffn_hidden=64,

@@ -1,6 +1,6 @@
-"""stp.train.clip in one process, against torch.nn.utils.clip_grad_norm_ and hand counts.
+"""stp.train.step.clip in one process, against torch.nn.utils.clip_grad_norm_ and hand counts.
 
-Written to kill mutants mutmut left alive in stp/train/clip.py (docs/testing.md):
+Written to kill mutants mutmut left alive in stp/train/step/clip.py (docs/testing.md):
 the parity tests of tests/train/test_clip_parity.py run the trainer in spawned
 workers, where mutmut cannot see which tests reach which function, and they
 clip only with the norm above the limit. Each test names the bug it guards
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from stp.train.clip import clip_coefficient, counted_mask, grad_norm, scale_grads
+from stp.train.step.clip import clip_coefficient, counted_mask, grad_norm, scale_grads
 
 
 def _torch_clip(grads: list[torch.Tensor], max_norm: float) -> tuple[float, list[torch.Tensor]]:

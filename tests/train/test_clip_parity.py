@@ -33,12 +33,12 @@ from _train_common import (
     worst_param,
 )
 
-import stp.train.lr
-import stp.train.precision
+import stp.train.step.lr
+import stp.train.step.precision
 from stp.models import build_reference
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
-from stp.train.trainer import Trainer
+from stp.train.step.trainer import Trainer
 
 STEPS = 3
 MESHES = [(2, 2, 1), (2, 1, 2)]
@@ -69,11 +69,11 @@ def _decay_everything(params, weight_decay):
     return [{"params": list(params), "weight_decay": weight_decay}]
 
 
-_plain_lr = stp.train.lr.LRSchedule.lr
+_plain_lr = stp.train.step.lr.LRSchedule.lr
 BUGS = {
-    "no clipping": (stp.train.precision, "scale_grads", _no_clipping),
-    "lr one step ahead": (stp.train.lr.LRSchedule, "lr", _lr_one_step_ahead),
-    "weight decay on norms": (stp.train.lr, "param_groups", _decay_everything),
+    "no clipping": (stp.train.step.precision, "scale_grads", _no_clipping),
+    "lr one step ahead": (stp.train.step.lr.LRSchedule, "lr", _lr_one_step_ahead),
+    "weight decay on norms": (stp.train.step.lr, "param_groups", _decay_everything),
 }
 """Bugs planted in stp's own clipping, LR schedule and AdamW groups: each must
 make the one-process run differ from the torch reference."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stp.train import storage
+from stp.train.checkpoint import storage
 
 SHORT = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
 

@@ -1,4 +1,4 @@
-"""The step's collectives (stp.train.grad_sync) on two DP replicas: the DP average
+"""The step's collectives (stp.train.step.grad_sync) on two DP replicas: the DP average
 and the loss sum, and a replica that goes away reported as lost, not as a timeout."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from torch import nn
 
 from stp.cli.flags import add_flags, from_args
 from stp.runtime.mesh import Mesh, ParallelDims
-from stp.train.config import TrainJob
-from stp.train.grad_sync import GradSync
-from stp.train.parts import TrainerOptions
-from stp.train.precision import Precision
+from stp.train.run.config import TrainJob
+from stp.train.step.grad_sync import GradSync
+from stp.train.run.parts import TrainerOptions
+from stp.train.step.precision import Precision
 
 
 class _OneWeight:
@@ -87,7 +87,7 @@ def test_the_overlap_is_on_by_default_and_the_flag_turns_it_off() -> None:
     assert on.overlap_grad_sync and not off.overlap_grad_sync
     assert TrainerOptions().overlap_grad_sync
     # and the pre-launch memory estimate prices the flat copies where the flag puts them
-    from stp.train.memory_check import run_features
+    from stp.train.run.memory_check import run_features
 
     assert run_features(on).overlap_grad_sync and not run_features(off).overlap_grad_sync
 
@@ -109,7 +109,7 @@ def _in_place(rank: int, world: int, dtype: torch.dtype, overlap: bool,
               shard: bool = False) -> dict:
     """Two stages on dp2: stage 1's reduction launched first (its last W came first,
     as on a V schedule's first rank), then stage 0's."""
-    from stp.train.setup import _precision
+    from stp.train.run.setup import _precision
 
     mesh = Mesh.from_world(ParallelDims(1, 1, 2), timeout=30)
     shapes = {"a": (4, 3), "b": (5,), "c": (2, 2)}

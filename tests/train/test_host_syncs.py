@@ -17,8 +17,8 @@ import torch
 
 from stp.bench.host_reads import HostReads
 from stp.models import ModelConfig
-from stp.train.lr import adamw
-from stp.train.trainer import Trainer
+from stp.train.step.lr import adamw
+from stp.train.step.trainer import Trainer
 
 CONFIG = ModelConfig(hidden=32, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=16)
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from stp.cli.main import main
-from stp.train.images import check_folder
+from stp.train.data.images import check_folder
 
 SHAPE = ["--arch", "mllm", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "12",
          "--vision-layers", "2", "--image-size", "8", "--patch", "2", "--vision-hidden", "8",

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from stp.train.lr import LRSchedule, adamw, make_scheduler, param_groups
+from stp.train.step.lr import LRSchedule, adamw, make_scheduler, param_groups
 
 
 def test_warmup_then_cosine_reaches_min_lr_at_total_steps() -> None:

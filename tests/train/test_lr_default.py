@@ -1,5 +1,5 @@
 """`--lr` left out: 3e-3 x min(1, 256 / hidden) of the model actually trained (issue 35:
-3e-3 diverged at hidden 4096), resolved once with the model (stp.train.resolve)."""
+3e-3 diverged at hidden 4096), resolved once with the model (stp.train.run.resolve)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from stp.cli.main import main
-from stp.train.config import ModelShape, TrainJob
-from stp.train.resolve import resolve
+from stp.train.run.config import ModelShape, TrainJob
+from stp.train.run.resolve import resolve
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from _hf import build  # noqa: E402

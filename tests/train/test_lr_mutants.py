@@ -1,8 +1,8 @@
-"""stp.train.lr: the cases tests/train/test_lr.py never set up.
+"""stp.train.step.lr: the cases tests/train/test_lr.py never set up.
 
-Written to kill mutants mutmut left alive in stp/train/lr.py (docs/testing.md).
+Written to kill mutants mutmut left alive in stp/train/step/lr.py (docs/testing.md).
 The reference is the schedule's formula worked by hand (module docstring of
-stp.train.lr) and torch's own AdamW. Each test names the bug it guards against.
+stp.train.step.lr) and torch's own AdamW. Each test names the bug it guards against.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from stp.train.lr import LRSchedule, adamw, make_scheduler
+from stp.train.step.lr import LRSchedule, adamw, make_scheduler
 
 
 def _by_hand(step: int, base: float, total: int, warmup: int, min_lr: float) -> float:
@@ -56,7 +56,7 @@ def _check_steps(opt: torch.optim.Optimizer, sched, first: int, last: int) -> No
 
 def test_a_resumed_schedule_gives_the_formulas_lr_every_step() -> None:
     """Kills: the factor lr * base instead of lr / base (the second group's base is
-    0.5). Resumed as stp.train.checkpoint does (scheduler built on a fresh optimizer,
+    0.5). Resumed as stp.train.checkpoint.sharded does (scheduler built on a fresh optimizer,
     then the optimizer's state, then the scheduler's) during the warm-up, 9 steps
     before the end, with the lr checked on every step."""
     first = _two_groups()

@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from stp.costmodel.peaks import Peak, run_peak
-from stp.train.config import ModelShape, TrainJob
-from stp.train.mfu import mfu, step_flops
-from stp.train.resolve import resolve
+from stp.train.run.config import ModelShape, TrainJob
+from stp.train.run.mfu import mfu, step_flops
+from stp.train.run.resolve import resolve
 
 # layers 2, hidden 64, 4 heads (4 KV heads, head 16), SwiGLU width 192 (8 x 64 / 3 rounded
 # up to 64), vocabulary 256, sequence 32, 2 microbatches of 2 sequences

@@ -19,8 +19,8 @@ import torch
 from _parity import random_batch, rel
 
 from stp.models import ModelConfig, build_reference
-from stp.train.lr import adamw
-from stp.train.trainer import Trainer
+from stp.train.step.lr import adamw
+from stp.train.step.trainer import Trainer
 
 CONFIG = ModelConfig(vocab_size=32, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2,
                      ffn_hidden=64, max_seq_len=16, seed=3)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from stp.train import checkpoint
+from stp.train.checkpoint import sharded as checkpoint
 
 FLAGS = ["train", "--arch", "mllm", "--layers", "2", "--hidden", "32", "--heads", "4",
          "--seq-len", "12", "--vision-layers", "2", "--image-size", "8", "--patch", "2",
@@ -32,7 +32,7 @@ KILLER = """
 import os
 if os.environ.get("STP_TEST_KILL_AT"):
     import signal
-    from stp.train import checkpoint
+    from stp.train.checkpoint import sharded as checkpoint
 
     publish = checkpoint._publish
 

@@ -1,5 +1,5 @@
 """The sharded optimizer's parameter all-gather overlapped with the next step's forward
-(`overlap_param_gather`, `stp train --overlap-param-gather`; stp.train.param_gather).
+(`overlap_param_gather`, `stp train --overlap-param-gather`; stp.train.step.param_gather).
 
 In one process: the flag is a TrainJob field that reaches the Trainer's options,
 off by default (the option refuses anything but a bool); a failed all-gather
@@ -56,13 +56,13 @@ from stp.cli.flags import add_flags, from_args
 from stp.runtime.errors import RankError
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
-from stp.train.config import TrainJob
-from stp.train.grad_sync import collective
-from stp.train.loop import _options
-from stp.train.param_gather import ParamGather
-from stp.train.resolve import resolve
-from stp.train.trainer import Trainer, TrainerOptions
-from stp.train.zero import DPGroup, ShardedPrecision
+from stp.train.run.config import TrainJob
+from stp.train.step.grad_sync import collective
+from stp.train.run.loop import _options
+from stp.train.step.param_gather import ParamGather
+from stp.train.run.resolve import resolve
+from stp.train.step.trainer import Trainer, TrainerOptions
+from stp.train.step.zero import DPGroup, ShardedPrecision
 from stp.viz.measured import measured_scene
 from stp.viz.measured_read import load_measured_trace
 

@@ -15,8 +15,8 @@ import torch.distributed.checkpoint as dcp
 from _dist import run_dist
 
 from stp.models import ModelConfig, build_reference
-from stp.train.lr import adamw
-from stp.train.trainer import Trainer
+from stp.train.step.lr import adamw
+from stp.train.step.trainer import Trainer
 
 CONFIG = ModelConfig(vocab_size=32, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2,
                      ffn_hidden=64, max_seq_len=16, seed=3)
@@ -93,7 +93,7 @@ class _ToyUnit:
 def test_main_grad_sums_microbatches_in_fp32() -> None:
     """1000 microbatches of 1e-3 sum to 1 in the fp32 main grad; summed in bf16 the
     sum stalls where 1e-3 falls below half an ulp (0.5 and above)."""
-    from stp.train.precision import Precision
+    from stp.train.step.precision import Precision
 
     w = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
     unit = _ToyUnit(w)
@@ -110,7 +110,7 @@ def test_main_grad_sums_microbatches_in_fp32() -> None:
 
 def test_every_parameter_of_a_stage_is_folded_during_its_backward() -> None:
     from stp.models import build_stage
-    from stp.train.precision import Precision
+    from stp.train.step.precision import Precision
 
     stage = build_stage(CONFIG, 0, 1, dtype=torch.bfloat16)
     prec = Precision(list(stage.named_parameters()), stage.units)

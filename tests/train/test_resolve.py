@@ -1,4 +1,4 @@
-"""A `stp train` job is resolved once (stp.train.resolve): the flags become a frozen
+"""A `stp train` job is resolved once (stp.train.run.resolve): the flags become a frozen
 Run that the loop and the Trainer read, the checkpoint's config.json is read once,
 and `--partition auto` is decided in one place, pricing the run's own tp."""
 
@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 import stp.train.families.decoder as decoder_job
-import stp.train.resolve as resolve_mod
+import stp.train.run.resolve as resolve_mod
 from stp.cli.main import main
 from stp.shapes import MLLMConfig, ModelConfig
-from stp.train.config import ModelShape, TrainJob
+from stp.train.run.config import ModelShape, TrainJob
 from stp.train.families import family_named, family_of
-from stp.train.resolve import resolve
+from stp.train.run.resolve import resolve
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from _hf import build, corpus_text, save_tokenizer  # noqa: E402
@@ -39,7 +39,7 @@ def test_one_run_resolves_its_job_and_reads_config_json_once(tmp_path, monkeypat
     build("llama", ckpt)
     save_tokenizer(ckpt, corpus_text())
     resolves = _counting(monkeypatch, resolve_mod, "resolve")
-    import stp.train.job as job_mod
+    import stp.train.run.job as job_mod
 
     monkeypatch.setattr(job_mod, "resolve", resolve_mod.resolve)
     reads = _counting(monkeypatch, decoder_job, "checkpoint_config")

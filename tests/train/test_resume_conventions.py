@@ -16,8 +16,8 @@ import pytest
 
 from stp.cli.main import main
 from stp.cli.train_output import Progress as _Progress
-from stp.train import checkpoint
-from stp.train.data import open_corpus
+from stp.train.checkpoint import sharded as checkpoint
+from stp.train.data.corpus import open_corpus
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from _hf import build  # noqa: E402
@@ -145,9 +145,9 @@ def test_a_run_that_cannot_fit_is_refused_before_any_worker(argv, needle, capfd,
 def test_the_estimate_is_close_to_what_the_default_run_holds(capfd, tmp_path):
     """The pre-launch estimate of the README's run (the defaults) against the resident
     activations the run measures per rank."""
-    from stp.train.config import TrainJob
-    from stp.train.memory_check import run_estimate
-    from stp.train.resolve import resolve
+    from stp.train.run.config import TrainJob
+    from stp.train.run.memory_check import run_estimate
+    from stp.train.run.resolve import resolve
 
     code, out, err = _train(capfd, "--steps", "1", "--json", "--out", str(tmp_path / "out"))
     assert code == 0, err
@@ -162,7 +162,7 @@ def test_a_full_disk_while_writing_the_hugging_face_copy_is_one_line(tmp_path, c
                                                                     monkeypatch):
     import errno
 
-    from stp.train import trainer as trainer_mod
+    from stp.train.step import trainer as trainer_mod
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")

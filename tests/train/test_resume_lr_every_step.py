@@ -2,7 +2,7 @@
 schedulers, and its losses against the uninterrupted run.
 
 Guards against a checkpoint that restores the optimizer but not the LR
-scheduler's position (stp.train.checkpoint.load): the optimizer's param groups
+scheduler's position (stp.train.checkpoint.sharded.load): the optimizer's param groups
 carry the learning rate of the next update, so the first step after a resume
 is right either way -- where the other fast resume tests stop -- and the
 scheduler, restarted at update 0, is wrong from the second. Here the resumed
@@ -12,7 +12,7 @@ run goes on for three or more updates, in the warm-up (cosine) and in the decay
 One process, float64, AdamW, clipping active. Reference learning rates: torch's
 LinearLR warm-up followed by CosineAnnealingLR or by a second LinearLR to
 min_lr, chained by SequentialLR, on a throwaway optimizer (not
-stp.train.lr.make_scheduler, which is what is under test).
+stp.train.step.lr.make_scheduler, which is what is under test).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import torch
 from _train_common import CONFIG, LR, optimizer, options, train
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
-from stp.train.lr import LRSchedule
-from stp.train.trainer import Trainer
+from stp.train.step.lr import LRSchedule
+from stp.train.step.trainer import Trainer
 
 TOTAL, WARMUP, MIN_LR = 6, 2, 1e-3
 SAVED_AFTER = {"cosine": 1, "linear": 3}

@@ -69,7 +69,7 @@ def _hf_differences(directory: Path, full: dict[str, torch.Tensor]) -> list[str]
 
 def _worker(rank: int, world: int, out_dir: str) -> dict:
     from stp.runtime.mesh import Mesh, ParallelDims
-    from stp.train.trainer import Trainer
+    from stp.train.step.trainer import Trainer
 
     out: dict[str, object] = {}
     for dims, schedule in MESHES.items():

@@ -1,4 +1,4 @@
-"""The sharded optimizer (`shard_optimizer=True`, ZeRO stage 1; stp.train.zero).
+"""The sharded optimizer (`shard_optimizer=True`, ZeRO stage 1; stp.train.step.zero).
 
 In one process: the rank-major layout packs and unpacks any shapes (rows
 fewer than dp ranks: empty chunks), a reduce-scatter emulated by summing the
@@ -49,14 +49,14 @@ from stp.cli.flags import add_flags, from_args
 from stp.models import ModelConfig
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
-from stp.train.config import TrainJob
-from stp.train.loop import _options
-from stp.train.memory_check import run_estimate
-from stp.train.memory_measure import measure
-from stp.train.resolve import resolve
-from stp.train.shards import Box
-from stp.train.trainer import Trainer
-from stp.train.zero import DPGroup, ShardedPrecision, ShardLayout, row_box
+from stp.train.run.config import TrainJob
+from stp.train.run.loop import _options
+from stp.train.run.memory_check import run_estimate
+from stp.train.run.memory_measure import measure
+from stp.train.run.resolve import resolve
+from stp.train.checkpoint.shards import Box
+from stp.train.step.trainer import Trainer
+from stp.train.step.zero import DPGroup, ShardedPrecision, ShardLayout, row_box
 
 STEPS, SAVE_AT = 3, 2
 

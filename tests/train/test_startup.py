@@ -1,4 +1,4 @@
-"""Time to first step (stp.train.startup): the parts against marks set by hand, and
+"""Time to first step (stp.train.run.startup): the parts against marks set by hand, and
 the one start-up line of a real `stp train` run against the test's own clock."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from stp.train import startup
-from stp.train.startup import PARTS, Startup
+from stp.train.run import startup
+from stp.train.run.startup import PARTS, Startup
 
 FIELDS = {*PARTS, "other", "total"}
 

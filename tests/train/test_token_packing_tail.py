@@ -1,4 +1,4 @@
-"""Token packing when the stream does not divide into sequences (stp.train.tokens).
+"""Token packing when the stream does not divide into sequences (stp.train.data.tokens).
 
 What the module promises: the documents, each followed by EOS, form one stream
 cut into sequences of seq_len + 1 tokens, the last partial one dropped; batch t
@@ -22,7 +22,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
-from stp.train.tokens import TokenBatches, Tokenizer, TokenStream, make_batches
+from stp.train.data.tokens import TokenBatches, Tokenizer, TokenStream, make_batches
 
 SEQ_LEN = 6
 SPAN = SEQ_LEN + 1
@@ -98,7 +98,7 @@ def _word_tokenizer(path: Path, words: list[str]) -> int:
 
 
 def test_documents_packed_across_their_boundary_with_the_tail_dropped(tmp_path: Path) -> None:
-    """The whole path (stp.train.tokens.make_batches: tokenise, join with EOS, pack):
+    """The whole path (stp.train.data.tokens.make_batches: tokenise, join with EOS, pack):
     documents of 66 and 69 distinct words are 67 + 70 = 137 tokens; at seq_len 9,
     13 sequences of 10 cover stream positions 0..129 (sequence 6 straddles the two
     documents: A's last 6 words, its EOS, B's first 3), and positions 130..136 (B's

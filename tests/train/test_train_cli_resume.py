@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from stp.train import checkpoint
+from stp.train.checkpoint import sharded as checkpoint
 
 TINY = ["train", "--pp", "1", "--layers", "2", "--hidden", "32", "--heads", "4",
         "--seq-len", "16", "--microbatch-size", "1", "-m", "4", "--steps", "6",
@@ -22,7 +22,7 @@ TINY = ["train", "--pp", "1", "--layers", "2", "--hidden", "32", "--heads", "4",
 
 KILLER = """
 import os, signal, sys
-from stp.train import checkpoint
+from stp.train.checkpoint import sharded as checkpoint
 
 publish = checkpoint._publish
 

@@ -1,4 +1,4 @@
-"""Checkpoints that cannot run code or lie (stp.train.ckpt_read, stp.train.integrity).
+"""Checkpoints that cannot run code or lie (stp.train.checkpoint.read, stp.train.checkpoint.integrity).
 
 A tiny single-process Trainer writes step-1 and step-2; each test damages a copy:
 a `.metadata` whose pickle would run a payload runs nothing and is refused, a
@@ -20,9 +20,10 @@ import torch
 
 from stp.models import ModelConfig
 from stp.models.decoder.family import DECODER
-from stp.train import checkpoint, integrity
-from stp.train.ckpt_read import SafeReader, UnsafeCheckpoint, read_metadata, safe_load_bytes
-from stp.train.trainer import Trainer
+from stp.train.checkpoint import sharded as checkpoint
+from stp.train.checkpoint import integrity
+from stp.train.checkpoint.read import SafeReader, UnsafeCheckpoint, read_metadata, safe_load_bytes
+from stp.train.step.trainer import Trainer
 
 CONFIG = ModelConfig(vocab_size=32, hidden=16, num_layers=2, num_heads=2, num_kv_heads=2,
                      ffn_hidden=32, max_seq_len=16, seed=3)
@@ -218,7 +219,7 @@ def test_stp_train_resume_refuses_a_payload_checkpoint_end_to_end(run: Path,
 
 HOLDER = """
 import sys, time
-from stp.train.outlock import hold_out
+from stp.train.run.outlock import hold_out
 hold_out(sys.argv[1])
 print("held", flush=True)
 time.sleep(60)
@@ -238,7 +239,7 @@ def held(tmp_path: Path):
 
 
 def test_a_second_run_on_one_out_is_refused_naming_the_holder(held) -> None:
-    from stp.train.outlock import OutInUse, hold_out
+    from stp.train.run.outlock import OutInUse, hold_out
 
     out, pid = held
     with pytest.raises(OutInUse) as e:
@@ -265,7 +266,7 @@ def test_stp_train_and_resume_into_a_locked_out_exit_2(held, saved: Path, capfd)
 
 
 def test_the_lock_goes_with_its_process(tmp_path: Path) -> None:
-    from stp.train.outlock import hold_out, release_all
+    from stp.train.run.outlock import hold_out, release_all
 
     out = tmp_path / "o"
     proc = subprocess.run([sys.executable, "-c", HOLDER.replace("time.sleep(60)", ""),
@@ -284,7 +285,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_partial(
 
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from stp.train.storage import StorageFault
+    from stp.train.checkpoint.storage import StorageFault
 
     def full(self, plan, planner):
         (Path(self.path) / "__0_0.distcp").write_bytes(b"half a shard")
@@ -307,7 +308,7 @@ def test_too_little_free_space_is_refused_before_writing(
         run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import collections
 
-    from stp.train import storage
+    from stp.train.checkpoint import storage
 
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(storage.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
@@ -326,7 +327,7 @@ def test_too_little_free_space_is_refused_before_writing(
 
 def _poison_step(run: Path) -> None:
     """Write step-3 from a trainer whose embedding holds a NaN, past the save check."""
-    from stp.train import finite
+    from stp.train.step import finite
 
     trainer = Trainer.resume(str(run), CONFIG, None, "1f1b", pp=1, microbatches=2)
     trainer.step(_batch(2))
@@ -357,7 +358,7 @@ def test_nan_in_a_hugging_face_directory_names_the_tensor(tmp_path: Path) -> Non
 
     from stp.models import build_reference
     from stp.models.hf import HFCheckpoint, save_state
-    from stp.train.finite import scan_hf
+    from stp.train.step.finite import scan_hf
 
     model = build_reference(CONFIG, torch.float32)
     save_state(tmp_path, {n: p.detach() for n, p in model.named_parameters()}, CONFIG)
@@ -372,7 +373,7 @@ def test_nan_in_a_hugging_face_directory_names_the_tensor(tmp_path: Path) -> Non
 
 
 def test_consecutive_skipped_steps_stop_the_run() -> None:
-    from stp.train.finite import SkipCounter, TooManySkipped
+    from stp.train.step.finite import SkipCounter, TooManySkipped
 
     c = SkipCounter(3)
     for step, skipped in enumerate([True, True, False, True, True], 1):
@@ -387,9 +388,9 @@ def test_stp_train_with_nan_gradients_exits_non_zero(
     """Every gradient norm inf (as NaN weights or an overflow make it): the run stops
     after --max-skipped-steps, exit 1, one line; no checkpoint is written."""
     from stp.cli.main import main
-    from stp.train import grad_sync  # where a step's gradient norm is taken
+    from stp.train.step import grad_sync  # where a step's gradient norm is taken
 
-    # the norm stays a device tensor until the step's one read (stp.train.grad_sync)
+    # the norm stays a device tensor until the step's one read (stp.train.step.grad_sync)
     monkeypatch.setattr(grad_sync, "global_norm",
                         lambda *a, **k: torch.tensor(float("inf"), dtype=torch.float64))
     data = tmp_path / "data.txt"
@@ -438,7 +439,7 @@ def test_without_a_manifest_damaged_weights_are_refused_before_launch(run: Path)
 def test_under_torchrun_rank_0_locks_and_stps_own_workers_do_not(
         held, monkeypatch: pytest.MonkeyPatch) -> None:
     from stp.runtime.watch import LAUNCHER_PID_ENV
-    from stp.train.outlock import lock_error
+    from stp.train.run.outlock import lock_error
 
     out, pid = held
     monkeypatch.delenv(LAUNCHER_PID_ENV, raising=False)

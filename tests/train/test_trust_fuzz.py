@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 
 from stp.models import ModelConfig, build_reference
 from stp.models.hf import HFCheckpoint, config_from_hf, save_state
-from stp.train import checkpoint
-from stp.train.ckpt_read import read_metadata
-from stp.train.trainer import Trainer
+from stp.train.checkpoint import sharded as checkpoint
+from stp.train.checkpoint.read import read_metadata
+from stp.train.step.trainer import Trainer
 
 CONFIG = ModelConfig(vocab_size=32, hidden=16, num_layers=2, num_heads=2, num_kv_heads=2,
                      ffn_hidden=32, max_seq_len=16, seed=5)

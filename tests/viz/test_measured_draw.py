@@ -56,7 +56,7 @@ def test_hidden_under_compute_counts_the_overlap_only():
 
 
 def test_a_dp_gradient_reduction_is_drawn_on_its_lane_with_its_share_hidden(tmp_path):
-    """A stage's DP reduction launched during the backward (stp.train.grad_sync): half
+    """A stage's DP reduction launched during the backward (stp.train.step.grad_sync): half
     of it under the compute that follows, half after it."""
     spans = [*_spans(), Span(0, "dp", 0.003, 0.005, "DP-AR stage 1", "DP-AR", 1, 0, 1)]
     svg = tmp_path / "run.svg"

@@ -44,7 +44,7 @@ from stp.bench.probes import gather, peak_growth_mib, profile, span
 from stp.bench.world import in_world
 from stp.models import ModelConfig
 from stp.schedule import registry
-from stp.train.trainer import Trainer
+from stp.train.step.trainer import Trainer
 
 __all__ = ["PeerSpec", "peer_worker", "peer_entry", "run_peer"]
 
@@ -120,7 +120,7 @@ CSV_COMPILED = ("compiled, `_PipelineScheduleRuntime` skips the compile check of
 
 def stp_has_compile() -> bool:
     """Whether this build's Trainer options have `compile` (added by the compile work)."""
-    from stp.train.parts import TrainerOptions
+    from stp.train.run.parts import TrainerOptions
 
     return "compile" in {f.name for f in fields(TrainerOptions)}
 

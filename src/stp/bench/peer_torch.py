@@ -23,7 +23,7 @@ from stp.models.decoder.rope import RopeCache, apply_rope
 from stp.schedule import Schedule
 from stp.schedule import io as schedule_io
 from stp.schedule.placement import stage_layers
-from stp.train.clip import grad_norm
+from stp.train.step.clip import grad_norm
 
 __all__ = ["DecoderPart", "refuse_extras", "rms_norm", "lm_loss", "build_torch_stages",
            "torch_schedule", "TorchSide", "TORCH_CLASSES"]

@@ -6,7 +6,7 @@ optimizer settings (AdamW, betas (0.9, 0.95), eps 1e-8, no weight decay, the
 run's learning rate, global-norm clipping), fp32 parameters, bfloat16 compute
 on a GPU (stp: bf16 weights with fp32 masters; the plain loop: autocast), float32
 on the CPU. The stp side is the Trainer `stp train --pp 1 --schedule 1f1b`
-builds (stp.train.loop), in this process, and its step is what the loop runs
+builds (stp.train.run.loop), in this process, and its step is what the loop runs
 per step outside evaluation and checkpoints: `Trainer.step` (which moves the
 host batch to the device, as in `stp train`; the plain loop's microbatches are
 on the device beforehand: 8 bytes a token, a negligible copy), the activation
@@ -15,7 +15,7 @@ peaks and the step's update figures.
 `time_sides`: rounds alternating between the two sides of a mode (eager, then
 compiled, each pair alone in memory),
 ms per step (median over rounds of each round's median), tokens/s, MFU (the
-model FLOPs `stp plan` counts, stp.train.mfu), resident bytes (the side's own
+model FLOPs `stp plan` counts, stp.train.run.mfu), resident bytes (the side's own
 parameters, gradients and optimizer state, counted by storage), on a GPU peak
 bytes (resident, plus the most its step allocated above what the process held
 before it) and the ratios stp / plain.
@@ -54,13 +54,13 @@ from stp.bench.plain_loop import PlainModel, PlainShape, plain_step
 from stp.runtime.launch import init_distributed
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.shapes import ModelConfig
-from stp.train.config import ModelShape, TrainJob
-from stp.train.job import check
-from stp.train.loop import _options
-from stp.train.lr import adamw
-from stp.train.memory_measure import measure
-from stp.train.mfu import device_peak, mfu, step_flops
-from stp.train.trainer import Trainer
+from stp.train.run.config import ModelShape, TrainJob
+from stp.train.run.job import check
+from stp.train.run.loop import _options
+from stp.train.step.lr import adamw
+from stp.train.run.memory_measure import measure
+from stp.train.run.mfu import device_peak, mfu, step_flops
+from stp.train.step.trainer import Trainer
 
 __all__ = ["SIDES", "SingleSpec", "build_sides", "count_sides", "counts_with_ratios",
            "time_sides"]
@@ -134,7 +134,7 @@ def _stp_side(spec: SingleSpec, compiled: bool, batches: list[Any], out: str) ->
     trainer = Trainer(run.stage_model(), adamw(job.lr, weight_decay=job.weight_decay),
                       run.schedule, mesh=mesh, options=_options(run))
 
-    def step(k: int) -> Any:  # the loop's per-step work (stp.train.loop.run)
+    def step(k: int) -> Any:  # the loop's per-step work (stp.train.run.loop.run)
         loss = trainer.step(batches[k % len(batches)])
         trainer.activation_peaks()
         return loss, trainer.last_update

@@ -40,7 +40,7 @@ from typing import Any
 from stp.cli.common import int_in, positive_int
 from stp.cli.flags import add_flags
 from stp.sim.costs import Costs
-from stp.train.config import ModelShape
+from stp.train.run.config import ModelShape
 
 __all__ = ["register"]
 

@@ -1,6 +1,6 @@
 """Command-line flags derived from a settings dataclass (one source of truth).
 
-Each field made with `stp.train.config.option` becomes `--field-name` with the
+Each field made with `stp.train.run.config.option` becomes `--field-name` with the
 field's default, help text and bounds; a nested dataclass field contributes
 its own fields at the same level; a `bool` field is `--name on|off` (bare: on). Values
 are checked as argparse arguments, so a bad one exits 2 with a line naming

@@ -7,12 +7,12 @@
     stp memory --model ~/models/Qwen2-0.5B/config.json --pp 2 --json
 
 Two modes, one parser. Without `--model` the command line is a `stp train`
-command line (the same flags, from `stp.train.config.TrainJob`, with train's
+command line (the same flags, from `stp.train.run.config.TrainJob`, with train's
 defaults: float32, 4 sequences per microbatch, --seq-len 64, the toy
-model): it is resolved as `stp train` resolves it (`stp.train.job.check_plan`:
+model): it is resolved as `stp train` resolves it (`stp.train.run.job.check_plan`:
 no worker started, nothing written, --out neither created nor locked; an
 --init-from directory's config.json read, never its weights) and priced by
-`stp.train.memory_check.run_estimate`, the estimate `stp train` checks
+`stp.train.run.memory_check.run_estimate`, the estimate `stp train` checks
 before launching. Flags that do not change memory (--lr, --steps, --out, ...)
 are accepted and ignored. With `--model PRESET|config.json` the shape is the
 preset's and the defaults are a large run's (bfloat16, 1 sequence per
@@ -63,7 +63,7 @@ _SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "init_from", "tokenizer
 
 def register(sub: argparse._SubParsersAction) -> None:
     from stp.cli.flags import add_flags
-    from stp.train.config import TrainJob
+    from stp.train.run.config import TrainJob
 
     p = sub.add_parser("memory", help="bytes per rank of a training step: weights, grads, "
                        "masters, optimizer, peak activations, buffers",
@@ -183,9 +183,9 @@ def _train_estimate(args: argparse.Namespace) -> tuple[MemoryEstimate, str]:
     from stp.cli.common import check_work
     from stp.cli.flags import from_args
     from stp.costmodel import parse_hardware
-    from stp.train.config import TrainJob
-    from stp.train.precheck import precheck
-    from stp.train.schedules import with_schedule_file
+    from stp.train.run.config import TrainJob
+    from stp.train.run.precheck import precheck
+    from stp.train.run.schedules import with_schedule_file
 
     defaults = TrainJob()
     filled = argparse.Namespace(**vars(args))
@@ -195,17 +195,17 @@ def _train_estimate(args: argparse.Namespace) -> tuple[MemoryEstimate, str]:
             setattr(filled, dest, value)
     job = from_args(TrainJob, filled, hardware=None)
     if job.plan is not None:  # the plan's row: its model, mesh, schedule and levers
-        from stp.train.plan_file import with_plan
+        from stp.train.run.plan_file import with_plan
 
         job = with_plan(job)
     job = with_schedule_file(job)
-    precheck(job)  # what the flags alone show, before torch loads (stp.train.precheck)
-    from stp.train.job import check_plan
-    from stp.train.memory_check import no_estimate_reason, run_estimate, run_features
+    precheck(job)  # what the flags alone show, before torch loads (stp.train.run.precheck)
+    from stp.train.run.job import check_plan
+    from stp.train.run.memory_check import no_estimate_reason, run_estimate, run_features
     check_work(2 * job.pp, job.num_microbatches, 1, f"--pp {job.pp} -m {job.num_microbatches}")
     config = None
     if job.init_from is not None:  # config.json alone: the weights need not be there
-        from stp.train.pretrained import config_json_config
+        from stp.train.run.pretrained import config_json_config
 
         config = config_json_config(job.init_from, job.model)
     run = check_plan(job, config=config)
@@ -297,7 +297,7 @@ def _device_memory(hardware: str | None) -> tuple[int, str]:
         if torch.cuda.is_available():
             props = torch.cuda.get_device_properties(0)
             return int(props.total_memory), f"this machine's {props.name}"
-    from stp.train.memory_check import available_host_bytes
+    from stp.train.run.memory_check import available_host_bytes
 
     return available_host_bytes() or 0, "this machine's available RAM"
 

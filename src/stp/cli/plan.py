@@ -198,7 +198,7 @@ def request_from_args(args: argparse.Namespace) -> object:
 def _source(text: str) -> tuple[str, str | None]:
     """How the plan names the model for `stp train --model`: a preset as given, a
     config.json by its absolute path and sha256 (model_spec has read it)."""
-    from stp.train.model_source import config_path, file_sha256, is_preset
+    from stp.train.run.model_source import config_path, file_sha256, is_preset
 
     if is_preset(text):
         return text, None

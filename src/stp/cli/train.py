@@ -27,9 +27,9 @@ the model) and a sharded checkpoint at the end (--save-full / --save-hf: the
 whole model as one safetensors file / a Hugging Face directory, written
 stage by stage); with --json, one JSON object per step on stdout and nothing
 else there. After the first step, one start-up line on stderr: the time to
-first step and where it went (stp.train.startup); --json's first row records
+first step and where it went (stp.train.run.startup); --json's first row records
 it as "startup". torch is imported only when the command runs, after the
-checks the flags alone allow (stp.train.precheck).
+checks the flags alone allow (stp.train.run.precheck).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from stp.cli.train_supervise import (
     say,
     shared_settings,
 )
-from stp.train.config import TrainJob
+from stp.train.run.config import TrainJob
 
 EXIT_AGREED = 4
 """A worker's status when every rank raised the same verdict (an exception class with
@@ -83,7 +83,7 @@ def _train_here(resolved: Any, as_json: bool) -> int:
     from stp.runtime.errors import exit_status
     from stp.runtime.launch import init_distributed
     from stp.runtime.watch import Heartbeat, exit_on_signals
-    from stp.train.loop import run
+    from stp.train.run.loop import run
 
     job = resolved.job
     progress = Progress(job.steps, as_json)
@@ -117,7 +117,7 @@ def _train_here(resolved: Any, as_json: bool) -> int:
 
 def _worker(resolved: Any, as_json: bool) -> None:
     """Entry point of a locally launched worker (module level: started by name), given
-    the run resolved once by the launching process (stp.train.resolve.Run)."""
+    the run resolved once by the launching process (stp.train.run.resolve.Run)."""
     code = _train_here(resolved, as_json)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -141,11 +141,11 @@ def _check_job_secret() -> None:
 def _under_torchrun(job: Any, as_json: bool) -> int:
     """One rank started by torchrun: the nodes' settings compared, every rank
     checks, rank 0 alone reports, all exit 2 at once. (The default run directory is
-    made by rank 0 once the ranks meet: stp.train.loop.)"""
+    made by rank 0 once the ranks meet: stp.train.run.loop.)"""
     from stp.runtime.agree import SettingsDiffer, agree
     from stp.runtime.launch import STARTUP_S
-    from stp.train.job import check
-    from stp.train.schedules import with_schedule_file
+    from stp.train.run.job import check
+    from stp.train.run.schedules import with_schedule_file
 
     try:
         _check_job_secret()
@@ -182,7 +182,7 @@ def _announce(resolved: Any, *, quiet: bool = False) -> bool:
             return False
         lines.append(f"resuming from step {resolved.resumed_step} ({resolved.resumed})")
     if job.data is not None:
-        from stp.train.data import open_corpus
+        from stp.train.data.corpus import open_corpus
 
         corpus = open_corpus(job.data)
         skipped = (f"; skipped {corpus.skipped} (hidden, __pycache__ or binary)"
@@ -205,11 +205,11 @@ def run_train(args: argparse.Namespace) -> int:
     # threads sleep instead of spinning. Spinning threads on shared cores
     # (local workers, other jobs) measured 10-100x slower steps on 2 cores.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from stp.train.precheck import precheck
+    from stp.train.run.precheck import precheck
 
     job = from_args(TrainJob, args)
     if job.plan is not None:
-        from stp.train.plan_file import with_plan
+        from stp.train.run.plan_file import with_plan
 
         notes: list[str] = []
         job = with_plan(job, notes)
@@ -222,16 +222,16 @@ def run_train(args: argparse.Namespace) -> int:
         # (_under_torchrun), so the full checks say it there.
         precheck(job)
     from stp.runtime.launch import in_torchrun, launch_local
-    from stp.train.job import check
-    from stp.train.outlock import existing_out, hold_out
-    from stp.train.schedules import with_schedule_file
-    from stp.train.startup import mark_launch
+    from stp.train.run.job import check
+    from stp.train.run.outlock import existing_out, hold_out
+    from stp.train.run.schedules import with_schedule_file
+    from stp.train.run.startup import mark_launch
 
     entered = time.time()  # time to first step's `imports` (torch, stp) end here
     if in_torchrun():
         mark_launch(entered)  # each rank's own process; its checks count as workers
         return _under_torchrun(job, args.json)
-    # One run per --out until this process ends (stp.train.outlock). An existing one
+    # One run per --out until this process ends (stp.train.run.outlock). An existing one
     # (--out, or the run --resume continues) is locked before the checks: a run in
     # progress is the answer, not its half-written files; a new one after them, so
     # that refused input leaves nothing behind.

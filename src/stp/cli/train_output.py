@@ -29,7 +29,7 @@ class Progress:
 
     def __call__(self, r: Any) -> None:
         if getattr(r, "startup", None) is not None:  # once, on stderr, --json or not
-            from stp.train.startup import line
+            from stp.train.run.startup import line
 
             print(line(r.startup), file=sys.stderr, flush=True)
         figures = getattr(r, "figures", None)
@@ -77,7 +77,7 @@ class CompileProgress:
     before it can report anything: on a terminal a line on stderr redrawn every
     `every_s` seconds with the time so far; off a terminal one line when it starts
     and one when it is done (a log gets no carriage returns). Called by the loop
-    (stp.train.loop.run's on_compile): None at the start, the seconds at the end."""
+    (stp.train.run.loop.run's on_compile): None at the start, the seconds at the end."""
 
     def __init__(self, tty: bool, every_s: float = 2.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -153,8 +153,8 @@ def _model_text(config: Any, parameters: int, job: Any) -> str:
 
 
 def ran_line(s: Any, config: Any) -> str:
-    """One line stating the configuration as it ran (s: stp.train.loop.RunSummary;
-    config: the model's, stp.train.resolve.Run.config)."""
+    """One line stating the configuration as it ran (s: stp.train.run.loop.RunSummary;
+    config: the model's, stp.train.run.resolve.Run.config)."""
     job = s.job
     sp = job.sequence_parallel and job.tp > 1  # no effect at --tp 1
     shard = job.shard_optimizer and job.dp > 1
@@ -171,7 +171,7 @@ def ran_line(s: Any, config: Any) -> str:
 def print_summary(s: Any, as_json: bool, config: Any = None,
              figures: tuple[dict[str, float] | None, dict[str, float] | None] = (None, None),
              ) -> None:
-    """Rank 0's closing lines (s: stp.train.loop.RunSummary; config: the model's;
+    """Rank 0's closing lines (s: stp.train.run.loop.RunSummary; config: the model's;
     figures: the first and the last step's MoE figures)."""
     job = s.job
     trained = len(s.step_times_s)
@@ -217,7 +217,7 @@ def print_summary(s: Any, as_json: bool, config: Any = None,
         text += f"\nHugging Face checkpoint: {job.save_hf}"
     print(text, file=sys.stderr if as_json else sys.stdout, flush=True)
     if as_json and s.memory:  # after the step lines; no "loss" key, so readers of steps skip it
-        from stp.train.loop import memory_summary
+        from stp.train.run.loop import memory_summary
 
         compiled = {} if getattr(s, "compile_s", None) is None else {"compile_s": s.compile_s}
         print(json.dumps({"summary": True, "steps": len(s.step_times_s), **compiled,

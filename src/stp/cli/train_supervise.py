@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from stp.train.config import TrainJob
+from stp.train.run.config import TrainJob
 
 __all__ = ["StepTracker", "say", "interrupt_printer", "shared_settings", "rank_failure_line",
            "rank_namer", "launch_failure_line"]
@@ -86,7 +86,7 @@ def shared_settings(job: TrainJob) -> dict[str, str]:
     Not compared: --out (rank 0 chooses and shares it), the paths of the
     data (nodes may mount them elsewhere: their sizes are compared) and of
     the trace (whether there is one is)."""
-    from stp.train.data import open_corpus
+    from stp.train.data.corpus import open_corpus
 
     out: dict[str, str] = {}
     for name, flag, value in _flags(job):

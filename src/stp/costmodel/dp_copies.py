@@ -1,11 +1,11 @@
 """What the DP gradient reductions' flat copies add to a rank's memory.
 
-The DP gradient reduction (stp.train.grad_sync) reduces a flat copy of a
+The DP gradient reduction (stp.train.step.grad_sync) reduces a flat copy of a
 stage's gradients (grad bytes x its parameters P_s; with the sharded
 optimizer the packed buffer, P_s, and a stage's reduce-scattered segment,
 P_s / dp, the whole run's being the shard stp.costmodel.memory counts),
 except in a 16-bit run (`in_place`): there each stage's fp32 main grads
-already lie in a flat buffer of their own (stp.train.precision.
+already lie in a flat buffer of their own (stp.train.step.precision.
 group_main_grads; packed rank-major for the sharded optimizer, stp.train.
 zero), which the reduction reads in place, so only the sharded optimizer's
 segment is held (per stage, with the overlap or without). The parameters
@@ -29,7 +29,7 @@ single stage per rank, at this scale), up to grad bytes x P per rank where
 they do not (a copy larger than the activations' peak, or a V schedule's
 first stage finishing before its second). That part of `buffers` is
 `RankMemory.copies` (`dp_copies` in `stp memory --json`'s ranks), which
-`stp train --json` measures (stp.train.memory_measure); on the small runs of
+`stp train --json` measures (stp.train.run.memory_measure); on the small runs of
 benchmarks/results/memory.md the bound is at most 5% of the total over.
 """
 

@@ -60,11 +60,11 @@ runs of benchmarks/results/memory.md).
 Whose activations (`Features.runtime`): `megatron`, Korthikanti's counting
 (`stp.costmodel.model`; `stp memory --model`), or `stp`, what stp's own
 decoder units keep (`stp.costmodel.kept`, a census of the runtime's saved
-tensors; the estimate of a `stp train` run, `stp.train.memory_check`). The
+tensors; the estimate of a `stp train` run, `stp.train.run.memory_check`). The
 two differ: torch's scaled_dot_product_attention keeps no s x s scores, but
 stp's units keep the rotated q and k, each unit's output before its
 all-reduce and all four SwiGLU intermediates, and float32 norm values.
-Against `stp train --json`'s measurement (`stp.train.memory_measure`;
+Against `stp train --json`'s measurement (`stp.train.run.memory_measure`;
 `benchmarks/bench_memory.py`, `benchmarks/results/memory.md`) the `stp`
 estimate's model states agree to the byte (AdamW's step counters aside) and
 its activations on the rank that peaks to the byte on the small models

@@ -222,7 +222,7 @@ class EmulatedStage(nn.Module):
 
 
 def emulated_builder(costs: Costs, chunks: int, num_layers: int, hidden: int) -> Any:
-    """A Trainer stage builder (stp.train.trainer.StageBuilder) of emulated stages: the
+    """A Trainer stage builder (stp.train.step.trainer.StageBuilder) of emulated stages: the
     model's `num_layers` split over the stages as stp.models splits them
     (stp.schedule.placement.stage_layers), each stage's units timed so that one pass
     through it takes cost / chunks (`costs` in seconds, per microbatch per rank

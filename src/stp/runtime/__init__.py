@@ -13,7 +13,7 @@
   UnitStage, Unit).
 
 The runtime knows neither the models nor the trainer: `stp.models` implements
-`stage_api`, and `stp.train.trainer.Trainer` ties the two together.
+`stage_api`, and `stp.train.step.trainer.Trainer` ties the two together.
 """
 
 from stp.runtime.errors import CommTimeout, RankError

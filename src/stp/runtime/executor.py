@@ -34,7 +34,7 @@ last W, or its last full backward where B and W are fused), once that
 action's held tail has finished (a braided block's last backward finish may
 still add a norm gain's gradient). The schedule is data, so each stage's
 last such action is known before the run. The trainer launches the stage's
-data-parallel gradient reduction there (stp.train.grad_sync); the executor
+data-parallel gradient reduction there (stp.train.step.grad_sync); the executor
 knows nothing of it:
 
     compute:  .. F(7) | B(6) | W(6) stage 2 | F(7) stage 0 | B(7) | W(7) stage 0
@@ -46,7 +46,7 @@ before the first compute action that runs one of that stage's forwards (a
 braided block's too; known before the run, `first_forward_action`). The
 trainer waits there for the
 stage's parameters, gathered asynchronously since the last optimizer step
-(stp.train.param_gather); the executor knows nothing of it:
+(stp.train.step.param_gather); the executor knows nothing of it:
 
     DP:      [AG stage 0][AG stage 3 .......................]
     compute:            ^ F(0) stage 0 | F(1) | .. | F(0) stage 3

@@ -24,12 +24,12 @@ A `Recorder` on each rank collects, for one run of the executor:
   work complete only to `wait`, and the sender waits only at the end of the
   step);
 * dp lane: every data-parallel gradient reduction the trainer launched
-  (stp.train.grad_sync; kind `DP-AR` an all-reduce, `DP-RS` the sharded
+  (stp.train.step.grad_sync; kind `DP-AR` an all-reduce, `DP-RS` the sharded
   optimizer's reduce-scatter), named after the stage whose gradients it
   carries, from its launch to its completion (as an all-reduce above):
   launched when the stage's last gradient pass ends, it runs under the
   compute of the passes still to come; and with the sharded optimizer's
-  `overlap_param_gather` (stp.train.param_gather) every parameter all-gather
+  `overlap_param_gather` (stp.train.step.param_gather) every parameter all-gather
   (kind `DP-AG`), recorded in the step whose forward waited for it, from its
   launch after the last optimizer step (at the earliest this run's start) to
   its completion.

@@ -1,6 +1,6 @@
 """The DP gradient reductions of one rank on the simulated timeline.
 
-With the overlap (stp's runtime default, stp.train.grad_sync; Megatron-LM's
+With the overlap (stp's runtime default, stp.train.step.grad_sync; Megatron-LM's
 `--overlap-grad-reduce`) each stage's DP reduction starts when that stage's
 last gradient pass (its last W, or its last full backward) ends, and the
 reductions of a rank run one after another on its DP link (one

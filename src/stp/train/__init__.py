@@ -1,23 +1,36 @@
 """The application layer: training runs built on the runtime and the models.
 
-- `config`: `TrainJob`, the settings of one `stp train` run (no torch; the CLI
-  derives its flags from it).
-- `job`: checks of a job before any worker starts, its model and schedule.
-- `loop`: the training loop of one run on an initialised world.
-- `trainer`: `Trainer`, one object that trains a model on a TP x PP x DP mesh.
-- `parts`, `setup`: what a Trainer is made of (`TrainerOptions`, `Parts`) and
-  `setup.build`, which makes its Parts once (stages, precision, executor, ...).
-- `grad_sync`: a step's collectives after the backward (shared-gradient sum,
-  loss sum, DP average, gradient norm), their errors mapped one way.
-- `precision`: bf16 with fp32 master weights and main grads; the optimizer update.
-- `clip`: the global gradient norm over pp x tp x dp, and clipping by it.
-- `lr`: learning-rate schedules and AdamW parameter groups.
-- `checkpoint`, `shards`: sharded checkpoints any mesh can resume from.
-- `save_full`: the whole model as one safetensors file, written stage by stage
-  (`--save-full`); `gather`: the whole model on rank 0 (tests, small models).
-- `evaluate`: held-out loss with forward passes only.
-- `data`: the byte-level corpus and deterministic batches.
+Rooms:
+- `run/`: one run's settings (`TrainJob`), their checks, its set-up and loop.
+- `step/`: one training step: the `Trainer`, gradient collectives, clipping,
+  precision, learning rate, the sharded optimizer.
+- `checkpoint/`: sharded checkpoints any mesh resumes from, their checksums,
+  the whole model as one file.
+- `data/`: the byte-level corpus, tokenised text, image-caption pairs.
+- `families/`: what the trainer needs from each model family.
 
-Import from the modules (`from stp.train.trainer import Trainer`): this
-package imports nothing itself, so `stp train --help` stays free of torch.
+The names a newcomer uses are importable from here (`from stp.train import
+Trainer`); they load on first use, so `stp train --help` stays free of torch.
 """
+from importlib import import_module
+
+# public name -> the module that defines it (loaded on first access)
+_PUBLIC = {
+    "Trainer": "stp.train.step.trainer",
+    "TrainerOptions": "stp.train.run.parts",
+    "TrainJob": "stp.train.run.config",
+    "ModelShape": "stp.train.run.config",
+    "LRSchedule": "stp.train.step.lr",
+    "adamw": "stp.train.step.lr",
+    "ByteBatches": "stp.train.data.corpus",
+    "read_corpus": "stp.train.data.corpus",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> object:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stp.train' has no attribute {name!r}")
+    return getattr(import_module(module), name)

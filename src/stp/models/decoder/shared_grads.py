@@ -87,7 +87,7 @@ class SharedGrads:
 
     @property
     def names(self) -> frozenset[str]:
-        """The parameters whose gradients a call changes (stp.train.grad_sync reduces
+        """The parameters whose gradients a call changes (stp.train.step.grad_sync reduces
         the sharded optimizer's shards of these only after the sum)."""
         tied = {"embed.weight"} if self.holds_embed else set()
         tied |= {"head.weight"} if self.holds_head else set()

@@ -12,7 +12,7 @@ Adding a family: a package `stp.models.<name>` (and its config in
 line in `MODULES` below.
 
 The registry names modules rather than importing them so that
-`stp.train.config` (the flags, no torch) can list the `--arch` choices without
+`stp.train.run.config` (the flags, no torch) can list the `--arch` choices without
 loading a model.
 """
 
@@ -38,7 +38,7 @@ EARLY_TP_CHECKS: Mapping[str, tuple[str, ...]] = {
     "decoder": ("heads", "kv_heads", "ffn"),
     "moe": ("heads", "kv_heads"),
 }
-"""What of a family's split over --tp `stp.train.precheck` may check from the flags
+"""What of a family's split over --tp `stp.train.run.precheck` may check from the flags
 alone, before the family (and torch) loads: its decoder's heads and kv heads, and
 the decoder's dense MLP width (an MoE's experts have their own widths; the
 multimodal model's encoder its own heads). A family left out is checked only in full."""

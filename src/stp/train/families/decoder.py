@@ -11,10 +11,10 @@ from typing import Any
 from stp.models.decoder.family import DECODER
 from stp.schedule import Schedule
 from stp.shapes import ModelConfig
-from stp.train.config import TOY_SHAPE, TrainJob
-from stp.train.data import VOCAB_SIZE, ByteBatches, read_corpus
-from stp.train.pretrained import checkpoint_config
-from stp.train.tokens import Tokenizer, make_batches, tokenizer_vocab
+from stp.train.run.config import TOY_SHAPE, TrainJob
+from stp.train.data.corpus import VOCAB_SIZE, ByteBatches, read_corpus
+from stp.train.run.pretrained import checkpoint_config
+from stp.train.data.tokens import Tokenizer, make_batches, tokenizer_vocab
 
 __all__ = ["FAMILY", "DecoderJob", "decoder_config", "in_flag_words"]
 

@@ -3,10 +3,10 @@
 The decoder's shape comes from the usual flags (stp.train.families.decoder);
 the encoder's from `TrainJob.vision`. `--seq-len` is the caption's tokens:
 the decoder sees image tokens + seq-len positions. The data are seeded
-coloured-shape images (stp.train.images.ShapeImages), or `--images DIR`.
+coloured-shape images (stp.train.data.images.ShapeImages), or `--images DIR`.
 `--partition` counts vision blocks first, then decoder layers; `auto` asks the
 multimodal cost model (stp.costmodel.mllm_costs, through the family's cost
-spec: stp.train.resolve). `--eval-every` evaluates on
+spec: stp.train.run.resolve). `--eval-every` evaluates on
 held-out images: `--eval-images DIR`, or with generated shapes a held-out
 stream of them (never the training images). `--sequence-parallel` splits the
 decoder's whole sequence, image tokens + --seq-len, over the TP ranks (each
@@ -24,9 +24,9 @@ from stp.models.mllm.family import MLLM
 from stp.models.mllm.rows import check_mllm_sequence
 from stp.schedule import Schedule
 from stp.shapes import MLLMConfig, ModelConfig, VisionConfig
-from stp.train.config import TrainJob
+from stp.train.run.config import TrainJob
 from stp.train.families.decoder import decoder_config
-from stp.train.images import CaptionBatches, ImageFolder, ShapeImages, check_folder
+from stp.train.data.images import CaptionBatches, ImageFolder, ShapeImages, check_folder
 
 __all__ = ["FAMILY", "MLLMJob", "check_auto_fits", "mllm_config", "mllm_batches",
            "mllm_eval_batches"]
@@ -124,7 +124,7 @@ def mllm_batches(job: TrainJob, config: MLLMConfig, *, blank: bool = False) -> C
 
 def mllm_eval_batches(job: TrainJob, config: MLLMConfig) -> CaptionBatches:
     """The held-out global batches of --eval-every, in order: --eval-images, or the
-    generated shapes' held-out stream (stp.train.images)."""
+    generated shapes' held-out stream (stp.train.data.images)."""
     size = config.vision.image_size
     if job.eval_images is not None:
         source: ShapeImages | ImageFolder = ImageFolder(Path(job.eval_images), size)

@@ -14,11 +14,11 @@ from stp.models.moe.family import MOE
 from stp.schedule import Schedule
 from stp.shapes.decoder import default_ffn_hidden
 from stp.shapes.moe import MoEConfig
-from stp.train.config import TrainJob
+from stp.train.run.config import TrainJob
 from stp.train.families.decoder import FAMILY as DECODER_JOB
 from stp.train.families.decoder import decoder_config, in_flag_words
-from stp.train.pretrained import checkpoint_config
-from stp.train.tokens import Tokenizer
+from stp.train.run.pretrained import checkpoint_config
+from stp.train.data.tokens import Tokenizer
 
 __all__ = ["FAMILY", "MoEJob", "moe_config"]
 

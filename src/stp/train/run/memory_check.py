@@ -1,0 +1,145 @@
+"""`stp train` refuses a run that cannot fit before any worker allocates.
+
+The estimate is the cost model's (`stp.costmodel.memory.estimate`: weights,
+gradients, masters, optimizer state, the simulator's peak activations for the
+run's schedule, partition, offload, recomputation and sequence parallelism,
+buffers) for the run's own model, mesh, batch and dtype, with the activations
+stp's own decoder units keep (`stp.costmodel.kept`): `run_estimate`, the one
+function `stp train` and `stp memory` (given a train command line) both call.
+
+- `--memory-budget SIZE`: the peak rank's total must fit SIZE (one device).
+- without it, every rank this machine runs together (the whole world for
+  `stp train`'s own launcher, LOCAL_WORLD_SIZE under torchrun) must fit the
+  host's available memory (MemAvailable): a run of `--seq-len 1048576` is
+  refused in one line instead of allocating until the kernel kills it.
+
+Emulated stages are not checked; a mixture of experts is priced with its
+routed copies and router (`stp.costmodel.moe`) at the job's `ep` (1 where
+`stp train` has no `--ep`); the multimodal model (`--arch mllm`) through its
+family's cost spec, with what its encoder's and decoder's units keep
+(`stp.costmodel.mllm_memory`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from stp.costmodel import HARDWARE
+from stp.costmodel.budget import parse_size
+from stp.costmodel.configs import spec_from_config
+from stp.costmodel.hardware import HardwareSpec
+from stp.costmodel.memory import Features, Layout, MemoryEstimate, estimate, format_bytes
+from stp.shapes import MLLMConfig, ModelConfig, MoEConfig
+
+__all__ = ["available_host_bytes", "check_memory", "no_estimate_reason", "run_estimate",
+           "run_features"]
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def no_estimate_reason(run: Any) -> str | None:
+    """Why `run` has no byte estimate (None: it has one)."""
+    job = run.job
+    if job.emulate is not None:
+        return "--emulate-compute stages wait instead of computing: they hold no model"
+    if type(run.config) not in (ModelConfig, MoEConfig, MLLMConfig):
+        return (f"--arch {job.arch}: the byte model prices the decoder, the mixture of "
+                "experts and the multimodal model only (stp.costmodel.memory)")
+    return None
+
+
+def run_features(job: Any, *, recompute: str | None = None,
+                 shard_optimizer: bool | None = None) -> Features:
+    """What of `job` (a TrainJob) changes its memory. `--recompute` and
+    `--shard-optimizer` are read where the job has them; `recompute` and
+    `shard_optimizer` given here stand in for a job without them (`stp memory`'s
+    own flags)."""
+    if recompute is None:
+        recompute = getattr(job, "recompute", "none")
+    if shard_optimizer is None:
+        shard_optimizer = bool(getattr(job, "shard_optimizer", False))
+    return Features(dtype=job.dtype, offload=job.offload, recompute=recompute,
+                    sequence_parallel=job.sequence_parallel and job.tp > 1,
+                    shard_optimizer=shard_optimizer, runtime="stp",
+                    overlap_grad_sync=bool(getattr(job, "overlap_grad_sync", True)))
+
+
+def run_estimate(run: Any, hardware: HardwareSpec | None = None,
+                 features: Features | None = None) -> MemoryEstimate | None:
+    """The cost model's bytes per rank of `run` (stp.train.run.resolve.Run): its model,
+    mesh, batch, schedule (a file's too), partition and `run_features`; None where
+    there is no estimate (`no_estimate_reason`). The one estimate `stp train`
+    checks before launching and `stp memory` prints for a train command line.
+    `hardware` (default a100-80g) only sets the offload link and the step time."""
+    if no_estimate_reason(run) is not None:
+        return None
+    job = run.job
+    if type(run.config) is MLLMConfig:  # the family's own cost spec (stp.costmodel.mllm)
+        spec = run.family.model.cost_spec(run.config, sequence=job.model.seq_len,
+                                          micro_batch=job.microbatch_size, tp=job.tp)
+    else:
+        spec = spec_from_config(run.config, seq_len=job.model.seq_len,
+                                microbatch_size=job.microbatch_size, tp=job.tp,
+                                flash_attention=False)
+    layout = Layout(pp=job.pp, tp=job.tp, dp=job.dp,
+                    microbatches=run.schedule.num_microbatches,
+                    microbatch_size=job.microbatch_size, seq_len=job.model.seq_len,
+                    schedule=run.schedule.name, partition=run.partition,
+                    ep=getattr(job, "ep", 1))  # expert parallelism, where stp train has it
+    return estimate(spec, hardware or HARDWARE["a100-80g"], layout,
+                    features or run_features(job), schedule=run.schedule)
+
+
+def _largest(est: MemoryEstimate) -> str:
+    peak = est.peak
+    name = peak.largest
+    return f"{name.replace('_', ' ')} {format_bytes(getattr(peak, name))}"
+
+
+def check_memory(run: Any, local_ranks: int | None = None) -> None:
+    """ValueError (one line) when the run's estimate exceeds `--memory-budget`, or with
+    no budget when the ranks this machine runs exceed its available memory."""
+    job = run.job
+    budget = None
+    if job.memory_budget is not None:
+        try:
+            budget = parse_size(job.memory_budget)
+        except ValueError as e:
+            raise ValueError(f"--memory-budget {e}") from None
+    est = run_estimate(run)
+    if est is None:
+        return
+    peak = est.peak
+    if budget is not None:
+        if peak.total > budget:
+            raise ValueError(f"--memory-budget {job.memory_budget}: pipeline rank {peak.rank} "
+                             f"needs an estimated {format_bytes(peak.total)}, most of it "
+                             f"{_largest(est)}; give a larger budget, more --pp/--tp, a "
+                             "shorter --seq-len or a smaller --microbatch-size")
+        return
+    free = available_host_bytes()
+    if free is None:
+        return
+    ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", job.world_size))
+    if ranks == job.world_size:  # every pipeline rank here, with its tp x dp peers
+        total = sum(r.total for r in est.ranks) * job.tp * job.dp
+    else:  # some ranks of a larger world: the heaviest, as a bound
+        total = peak.total * ranks
+    if total > free:
+        raise ValueError(f"this run needs an estimated {format_bytes(total)} on this machine "
+                         f"({ranks} ranks; pipeline rank {peak.rank}: "
+                         f"{format_bytes(peak.total)}, most of it {_largest(est)}) but "
+                         f"{format_bytes(free)} is available; give a shorter --seq-len, a "
+                         "smaller --microbatch-size or fewer -m, or --memory-budget SIZE to "
+                         "judge it against a device instead")
