@@ -3,6 +3,7 @@
     stp draw --schedule stp --pp 4 -m 12 --cost f=2,b=2,w=2,ar=0.4 --out stp.svg
     stp draw --from-csv order.csv --out order.png --trace order.json
     stp draw --measured run.json --out run.svg    # what `stp train --trace` recorded
+    stp draw --metrics runs/a runs/b --out curve.svg  # training curves from metrics.jsonl
 """
 
 from __future__ import annotations
@@ -40,11 +41,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="draw a measured trace (`stp train --trace`) instead of a simulation: "
                    "every unit, TP collective (AR; RS and AG with --sequence-parallel) and "
                    "send of every rank, as run")
+    p.add_argument("--metrics", metavar="RUN_DIR", nargs="+", default=None,
+                   help="draw training curves instead of a schedule: loss (held-out dashed), "
+                   "learning rate, gradient norm and tokens/s against the step, from each run "
+                   "directory's metrics.jsonl (`stp train` writes it), the runs overlaid")
     p.add_argument("--title", default=None, help="title of the picture")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.metrics is not None:
+        return _draw_curves(args)
     if args.measured is not None:
         return _draw_measured(args)
     if not args.out and not args.trace:
@@ -75,13 +82,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _draw_measured(args: argparse.Namespace) -> int:
-    """`--measured TRACE.json --out FILE`: the trace as the runtime recorded it."""
+def _refuse_schedule(args: argparse.Namespace, what: str) -> None:
+    """`what` draws a recorded run: a schedule to simulate is refused."""
     given = [f for f in ("schedule", "from_csv", "from_json", "schedule_text")
              if getattr(args, f) is not None]
     if given:
-        raise ValueError(f"--measured draws a recorded run; drop --{given[0].replace('_', '-')}"
+        raise ValueError(f"{what} draws a recorded run; drop --{given[0].replace('_', '-')}"
                          " (a schedule to simulate)")
+
+
+def _draw_curves(args: argparse.Namespace) -> int:
+    """`--metrics RUN_DIR... --out FILE`: the runs' training curves."""
+    _refuse_schedule(args, "--metrics")
+    if args.trace or args.measured:
+        raise ValueError(f"--metrics draws training curves; drop "
+                         f"{'--trace' if args.trace else '--measured'}")
+    if not args.out or not args.out.lower().endswith((".svg", ".png")):
+        raise ValueError("--metrics needs --out FILE.svg or FILE.png")
+    from stp import viz
+
+    viz.draw_curves(args.metrics, args.out, title=args.title)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def _draw_measured(args: argparse.Namespace) -> int:
+    """`--measured TRACE.json --out FILE`: the trace as the runtime recorded it."""
+    _refuse_schedule(args, "--measured")
     if args.trace:
         raise ValueError("--measured TRACE.json is a trace already (open it in "
                          "ui.perfetto.dev); drop --trace")

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stp.cli.train_supervise import say
+from stp.train.run.metrics import step_row
 
 __all__ = ["Progress", "CompileProgress", "print_summary", "ran_line"]
 
@@ -37,16 +38,7 @@ class Progress:
             self.first_figures = self.first_figures or figures
             self.last_figures = figures
         if self.as_json:
-            # counted from 1, as the progress line and the checkpoint names count
-            row = {"step": r.step + 1, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
-                   "tokens_per_s": r.tokens_per_s, "step_s": r.step_time_s,
-                   "resident_activation_bytes": r.resident_activation_bytes}
-            row.update({"skipped": True} if r.skipped else {})
-            row.update({} if r.eval_loss is None else {"eval_loss": r.eval_loss})
-            row.update({} if getattr(r, "compile_s", None) is None else {"compile_s": r.compile_s})
-            row["mfu"] = getattr(r, "mfu", None)  # null: the device's peak is unknown
-            row.update(getattr(r, "figures", None) or {})  # e.g. an MoE's aux_loss
-            row.update({} if getattr(r, "startup", None) is None else {"startup": r.startup})
+            row = step_row(r)  # what metrics.jsonl stores (stp.train.run.metrics)
             print(json.dumps(row), flush=True)
             return
         if r.skipped:

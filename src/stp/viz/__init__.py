@@ -9,6 +9,7 @@ from pathlib import Path
 
 from stp.sim.result import SimResult
 from stp.viz.compare_plot import compare_scene
+from stp.viz.curves import curves_scene, load_metrics
 from stp.viz.measured import measured_scene
 from stp.viz.measured_read import MeasuredTrace, load_measured_trace
 from stp.viz.scene import Scene
@@ -17,6 +18,7 @@ from stp.viz.timeline import timeline_scene
 from stp.viz.trace import trace_events, trace_json, write_trace
 
 __all__ = [
+    "draw_curves",
     "draw_timeline",
     "draw_measured",
     "load_measured_trace",
@@ -25,6 +27,8 @@ __all__ = [
     "save_scene",
     "timeline_scene",
     "compare_scene",
+    "curves_scene",
+    "load_metrics",
     "to_svg",
     "trace_events",
     "trace_json",
@@ -65,3 +69,9 @@ def draw_measured(trace: MeasuredTrace, path: str | Path, *, title: str | None =
 def plot_compare(results: Sequence[SimResult], path: str | Path) -> None:
     """`stp compare --plot`: makespan / speed-up and peak memory per schedule."""
     save_scene(compare_scene(results), path)
+
+
+def draw_curves(runs: Sequence[str | Path], path: str | Path, *, title: str | None = None) -> None:
+    """`stp draw --metrics`: loss, learning rate, gradient norm and tokens/s of the
+    runs (directories holding metrics.jsonl), overlaid, to an .svg or .png file."""
+    save_scene(curves_scene([load_metrics(r) for r in runs], title=title), path)

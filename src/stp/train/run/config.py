@@ -266,6 +266,10 @@ class TrainJob:
         None, "run plan #1 of `stp plan --out PLAN.json`: its model, mesh, schedule, "
         "partition, microbatching, sequence length, dtype and memory levers (a flag given "
         "too must agree with it)", metavar="PLAN.json")
+    log: str = option(
+        "jsonl", "where the step figures go besides the terminal: jsonl (metrics.jsonl in "
+        "--out, always written) or tensorboard (also TensorBoard event files in "
+        "--out/tensorboard; pip install 'stp[log]')", choices=("jsonl", "tensorboard"))
 
     @property
     def world_size(self) -> int:

@@ -20,6 +20,7 @@ from stp.models.emulated import parse_emulate
 from stp.runtime.mesh import ParallelDims
 from stp.schedule.offload import parse_policy
 from stp.train.checkpoint.sharded import check_resume, check_writable, complete_checkpoints
+from stp.train.run.metrics import check_log
 from stp.train.run.config import TrainJob
 from stp.train.data.corpus import open_corpus, read_corpus
 from stp.train.families import family_of
@@ -53,6 +54,7 @@ def check(job: TrainJob, world_size: int | None = None) -> Run:
             )
     if job.hardware is not None:
         check_hardware(job.hardware)
+    check_log(job.log)
     _check_training(dataclasses.replace(job, lr=run.job.lr), run.config)  # --lr resolved
     if job.save_full is not None:  # after --out, which may be its directory, is made
         _check_save_full(job)

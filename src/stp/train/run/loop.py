@@ -35,6 +35,7 @@ from stp.train.step.lr import LRSchedule, adamw
 from stp.train.run.memory_measure import CATEGORIES, measure
 from stp.train.run.mfu import device_peak, step_flops, unknown_peak_line
 from stp.train.run.mfu import mfu as mfu_of
+from stp.train.run.metrics import MetricsLog
 from stp.train.run.outlock import lock_error
 from stp.train.run.pretrained import copy_tokenizer
 from stp.train.run.resolve import Run
@@ -233,6 +234,8 @@ def run(resolved: Run,
     peak = device_peak(mesh.device, job.dtype, job.hardware)
     tell = on_compile if job.compile and mesh.rank == 0 else None
     first_step = trainer.steps_done
+    metrics = (MetricsLog(job.out_dir(), resumed_at=first_step,
+                          tensorboard=job.log == "tensorboard") if mesh.rank == 0 else None)
     for step in range(first_step, job.steps):
         if tell is not None and step == first_step:
             tell(None)
@@ -261,12 +264,17 @@ def run(resolved: Run,
         skips.update(update is not None and update.skipped, step + 1)
         eval_loss, saved = _after_step(job, trainer, step, evals)
         sharded = saved or sharded
-        if mesh.rank == 0 and on_step is not None and update is not None:
-            on_step(StepReport(step, loss, tokens_per_step / elapsed, elapsed, resident,
-                               update.grad_norm, update.lr, update.skipped, eval_loss,
-                               saved, trainer.last_figures or None, compile_s,
-                               mfu_of(flops, elapsed, job.world_size, peak),
-                               startup if len(losses) == 1 else None))
+        if metrics is not None and update is not None:  # global rank 0
+            report = StepReport(step, loss, tokens_per_step / elapsed, elapsed, resident,
+                                update.grad_norm, update.lr, update.skipped, eval_loss,
+                                saved, trainer.last_figures or None, compile_s,
+                                mfu_of(flops, elapsed, job.world_size, peak),
+                                startup if len(losses) == 1 else None)
+            metrics.write(report)
+            if on_step is not None:
+                on_step(report)
+    if metrics is not None:
+        metrics.close()
     trainer.finish_param_gather()  # the model after the last step (--overlap-param-gather)
     if job.trace is not None and losses:  # the last step, every rank
         trainer.write_trace(job.trace, {"braid": job.braid, "emulate": job.emulate,
