@@ -21,6 +21,12 @@ receives the same global batch, derives them itself; nothing extra is sent.
 A row's first token starts a segment whatever precedes it (the tail of a
 document cut by the row boundary restarts at position 0, as each row is
 trained alone).
+
+With rotary embeddings a query-key score depends only on the distance between
+the two positions, so under the mask the restart changes no score in exact
+arithmetic; it is kept because it is what Hugging Face and Megatron-LM compute
+(the same bits as a document run alone) and what an absolute position scheme
+would need.
 """
 
 from __future__ import annotations

@@ -49,7 +49,9 @@ def check_recompute(mode: Any) -> str:
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-          gqa: bool) -> torch.Tensor:
+          gqa: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
+    if mask is not None:  # document masking: the mask holds the causal rule too
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
 
@@ -58,10 +60,10 @@ class _RecomputedCore(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                gqa: bool):
+                gqa: bool, mask: torch.Tensor | None):
         ctx.save_for_backward(q, k, v)
-        ctx.flags = (causal, gqa)
-        return _sdpa(q, k, v, causal, gqa)
+        ctx.flags = (causal, gqa, mask)  # the mask is the step's, shared by every layer
+        return _sdpa(q, k, v, causal, gqa, mask)
 
     @staticmethod
     def backward(ctx: Any, grad_o: torch.Tensor):
@@ -70,15 +72,18 @@ class _RecomputedCore(torch.autograd.Function):
             ins = tuple(t.detach().requires_grad_(True) for t in (q, k, v))
             o = _sdpa(*ins, *ctx.flags)
         grads = torch.autograd.grad(o, ins, grad_o)
-        return (*grads, None, None)
+        return (*grads, None, None, None)
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                   gqa: bool = False, recompute: str = "none") -> torch.Tensor:
+                   gqa: bool = False, recompute: str = "none",
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled dot-product attention [b, heads, s, head_dim] (`gqa`: fewer kv heads
     than query heads, grouped-query attention); with recompute "selective" its
-    internals are recomputed in B (the module doc)."""
+    internals are recomputed in B (the module doc). `mask` [b, 1, s, s] bool: where
+    a query may attend (document masking, stp.models.documents), in place of the
+    causal rule."""
     if recompute == "selective" and torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad):
-        return _RecomputedCore.apply(q, k, v, causal, gqa)
-    return _sdpa(q, k, v, causal, gqa)
+        return _RecomputedCore.apply(q, k, v, causal, gqa, mask)
+    return _sdpa(q, k, v, causal, gqa, mask)

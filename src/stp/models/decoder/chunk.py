@@ -40,9 +40,16 @@ class LayerChunk(Unit):
     def weights(self) -> list[torch.Tensor]:
         return [w for part in self.parts for w in part.weights()]
 
+    def _at(self, mb: int) -> None:
+        """Name the microbatch to the attention layers (their document tables)."""
+        for part in self.parts:
+            if isinstance(part, AttentionUnit):
+                part.at(mb)
+
     def forward_partial(
         self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
     ) -> torch.Tensor:
+        self._at(mb)
         st = self._enter(mb, None, "F-partial")
         if self.recompute == "full":  # keep the input alone; B runs the layers again
             st.saved["x"] = x
@@ -77,6 +84,7 @@ class LayerChunk(Unit):
         return reduced
 
     def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
+        self._at(mb)  # full recomputation runs the layers again here
         st = self._enter(mb, "F", "B-partial")
         if self.recompute == "full":
             self._graph(st, mb, st.saved.pop("x"))

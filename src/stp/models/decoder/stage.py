@@ -12,16 +12,18 @@ partials are reduce-scattered into this rank's s/t rows, which stages send.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from stp.models.decoder.chunk import LayerChunk
+from stp.models.decoder.doc_masks import DocumentMasks
 from stp.models.decoder.init import ParamSpec, ShardSlice, init_shard, parameter_specs, tp_slice
 from stp.models.decoder.stage_shards import ShardSource, unshard
 from stp.models.decoder.units import AttentionUnit, EmbedUnit, LossUnit, MLPUnit, RopeCache, Unit
+from stp.models.documents import Documents
 from stp.models.recompute import check_recompute
 from stp.models.tp.comm import AllReduce, launch_sum, make_allreduce
 from stp.models.tp.sequence import SequenceParallel, ToScatter, check_sequence
@@ -225,6 +227,22 @@ class ModelStage(nn.Module):
         if isinstance(partial, ToScatter):
             return self.seq.scatter(partial.partial)  # type: ignore[union-attr]
         return None if partial is None else self.allreduce(partial)
+
+    def load_documents(self, docs: Sequence[Documents]) -> None:
+        """Document masking for this step: the layout of each microbatch's rows (in
+        microbatch order), which every attention unit of the stage then uses: RoPE
+        at the positions within each document, attention within each document
+        (stp.models.documents). Every stage derives them from the same token ids."""
+        attention = [p for u in self.units for p in (u.parts if isinstance(u, LayerChunk)
+                                                      else (u,))
+                     if isinstance(p, AttentionUnit)]
+        if not attention:
+            return
+        masks = attention[0].documents or DocumentMasks(attention[0].rope)
+        weight = attention[0].wq
+        masks.load(docs, weight.device, weight.dtype)
+        for unit in attention:
+            unit.documents = masks
 
     def check_input(self, x: torch.Tensor, targets: torch.Tensor | None) -> None:
         """ValueError unless x (and targets, last stage only) fit this stage."""

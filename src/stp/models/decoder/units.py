@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from stp.models.decoder.doc_masks import DocumentMasks
 from stp.models.decoder.kernels import EAGER, Kernels
 from stp.models.decoder.rope import RopeCache, apply_rope
 from stp.models.recompute import attention_core
@@ -288,23 +289,58 @@ class AttentionUnit(_ResidualUnit):
     def _matrices(self) -> list[torch.Tensor | None]:
         return [self.wq, self.wk, self.wv, self.wo, self.bq, self.bk, self.bv]
 
+    documents: DocumentMasks | None = None
+    """The stage's document-masking tables when the run masks documents (set by
+    ModelStage.load_documents); None: plain causal attention at positions 0..s-1."""
+
+    def _tables(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(cos, sin, mask) for the microbatch being computed."""
+        if self.documents is None:
+            cos, sin = self.rope.get(h.shape[1], h.device, h.dtype)
+            return cos, sin, None
+        return self.documents.tables()
+
+    def at(self, mb: int) -> None:
+        """Name the microbatch the next body computes (its document tables)."""
+        if self.documents is not None:
+            self.documents.current = mb
+
     def _body(self, h: torch.Tensor, sink: list[WGradEntry] | None) -> torch.Tensor:
-        cos, sin = self.rope.get(h.shape[1], h.device, h.dtype)
+        cos, sin, mask = self._tables(h)
         q, k, v = self.kernels.qkv_rope(h, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv),
                                         cos, sin, self.head_dim, sink)  # [b, nq|nkv, s, hd]
-        return self._attend(q, k, v, sink)
+        return self._attend(q, k, v, sink, mask)
 
     def branch(self, x: torch.Tensor, sink: GradTaps | None) -> torch.Tensor:
-        cos, sin = self.rope.get(x.shape[1], x.device, x.dtype)
+        cos, sin, mask = self._tables(x)
         q, k, v = self.kernels.norm_qkv_rope(x, self.norm_w, self.eps, (self.wq, self.wk, self.wv),
                                              (self.bq, self.bk, self.bv), cos, sin, self.head_dim,
                                              sink)
-        return self._attend(q, k, v, sink)
+        return self._attend(q, k, v, sink, mask)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                sink: list[WGradEntry] | GradTaps | None) -> torch.Tensor:
-        o = attention_core(q, k, v, causal=True, gqa=True, recompute=self.recompute)
+                sink: list[WGradEntry] | GradTaps | None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        o = attention_core(q, k, v, causal=True, gqa=True, recompute=self.recompute, mask=mask)
         return self.kernels.attn_out(o, self.wo, sink)  # [b, s, h], partial over TP
+
+    def prepare_forward(self, mb: int, x: torch.Tensor) -> None:
+        self.at(mb)
+        super().prepare_forward(mb, x)
+
+    def forward_partial(
+        self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor | ToScatter:
+        self.at(mb)
+        return super().forward_partial(mb, x, targets)
+
+    def prepare_backward(self, mb: int, grad: torch.Tensor) -> None:
+        self.at(mb)
+        super().prepare_backward(mb, grad)
+
+    def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
+        self.at(mb)  # full recomputation runs the body again here
+        return super().backward_partial(mb, grad)
 
 
 class MLPUnit(_ResidualUnit):

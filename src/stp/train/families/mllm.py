@@ -70,6 +70,9 @@ class MLLMJob:
             raise ValueError("--arch mllm cannot --save-hf: stp's vision encoder and merger have "
                              "no Hugging Face layout to write; the checkpoints in --out keep the "
                              "full state (continue with --resume); drop --save-hf")
+        if job.document_mask:
+            raise ValueError("--arch mllm trains on one caption per image, with no documents "
+                             "to mask: drop --document-mask")
         if job.eval_data is not None:
             raise ValueError(f"--arch mllm evaluates on held-out images, not text: drop "
                              f"--eval-data {job.eval_data!r} (held-out shapes are generated; "

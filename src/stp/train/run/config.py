@@ -266,6 +266,10 @@ class TrainJob:
         None, "run plan #1 of `stp plan --out PLAN.json`: its model, mesh, schedule, "
         "partition, microbatching, sequence length, dtype and memory levers (a flag given "
         "too must agree with it)", metavar="PLAN.json")
+    document_mask: bool = option(
+        False, "attend only within each document of the packed rows, restart positions at "
+        "each document start, train no prediction across a boundary (documents end at the "
+        "tokenizer's EOS id; needs tokenised data: --tokenizer or --init-from)")
     log: str = option(
         "jsonl", "where the step figures go besides the terminal: jsonl (metrics.jsonl in "
         "--out, always written) or tensorboard (also TensorBoard event files in "

@@ -55,12 +55,28 @@ def check(job: TrainJob, world_size: int | None = None) -> Run:
     if job.hardware is not None:
         check_hardware(job.hardware)
     check_log(job.log)
+    if job.document_mask:
+        check_document_mask(job, run.tokenizer is not None)
     _check_training(dataclasses.replace(job, lr=run.job.lr), run.config)  # --lr resolved
     if job.save_full is not None:  # after --out, which may be its directory, is made
         _check_save_full(job)
     check_memory(run, None if world_size is None else int(os.environ.get(
         "LOCAL_WORLD_SIZE", world_size)))  # before any worker allocates
     return run
+
+
+def check_document_mask(job: TrainJob, tokenised: bool) -> None:
+    """--document-mask: token data whose documents end in an EOS id, and a model
+    and mode that take the mask (one line naming what to drop otherwise)."""
+    if not tokenised:
+        raise ValueError("--document-mask needs tokenised data whose documents end in the "
+                         "EOS id: give --tokenizer PATH or --init-from a checkpoint with a "
+                         "tokenizer (byte-level data has no document ends)")
+    refused = {"--compile": job.compile, "--emulate-compute": job.emulate is not None}
+    for flag, given in refused.items():
+        if given:
+            raise ValueError(f"--document-mask does not work with {flag} yet; drop one of "
+                             "them")
 
 
 def _check_save_full(job: TrainJob) -> None:

@@ -197,6 +197,7 @@ def _options(run: Run) -> TrainerOptions:
         overlap_param_gather=job.overlap_param_gather,
         recompute=job.recompute,
         compile=job.compile,
+        document_eos=run.tokenizer.eos if job.document_mask and run.tokenizer else None,
     )
 
 

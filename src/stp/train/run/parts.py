@@ -73,6 +73,10 @@ class TrainerOptions:
     recompute: str = "none"
     """Activation recomputation (stp.models.recompute): none, selective (the attention
     core again in B) or full (each unit's forward again in B, from its kept input)."""
+    document_eos: int | None = None
+    """Document masking (stp.models.documents): the end-of-sequence id that closes each
+    document of the packed rows; attention stays within a document, positions restart
+    at each document start, and no target crosses a boundary. None: off."""
     compile: bool = False
     """torch.compile the units' pieces between their linears (stp.models.compile): the
     split backward, braiding, offload and recomputation unchanged."""

@@ -21,6 +21,7 @@ from stp.schedule.ir import Kind, passes_of
 from stp.schedule.lower import lower
 from stp.train.data.corpus import split_batch
 from stp.train.run.parts import Parts
+from stp.train.step.documents import mask_documents
 
 __all__ = ["forward_only", "Evaluator"]
 
@@ -53,6 +54,7 @@ class Evaluator:
         parts = self.parts
         d, m, c = parts.dims, parts.schedule.num_microbatches, parts.mesh.coord
         tokens, targets = batch
+        targets = mask_documents(parts, tokens, targets, m)  # as the step masks them
         inputs = [x.to(parts.device) for x in split_batch(tokens, d.dp, c.dp, m)]
         tgts = [x.to(parts.device) for x in split_batch(targets, d.dp, c.dp, m)]
         try:

@@ -67,6 +67,7 @@ from stp.runtime.trace import gather_spans, write_trace
 from stp.schedule import Schedule
 from stp.train.checkpoint import sharded as checkpoint
 from stp.train.step.aux_losses import AuxLosses
+from stp.train.step.documents import mask_documents
 from stp.train.data.corpus import split_batch
 from stp.train.families import TrainFamily
 from stp.train.checkpoint.gather import gather_full_state
@@ -278,6 +279,7 @@ class Trainer:
         tokens, targets = batch
         self._check_batch(tokens, targets)
         d, m, c = self.dims, self.num_microbatches, self.mesh.coord
+        targets = mask_documents(self.parts, tokens, targets, m)  # with document masking
         inputs = [t.to(self.device) for t in split_batch(tokens, d.dp, c.dp, m)]
         tgts = [t.to(self.device) for t in split_batch(targets, d.dp, c.dp, m)]
         for st in self.stages.values():
