@@ -40,7 +40,7 @@ def budget_from_args(args: argparse.Namespace) -> float | None:
 def _spec_and_unit(args: argparse.Namespace, pp: int) -> tuple[object, float]:
     from stp.cli.common import model_from_args
     from stp.costmodel import derive, parse_hardware
-    from stp.costmodel.model import decoder_only
+    from stp.costmodel.decoder.spec import decoder_only
 
     spec = model_from_args(args)
     spec = decoder_only(spec, "--memory-budget")

@@ -47,7 +47,7 @@ from stp.costmodel.memory import (
     estimate,
     format_bytes,
 )
-from stp.costmodel.model import RECOMPUTE_MODES, ModelSpec, decoder_only
+from stp.costmodel.decoder.spec import RECOMPUTE_MODES, ModelSpec, decoder_only
 
 __all__ = ["register", "run", "model_spec"]
 

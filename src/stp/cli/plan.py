@@ -128,9 +128,9 @@ def local_hardware() -> object:
     import subprocess
     import tempfile
 
-    from stp.costmodel.decoder_costs import head_flops
+    from stp.costmodel.decoder.costs import head_flops
     from stp.costmodel.hardware import HardwareSpec
-    from stp.costmodel.model import ModelSpec, layer_flops
+    from stp.costmodel.decoder.spec import ModelSpec, layer_flops
     from stp.plan.calibrate import fit_traces
 
     lm = _LOCAL_MODEL

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from stp.costmodel.model import ModelSpec
-from stp.costmodel.moe import MoESpec
+from stp.costmodel.decoder.spec import ModelSpec
+from stp.costmodel.moe.spec import MoESpec
 from stp.shapes import ModelConfig, MoEConfig
 
 __all__ = ["spec_from_config", "spec_from_hf_json", "HF_MAX_BYTES"]

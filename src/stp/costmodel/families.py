@@ -2,8 +2,8 @@
 
 A spec is a model family's torch-free view for the simulator (`ModelSpec`: a
 decoder; `MLLMSpec`: a vision encoder in front of one). The functions that
-price a spec live with its family (stp.costmodel.decoder_costs,
-stp.costmodel.mllm_costs); this table is the one place that pairs them, so
+price a spec live with its family (stp.costmodel.decoder.costs,
+stp.costmodel.mllm.costs); this table is the one place that pairs them, so
 that `derive` and `layered_costs` dispatch instead of testing classes, and the
 multimodal costs, built on the decoder's, need not import back up.
 """
@@ -14,16 +14,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from stp.costmodel.decoder_costs import decoder_layered_costs, decoder_model_flops, derive_decoder
-from stp.costmodel.mllm import MLLMSpec
-from stp.costmodel.mllm_costs import (
+from stp.costmodel.decoder.costs import decoder_layered_costs, decoder_model_flops, derive_decoder
+from stp.costmodel.mllm.spec import MLLMSpec
+from stp.costmodel.mllm.costs import (
     check_mllm_partition,
     derive_mllm,
     mllm_layered_costs,
     mllm_model_flops,
 )
-from stp.costmodel.model import ModelSpec
-from stp.costmodel.moe import MoESpec
+from stp.costmodel.decoder.spec import ModelSpec
+from stp.costmodel.moe.spec import MoESpec
 
 __all__ = ["SpecCosts", "costs_of", "model_flops"]
 

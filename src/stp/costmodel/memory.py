@@ -29,7 +29,7 @@ on the first stage, the final norm and output layer on the last):
     activations  the simulator's peak of resident activations on the rank
                  (`stp.sim.simulate` under the model's per-stage costs, so
                  the schedule, offload, recomputation and sequence
-                 parallelism count; `stp.costmodel.model` for the per-layer
+                 parallelism count; `stp.costmodel.decoder.spec` for the per-layer
                  formulas), in bytes; scaled by dtype bytes / 2, the
                  formulas being for 16-bit activations.
     buffers      point-to-point receive buffers: one activation and one
@@ -47,7 +47,7 @@ on the first stage, the final norm and output layer on the last):
                  nor is the allocator's fragmentation or the CUDA context.
 
 A multimodal model (`stp.costmodel.mllm.MLLMSpec`) is priced the same way with
-its own parts (`_estimate_mllm`, stp.costmodel.mllm_memory): the vision encoder,
+its own parts (`_estimate_mllm`, stp.costmodel.mllm.memory): the vision encoder,
 merger and patch embedding's parameters on the stages that hold them, and what
 their units keep (`stp`) or Korthikanti's formulas over the patches (`megatron`);
 the buffers are those of the decoder-wide packed stream.
@@ -58,8 +58,8 @@ stp.costmodel.dp_copies (`RankMemory.copies`, `dp_copies` in `stp memory
 runs of benchmarks/results/memory.md).
 
 Whose activations (`Features.runtime`): `megatron`, Korthikanti's counting
-(`stp.costmodel.model`; `stp memory --model`), or `stp`, what stp's own
-decoder units keep (`stp.costmodel.kept`, a census of the runtime's saved
+(`stp.costmodel.decoder.spec`; `stp memory --model`), or `stp`, what stp's own
+decoder units keep (`stp.costmodel.decoder.kept`, a census of the runtime's saved
 tensors; the estimate of a `stp train` run, `stp.train.run.memory_check`). The
 two differ: torch's scaled_dot_product_attention keeps no s x s scores, but
 stp's units keep the rotated q and k, each unit's output before its
@@ -80,10 +80,10 @@ import math
 from dataclasses import replace
 
 from stp.costmodel.configs import spec_from_config
-from stp.costmodel.decoder_costs import Derived, derive_decoder, edge_costs
+from stp.costmodel.decoder.costs import Derived, derive_decoder, edge_costs
 from stp.costmodel.dp_copies import copies_over_peak, reduction_copies
 from stp.costmodel.hardware import HardwareSpec
-from stp.costmodel.kept import Kept, stp_kept
+from stp.costmodel.decoder.kept import Kept, stp_kept
 from stp.costmodel.memory_types import (
     CATEGORIES,
     DTYPE_BYTES,
@@ -92,11 +92,11 @@ from stp.costmodel.memory_types import (
     MemoryEstimate,
     RankMemory,
 )
-from stp.costmodel.mllm import MLLMSpec
-from stp.costmodel.mllm_costs import derive_mllm, mllm_layered_costs
-from stp.costmodel.mllm_memory import mllm_decoder_spec, mllm_stage_parameters, mllm_stp_table
-from stp.costmodel.model import ModelSpec, decoder_only
-from stp.costmodel.moe import MoESpec, router_parameters
+from stp.costmodel.mllm.spec import MLLMSpec
+from stp.costmodel.mllm.costs import derive_mllm, mllm_layered_costs
+from stp.costmodel.mllm.memory import mllm_decoder_spec, mllm_stage_parameters, mllm_stp_table
+from stp.costmodel.decoder.spec import ModelSpec, decoder_only
+from stp.costmodel.moe.spec import MoESpec, router_parameters
 from stp.costmodel.stages import layered_costs
 from stp.schedule.ir import Kind, Schedule, passes_of
 from stp.schedule.registry import generate
@@ -263,8 +263,8 @@ def _the_schedule(layout: Layout, schedule: Schedule | None) -> Schedule:
 def _estimate_mllm(spec: MLLMSpec, hardware: HardwareSpec, layout: Layout, features: Features,
                    schedule: Schedule | None) -> tuple[MemoryEstimate, SimResult]:
     """`estimate_run` for a multimodal model: its parameters per stage and, under the
-    `stp` runtime, what its units keep (stp.costmodel.mllm_memory); under `megatron`
-    Qwen2-VL's encoder and Korthikanti's bytes (stp.costmodel.mllm_costs). The
+    `stp` runtime, what its units keep (stp.costmodel.mllm.memory); under `megatron`
+    Qwen2-VL's encoder and Korthikanti's bytes (stp.costmodel.mllm.costs). The
     layout's seq_len is the text tokens of a sample (the decoder sees the image
     tokens too); the buffers are those of the decoder-wide packed stream."""
     if layout.ep not in (None, 1):
@@ -288,7 +288,7 @@ def _estimate_mllm(spec: MLLMSpec, hardware: HardwareSpec, layout: Layout, featu
             recompute=features.recompute)
         if sp:
             notes.append("with sequence parallelism the vision encoder's kept bytes are "
-                         "derived, not census-checked (stp.costmodel.mllm_memory)")
+                         "derived, not census-checked (stp.costmodel.mllm.memory)")
     else:
         derived = derive_mllm(spec, hardware, layout.pp)
         table = mllm_layered_costs(spec, hardware, layout.pp, derived.costs,
@@ -332,7 +332,7 @@ def _with_ep(model: ModelSpec, layout: Layout) -> tuple[ModelSpec, str | None]:
 
 def _stp_table(spec: ModelSpec, hardware: HardwareSpec, pp: int, derived: Derived, dtype: str,
                sch: Schedule, counts: tuple[int, ...]) -> tuple[StageCosts, MemCosts, float]:
-    """The stage table with stp's own units' kept bytes (stp.costmodel.kept), the
+    """The stage table with stp's own units' kept bytes (stp.costmodel.decoder.kept), the
     memory costs and the bytes of one unit (one rank's share of layers). At one TP
     rank a microbatch whose backward is a full BW keeps more than one whose W is
     deferred; a stage's bytes are the two mixed in the proportion of its backwards."""
@@ -424,7 +424,7 @@ def _assemble(spec: ModelSpec, res: SimResult, act_scale: float, features: Featu
     splits = any(p.kind is Kind.W for acts in sch.actions for a in acts for p in passes_of(a))
     if spec.recompute == "full" and splits and features.runtime != "stp":
         notes.append(f"{sch.name} defers W: full recomputation's inputs kept for a "
-                     "deferred W are not counted (stp.costmodel.model)")
+                     "deferred W are not counted (stp.costmodel.decoder.spec)")
     return MemoryEstimate(tuple(ranks), layout, features, tuple(notes), res.makespan)
 
 

@@ -55,8 +55,8 @@ A100 / A800 80 GB, 81559 MiB on the H100 80 GB.
 from __future__ import annotations
 
 from stp.costmodel.hardware import HardwareSpec
-from stp.costmodel.model import ModelSpec
-from stp.costmodel.moe import MoESpec
+from stp.costmodel.decoder.spec import ModelSpec
+from stp.costmodel.moe.spec import MoESpec
 
 __all__ = [
     "MODELS",

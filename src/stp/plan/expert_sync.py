@@ -24,8 +24,8 @@ from dataclasses import replace
 
 from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.memory import MemoryEstimate, rank_parameters
-from stp.costmodel.model import ModelSpec
-from stp.costmodel.moe import MoESpec
+from stp.costmodel.decoder.spec import ModelSpec
+from stp.costmodel.moe.spec import MoESpec
 from stp.sim.result import SimResult
 
 __all__ = ["expert_parameters", "group_seconds", "rank_experts"]

@@ -34,11 +34,11 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import lru_cache
 
-from stp.costmodel.decoder_costs import derive_decoder
+from stp.costmodel.decoder.costs import derive_decoder
 from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.memory import DTYPE_BYTES, rank_parameters
-from stp.costmodel.model import ModelSpec
-from stp.costmodel.moe import MoESpec
+from stp.costmodel.decoder.spec import ModelSpec
+from stp.costmodel.moe.spec import MoESpec
 from stp.plan.price import (
     Priced,
     exact_memory_bound,

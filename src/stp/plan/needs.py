@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from stp.costmodel.memory import format_bytes
-from stp.costmodel.moe import MoESpec
+from stp.costmodel.moe.spec import MoESpec
 from stp.plan.experts import bound_memory
 from stp.plan.request import MAX_GPUS, PlanRequest
 from stp.plan.space import Config, levers_for, meshes, microbatchings, schedules_for

@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from stp.costmodel.decoder_costs import decoder_model_flops, derive_decoder
+from stp.costmodel.decoder.costs import decoder_model_flops, derive_decoder
 from stp.costmodel.hardware import (
     HardwareSpec,
     allgather_time,
@@ -57,8 +57,8 @@ from stp.costmodel.memory import (
     simulate_run,
     states_bound,
 )
-from stp.costmodel.model import ModelSpec, num_parameters
-from stp.costmodel.moe import MoESpec
+from stp.costmodel.decoder.spec import ModelSpec, num_parameters
+from stp.costmodel.moe.spec import MoESpec
 from stp.plan.expert_sync import expert_parameters, group_seconds, rank_experts
 from stp.plan.space import Config
 from stp.schedule.ir import Schedule

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stp.costmodel.hardware import HardwareSpec
-from stp.costmodel.model import ModelSpec
-from stp.costmodel.moe import MoESpec
+from stp.costmodel.decoder.spec import ModelSpec
+from stp.costmodel.moe.spec import MoESpec
 
 __all__ = ["PlanRequest", "MAX_GPUS", "MAX_GLOBAL_BATCH", "MAX_SEQ_LEN"]
 

@@ -7,7 +7,7 @@ recomputation, activation offload). A mesh is kept when
 
 * tp divides the node (`--gpus-per-node`: TP stays on the fast link), the
   model's heads, and divides or is a multiple of its key/value heads (each
-  TP rank holds whole heads, `stp.costmodel.model.ModelSpec`);
+  TP rank holds whole heads, `stp.costmodel.decoder.spec.ModelSpec`);
 * dp divides the global batch (every replica gets whole sequences);
 * some schedule's stages fit in the model's layers (one layer per stage at
   least);
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from stp.costmodel.memory import Features
-from stp.costmodel.model import ModelSpec
-from stp.costmodel.moe import MoESpec
+from stp.costmodel.decoder.spec import ModelSpec
+from stp.costmodel.moe.spec import MoESpec
 from stp.plan.request import PlanRequest
 from stp.schedule.registry import SCHEDULES, generate
 

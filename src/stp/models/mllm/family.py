@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from stp.costmodel.mllm import MLLMSpec
+from stp.costmodel.mllm.spec import MLLMSpec
 from stp.models.decoder.init import count_parameters
 from stp.models.decoder.shared_grads import SharedGrads
 from stp.models.family import StageBuilder

@@ -4,7 +4,7 @@ The estimate is the cost model's (`stp.costmodel.memory.estimate`: weights,
 gradients, masters, optimizer state, the simulator's peak activations for the
 run's schedule, partition, offload, recomputation and sequence parallelism,
 buffers) for the run's own model, mesh, batch and dtype, with the activations
-stp's own decoder units keep (`stp.costmodel.kept`): `run_estimate`, the one
+stp's own decoder units keep (`stp.costmodel.decoder.kept`): `run_estimate`, the one
 function `stp train` and `stp memory` (given a train command line) both call.
 
 - `--memory-budget SIZE`: the peak rank's total must fit SIZE (one device).
@@ -17,7 +17,7 @@ Emulated stages are not checked; a mixture of experts is priced with its
 routed copies and router (`stp.costmodel.moe`) at the job's `ep` (1 where
 `stp train` has no `--ep`); the multimodal model (`--arch mllm`) through its
 family's cost spec, with what its encoder's and decoder's units keep
-(`stp.costmodel.mllm_memory`).
+(`stp.costmodel.mllm.memory`).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ as its row-parallel matrix keeps it for W, likewise (`b S h w` or `P h_v w`).
                        B to W   b S h w + P h_v (c + 2w + 2w / t)
     input unit         F to B   P pd w / t + 9 b T + X + P h_v (c + w) + P c
                        B to W   P pd w / t + X + G + 8 b T / t + b T h w / t + P h_v c
-    decoder layer, loss head   `stp.costmodel.kept` over the S positions, with
+    decoder layer, loss head   `stp.costmodel.decoder.kept` over the S positions, with
                        two graphs per unit at every t (its t > 1 terms: the
                        multimodal stage does not fuse a layer at t = 1)
 
@@ -54,12 +54,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from stp.costmodel.decoder_costs import Derived
+from stp.costmodel.decoder.costs import Derived
 from stp.costmodel.hardware import HardwareSpec
-from stp.costmodel.kept import stp_kept
-from stp.costmodel.mllm import CHANNELS, FRAMES_PER_PATCH, MLLMSpec
-from stp.costmodel.mllm_costs import derive_mllm, mllm_layered_costs
-from stp.costmodel.model import ModelSpec
+from stp.costmodel.decoder.kept import stp_kept
+from stp.costmodel.mllm.spec import CHANNELS, FRAMES_PER_PATCH, MLLMSpec
+from stp.costmodel.mllm.costs import derive_mllm, mllm_layered_costs
+from stp.costmodel.decoder.spec import ModelSpec
 from stp.sim.costs import MemCosts
 from stp.sim.stages import StageCost, StageCosts
 

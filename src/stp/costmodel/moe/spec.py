@@ -6,7 +6,7 @@ by a router over `experts` SwiGLU experts of width `expert_ffn`, each token
 going to its `top_k`, plus an optional shared expert of width
 `shared_expert_ffn` with its sigmoid gate (Qwen2-MoE, "Qwen2 Technical
 Report", arXiv 2407.10671; Mixtral, "Mixtral of Experts", arXiv
-2401.04088). The decoder's formulas (`stp.costmodel.model`) read the MLP
+2401.04088). The decoder's formulas (`stp.costmodel.decoder.spec`) read the MLP
 through three hooks, each a mean over the model's layers:
 
     mlp_width      what a token computes: k x expert_ffn + shared_expert_ffn
@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from stp.costmodel.hardware import HardwareSpec
-from stp.costmodel.model import ModelSpec
+from stp.costmodel.decoder.spec import ModelSpec
 
 __all__ = ["MoESpec", "a2a_bytes", "a2a_time", "active_parameters", "layer_a2a_time",
            "router_parameters"]

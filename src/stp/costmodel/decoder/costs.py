@@ -6,7 +6,7 @@ One rank's share (`derive_decoder`): what one rank does for one microbatch
 (its share: `L = layers / pp` transformer layers, all of its chunks together;
 `stp.sim.costs`):
 
-    f, b, w   L x (F, B, W FLOPs of a layer, `stp.costmodel.model`) / achieved FLOP/s
+    f, b, w   L x (F, B, W FLOPs of a layer, `stp.costmodel.decoder.spec`) / achieved FLOP/s
     ar        L x 2 all-reduces of the layer output (s b h 16-bit values) in one
               F pass (Megatron-LM TP: after attention and after the MLP; B has the
               same two on the input gradients; Shoeybi et al. 2019, section 3)
@@ -34,7 +34,7 @@ Per-stage costs (`edge_costs`, `decoder_layered_costs`): the embedding on
 the first stage, the output layer and the loss on the last, every layer on
 the stage that holds it. What the first and last stages add to their layers, one microbatch, one TP
 rank (`s` sequence, `b` microbatch size, `h` hidden, `V` vocabulary, `t`
-TP size; FLOPs count matmuls, 2 per multiply-add, as `stp.costmodel.model`):
+TP size; FLOPs count matmuls, 2 per multiply-add, as `stp.costmodel.decoder.spec`):
 
     embedding   F: a row lookup, no matmul; the vocab-parallel lookup ends in
                    one all-reduce of the s b h output (Megatron-LM, Shoeybi
@@ -69,8 +69,8 @@ from stp.costmodel.hardware import (
     p2p_time,
     reduce_scatter_time,
 )
-from stp.costmodel.model import ModelSpec, layer_activation_bytes, layer_flops
-from stp.costmodel.moe import layer_a2a_time
+from stp.costmodel.decoder.spec import ModelSpec, layer_activation_bytes, layer_flops
+from stp.costmodel.moe.spec import layer_a2a_time
 from stp.schedule.memory import MemCosts
 from stp.sim.costs import Costs
 from stp.sim.layered import LayeredCosts

@@ -1,6 +1,6 @@
 """What stp's own decoder units keep for their backward: a census, in bytes.
 
-`stp.costmodel.model`'s activation formulas are Korthikanti et al.'s
+`stp.costmodel.decoder.spec`'s activation formulas are Korthikanti et al.'s
 counting ("Reducing Activation Recomputation in Large Transformer Models",
 arXiv 2205.05198) for a Megatron-style layer. stp's runtime
 (`stp.models.decoder.units`, torch's scaled_dot_product_attention) keeps
@@ -70,7 +70,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stp.costmodel.model import ModelSpec
+from stp.costmodel.decoder.spec import ModelSpec
 
 __all__ = ["Kept", "stp_kept"]
 
@@ -120,7 +120,7 @@ def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False, *,
     at t = 1 autograd computes the weight gradients and the norms keep float32
     values for them; a schedule that defers W taps the linears instead.
     `two_graphs`: every unit keeps two graphs even at t = 1, as the t > 1 terms
-    count (the multimodal stage's decoder units, stp.costmodel.mllm_memory: the
+    count (the multimodal stage's decoder units, stp.costmodel.mllm.memory: the
     t > 1 terms reproduce its census at t = 1 to the byte)."""
     # f: the width a token computes (a mixture of experts: its top-k and shared experts)
     h, f, a, t, v = spec.hidden, spec.mlp_width, spec.heads, spec.tp, spec.vocab
