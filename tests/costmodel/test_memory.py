@@ -122,8 +122,8 @@ def test_a_run_config_is_estimated_as_its_spec():
     # a multimodal spec is estimated too (stp.costmodel.mllm.memory): its TP shards
     # hold the encoder, merger and decoder's weights (norm gains aside)
     from stp.costmodel import MLLM_MODELS
-    from stp.costmodel.mllm.spec import decoder_view, vision_parameters
     from stp.costmodel.decoder.spec import num_parameters
+    from stp.costmodel.mllm.spec import decoder_view, vision_parameters
 
     mllm = replace(next(iter(MLLM_MODELS.values())), tp=1)
     held = sum(r.parameters for r in estimate(mllm, HW, LAYOUT).ranks) * LAYOUT.tp

@@ -9,6 +9,7 @@ import pytest
 
 from stp.cli.main import main
 from stp.costmodel import derive, parse_hardware, parse_model
+from stp.costmodel.mllm.costs import mllm_layered_costs
 from stp.costmodel.mllm.spec import (
     MLLM_MODELS,
     MLLMSpec,
@@ -16,7 +17,6 @@ from stp.costmodel.mllm.spec import (
     vision_layer_flops,
     vision_parameters,
 )
-from stp.costmodel.mllm.costs import mllm_layered_costs
 
 HW = parse_hardware("a800-80g")
 

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from stp.costmodel import HARDWARE
-from stp.costmodel.memory import Features, Layout, estimate_run
 from stp.costmodel.decoder.spec import ModelSpec
+from stp.costmodel.memory import Features, Layout, estimate_run
 from stp.costmodel.moe.spec import MoESpec
 from stp.plan import PlanRequest
 from stp.plan.experts import bound_exact, priced

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import fields, replace
 
 from stp.costmodel.decoder.costs import Derived
+from stp.costmodel.decoder.spec import ModelSpec
 from stp.costmodel.families import costs_of
 from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.mllm.spec import MLLM_MODELS, MLLMSpec
-from stp.costmodel.decoder.spec import ModelSpec
 from stp.costmodel.presets import HARDWARE, MODELS
 
 __all__ = ["Derived", "derive", "parse_model", "parse_hardware"]

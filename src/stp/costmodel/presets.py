@@ -54,8 +54,8 @@ A100 / A800 80 GB, 81559 MiB on the H100 80 GB.
 
 from __future__ import annotations
 
-from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.decoder.spec import ModelSpec
+from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.moe.spec import MoESpec
 
 __all__ = [

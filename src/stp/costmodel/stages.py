@@ -7,10 +7,10 @@ decoder, stp.costmodel.mllm.costs).
 from __future__ import annotations
 
 from stp.costmodel.decoder.costs import edge_costs, head_flops
+from stp.costmodel.decoder.spec import ModelSpec
 from stp.costmodel.families import costs_of
 from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.mllm.spec import MLLMSpec
-from stp.costmodel.decoder.spec import ModelSpec
 from stp.schedule.memory import MemCosts
 from stp.sim.costs import Costs
 from stp.sim.layered import LayeredCosts

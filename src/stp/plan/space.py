@@ -38,9 +38,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
-from stp.costmodel.memory import Features
 from stp.costmodel.decoder.spec import ModelSpec
-from stp.costmodel.moe.spec import MoESpec
+from stp.costmodel.memory import Features
 from stp.plan.request import PlanRequest
 from stp.schedule.registry import SCHEDULES, generate
 
@@ -115,9 +114,10 @@ def ep_options(request: PlanRequest, dp: int) -> list[int]:
     model; for a mixture of experts every divisor of dp that divides its experts
     (only those of `request.ep` when given)."""
     model = request.model
-    if not isinstance(model, MoESpec):
+    if not model.has_experts:
         return [1]
-    return [ep for ep in _divisors(dp) if model.experts % ep == 0
+    sizes = model.ep_sizes()
+    return [ep for ep in _divisors(dp) if ep in sizes
             and (request.ep is None or ep in request.ep)]
 
 

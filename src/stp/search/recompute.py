@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from stp.costmodel.decoder.costs import derive_decoder
-from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.decoder.spec import RECOMPUTE_MODES, ModelSpec
+from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.stages import layered_costs
 from stp.schedule.memory import MemCosts
 from stp.search.entry import SearchResult, search

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from stp.costmodel.decoder.spec import ModelSpec, layer_activation_bytes, layer_flops
 from stp.costmodel.hardware import (
     HardwareSpec,
     allgather_time,
@@ -69,8 +70,6 @@ from stp.costmodel.hardware import (
     p2p_time,
     reduce_scatter_time,
 )
-from stp.costmodel.decoder.spec import ModelSpec, layer_activation_bytes, layer_flops
-from stp.costmodel.moe.spec import layer_a2a_time
 from stp.schedule.memory import MemCosts
 from stp.sim.costs import Costs
 from stp.sim.layered import LayeredCosts
@@ -138,7 +137,7 @@ def derive_decoder(model: ModelSpec, hardware: HardwareSpec, pp: int) -> Derived
     comm = p2p_time(sent, hardware.pp_bandwidth, hardware.pp_latency)
     m_b, m_w = layer_activation_bytes(model)
     unit = m_b * per_rank
-    a2a = per_rank * layer_a2a_time(model, hardware)  # expert parallelism (costmodel.moe)
+    a2a = per_rank * model.layer_a2a_time(hardware)  # expert parallelism (costmodel.moe)
     costs = Costs(f=f_fl * ms, b=b_fl * ms, w=w_fl * ms, ar=ar * 1e3, comm=comm * 1e3,
                   ag=gather * 1e3, rs=scatter * 1e3, a2a=a2a * 1e3)
     lm_head = 2.0 * s * b * h * model.vocab / t * ms

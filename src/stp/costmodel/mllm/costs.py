@@ -36,6 +36,7 @@ from stp.costmodel.decoder.costs import (
     edge_costs,
     head_flops,
 )
+from stp.costmodel.decoder.spec import layer_activation_bytes, layer_flops
 from stp.costmodel.hardware import HardwareSpec, allreduce_time, p2p_time
 from stp.costmodel.mllm.spec import (
     MLLMSpec,
@@ -45,7 +46,6 @@ from stp.costmodel.mllm.spec import (
     vision_layer_bytes,
     vision_layer_flops,
 )
-from stp.costmodel.decoder.spec import layer_activation_bytes, layer_flops
 from stp.schedule.memory import MemCosts
 from stp.sim.costs import Costs
 from stp.sim.layered import LayeredCosts
