@@ -199,7 +199,8 @@ def test_overlapped_copies_are_held_from_their_stage_final():
     the overlap its copy is held under stage 0's last backwards, counted in buffers
     as what it adds to the activations' peak (to the byte); off, every copy comes
     after the drain."""
-    from stp.costmodel.memory import estimate_run, rank_parameters
+    from stp.costmodel.decoder.memory import rank_parameters
+    from stp.costmodel.memory import estimate_run
 
     spec = replace(SPEC, vocab=16384, sequence=128)  # float32's activations twice bf16's
     layout = replace(LAYOUT, dp=4, seq_len=128)

@@ -57,7 +57,8 @@ def check_budget(args: argparse.Namespace, res: SimResult) -> None:
     if budget is None:
         return
     from stp.costmodel.budget import over_budget
-    from stp.costmodel.memory import Features, memory_of_run
+    from stp.costmodel.decoder.memory import memory_of_run
+    from stp.costmodel.memory import Features
 
     spec, unit = _spec_and_unit(args, res.schedule.num_ranks)
     feats = Features(sequence_parallel=spec.sequence_parallel,  # type: ignore[attr-defined]
