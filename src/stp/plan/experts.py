@@ -9,7 +9,7 @@ the simulator runs two all-to-alls per MoE layer in F and B (hidden by the
 braid, exposed in a pass on its own); the DP sync syncs the experts over dp /
 ep (`stp.plan.expert_sync`). The EP group's peers inside a node (`--gpus-per-
 node`) are reached over NVLink, the rest over the network
-(`stp.costmodel.moe.a2a_time`): the hardware's `node_gpus` is the request's.
+(`stp.costmodel.moe.spec.a2a_time`): the hardware's `node_gpus` is the request's.
 
 Both bounds the planner prunes by (`stp.plan.price`) stay bounds for a
 mixture of experts, and get tighter here, since ep multiplies the

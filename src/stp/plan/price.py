@@ -248,7 +248,7 @@ def price(model: ModelSpec, hardware: HardwareSpec, config: Config, seq_len: int
 def exact_memory_bound(model: ModelSpec, hardware: HardwareSpec, config: Config,
                        seq_len: int) -> float | None:
     """Bytes the fullest rank of `config` holds at least, found without
-    simulating and nearly exact: `stp.costmodel.memory.states_bound` (the
+    simulating and nearly exact: `stp.costmodel.decoder.memory.states_bound` (the
     estimate's states, buffers and program-order activation peak; only the
     gradient copies over the peak are left out). None with offload."""
     mesh = config.mesh

@@ -148,7 +148,7 @@ class ModelSpec:
 
     # What a layer's MLP is, as the formulas below read it. A dense MLP: one
     # input of h values per token, a hidden layer of f. A mixture of experts
-    # (stp.costmodel.moe.MoESpec) overrides these with its routed copies.
+    # (stp.costmodel.moe.spec.MoESpec) overrides these with its routed copies.
 
     @property
     def mlp_width(self) -> float:
