@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 from stp.costmodel.decoder.spec import ModelSpec
 from stp.shapes import ModelConfig
@@ -33,7 +34,7 @@ def decoder_spec_from_config(config: ModelConfig, *, seq_len: int, microbatch_si
                      flash_attention=flash_attention, dropout=False, name="config")
 
 
-def spec_fields(spec: ModelSpec) -> dict[str, object]:
+def spec_fields(spec: ModelSpec) -> dict[str, Any]:
     """The decoder fields of `spec`, to build a spec of a family built on it."""
     return {f.name: getattr(spec, f.name) for f in dataclasses.fields(ModelSpec)}
 
@@ -41,7 +42,7 @@ def spec_fields(spec: ModelSpec) -> dict[str, object]:
 def decoder_spec_from_hf_json(obj: Mapping, where: str) -> ModelSpec:
     """A decoder spec from the decoder fields of a parsed config.json (Llama, Qwen2 and
     any model with their field names); ValueError naming the file and field."""
-    vals: dict[str, int] = {}
+    vals: dict[str, Any] = {}
     for key, field in (*HF_FIELDS, ("num_key_value_heads", "kv_heads")):
         raw = obj.get(key, obj.get("num_attention_heads") if field == "kv_heads" else None)
         if isinstance(raw, bool) or not isinstance(raw, int) or not 1 <= raw <= 1 << 24:

@@ -4,6 +4,7 @@ Qwen2-MoE or Mixtral config.json (transformers' names), on top of the decoder's.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from stp.costmodel.decoder.configs import decoder_spec_from_config, spec_fields
 from stp.costmodel.decoder.spec import ModelSpec
@@ -37,7 +38,7 @@ def moe_spec_from_hf_json(obj: Mapping, base: ModelSpec, where: str) -> MoESpec:
               ("moe_intermediate_size", "expert_ffn"),
               ("shared_expert_intermediate_size", "shared_expert_ffn"),
               ("decoder_sparse_step", "moe_every")))
-    vals: dict[str, int] = {}
+    vals: dict[str, Any] = {}
     for key, field in names:
         raw = obj.get(key, 0 if field == "shared_expert_ffn" else 1 if field == "moe_every"
                       else None)
