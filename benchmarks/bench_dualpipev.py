@@ -33,7 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from stp.costmodel import HARDWARE, derive, parse_hardware, parse_model
-from stp.costmodel.mllm_costs import mllm_layered_costs
+from stp.costmodel.mllm.costs import mllm_layered_costs
 from stp.files import write_text_atomic
 from stp.schedule import Block, Schedule, generate
 from stp.search.partition import auto_partition

@@ -9,7 +9,7 @@ Three parts, each recorded under its key in the JSON (`--only` picks some):
            rank's shard: `build_stage(..., tp_size=t, tp_rank=0)` with an identity
            all-reduce, so the FLOPs are exactly one rank's), timed with CUDA events
            (median of `--repeat`), against the cost model's prediction for the same
-           layer on `h100-80g` (`stp.costmodel.decoder_costs.derive_decoder`). The
+           layer on `h100-80g` (`stp.costmodel.decoder.costs.derive_decoder`). The
            achieved fraction of the 989 TFLOP/s bf16 peak is what `stp plan` takes as
            the hardware's `efficiency` (0.5 assumed); this measures it for stp's own
            layer code, independently of any published MFU.
@@ -67,8 +67,8 @@ from dataclasses import replace
 import torch
 
 from stp.bench.single_device import SIDES, SingleSpec, count_sides, counts_with_ratios, time_sides
-from stp.costmodel.decoder_costs import derive_decoder
-from stp.costmodel.model import layer_flops
+from stp.costmodel.decoder.costs import derive_decoder
+from stp.costmodel.decoder.spec import layer_flops
 from stp.costmodel.presets import HARDWARE, MODELS
 from stp.models import ModelConfig, build_stage
 

@@ -43,7 +43,7 @@ its rows were measured)."""
 
 MLLM = ["--arch", "mllm", "--vision-hidden", "64", "--vision-heads", "4"]
 """The multimodal model on the same decoder: merge**2 x the encoder width is the decoder's
-(its units' image rows are views of the packed stream, stp.costmodel.mllm_memory); the
+(its units' image rows are views of the packed stream, stp.costmodel.mllm.memory); the
 `-narrow` rows keep the default encoder width 16 (the rows are copies)."""
 
 CONFIGS: dict[str, list[str]] = {

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from stp.costmodel import derive, parse_hardware, parse_model
-from stp.costmodel.mllm_costs import mllm_layered_costs
+from stp.costmodel.mllm.costs import mllm_layered_costs
 from stp.files import write_text_atomic
 from stp.schedule import generate
 from stp.search.partition import auto_partition

@@ -37,8 +37,8 @@ import tempfile
 from dataclasses import replace
 
 from stp.cli.plan import local_hardware
-from stp.costmodel.decoder_costs import derive_decoder
-from stp.costmodel.model import ModelSpec, layer_flops
+from stp.costmodel.decoder.costs import derive_decoder
+from stp.costmodel.decoder.spec import ModelSpec, layer_flops
 from stp.plan import PlanRequest, plan
 from stp.plan.price import Priced, spec_for
 from stp.plan.report import schedule_file

@@ -10,7 +10,7 @@ stp.runtime.offload) next to `stp.costmodel.memory.estimate`'s activation peak
 for that pipeline rank with the same Features (dtype, recompute; flash
 attention, as the runtime's F.scaled_dot_product_attention is on the CPU too).
 The ratio column is measured / estimated; the last two columns are the estimate
-with what stp's own units keep (`Features(runtime="stp")`, stp.costmodel.kept:
+with what stp's own units keep (`Features(runtime="stp")`, stp.costmodel.decoder.kept:
 what `stp memory` gives a `stp train` run) and measured / that.
 
     python3 benchmarks/bench_recompute.py [--pp 2] [--tp 2] [--schedule stp] \
@@ -58,7 +58,7 @@ def _measure(args: argparse.Namespace) -> dict[str, int]:
 def _estimates(args: argparse.Namespace, runtime: str = "megatron") -> dict[str, list[float]]:
     """The cost model's activation peak of every pipeline rank, per mode: with
     Korthikanti's per-layer counting (`megatron`) or what stp's own units keep
-    (`stp`, stp.costmodel.kept: the estimate `stp memory` gives a `stp train` run)."""
+    (`stp`, stp.costmodel.decoder.kept: the estimate `stp memory` gives a `stp train` run)."""
     from stp.costmodel import HARDWARE
     from stp.costmodel.configs import spec_from_config
     from stp.costmodel.memory import Features, Layout, estimate

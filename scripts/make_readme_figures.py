@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from stp.costmodel import derive, parse_hardware, parse_model
-from stp.costmodel.mllm_costs import mllm_layered_costs
+from stp.costmodel.mllm.costs import mllm_layered_costs
 from stp.schedule import generate
 from stp.schedule.registry import SCHEDULES
 from stp.search.partition import auto_partition

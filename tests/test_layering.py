@@ -9,6 +9,7 @@ classes (stp.models.family is the seam).
 """
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -224,3 +225,107 @@ def test_every_package_has_a_row():
 def test_the_check_sees_a_forbidden_import(layer, forbidden):
     """Negative control: the table refuses the arrows the issue names."""
     assert _layer_of(forbidden) not in ALLOWED[layer]
+
+
+# The family seam on the pricing side: the shared cost model, the planner and the
+# CLI ask a family's row (stp.costmodel.families) or its spec's methods; only a
+# family's own package may test its classes or probe for what it has.
+SEAM_SCANNED = ["costmodel", "plan", "cli", "train/run/memory_check.py"]
+"""Packages and files (under src/stp) held to the seam; other checks may add theirs."""
+PROBED_NAMES = re.compile(r"^(?:\w+_)?(?:stage|spec|config|cfg|job|family|model|decoder)s?$")
+"""What a probed object is called: a stage, spec, config, job or family (argparse
+namespaces, exceptions and records are not concerned)."""
+
+
+def _family_packages() -> set[Path]:
+    """Each family's own packages: stp.models.<family> and stp.costmodel.<family>."""
+    return {p for base in ("models", "costmodel") for p in (SRC / base).iterdir()
+            if (p / "__init__.py").exists()}
+
+
+def _family_class_names() -> set[str]:
+    """The classes of the families' configs (stp.shapes), cost specs and stages."""
+    files = [*(SRC / "shapes").glob("*.py"),
+             *(p / "spec.py" for p in _family_packages() if p.parent.name == "costmodel"),
+             *(f for p in _family_packages() if p.parent.name == "models"
+               for f in p.glob("stage*.py"))]
+    return {node.name for f in files if f.exists()
+            for node in ast.walk(ast.parse(f.read_text(), str(f)))
+            if isinstance(node, ast.ClassDef)}
+
+
+def _name_of(node: ast.AST) -> str | None:
+    return getattr(node, "id", getattr(node, "attr", None))
+
+
+def _class_names_in(node: ast.AST) -> set[str]:
+    """The names a class argument spells: `A`, `m.A`, `(A, B)`, `A | B`."""
+    if isinstance(node, ast.Tuple):
+        return set().union(*(_class_names_in(e) for e in node.elts))
+    if isinstance(node, ast.BinOp):
+        return _class_names_in(node.left) | _class_names_in(node.right)
+    name = _name_of(node)
+    return {name} if name else set()
+
+
+def _seam_breaks(path: Path, classes: set[str]) -> list[str]:
+    """Class tests on `classes` (isinstance, issubclass, `type(x) is/==/in`) and
+    capability probes (getattr/hasattr of a constant name on a stage, spec, config,
+    job or family) in one file."""
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and _name_of(node.func) in ("isinstance", "issubclass"):
+            hit = _class_names_in(node.args[1]) & classes if len(node.args) > 1 else set()
+            if hit:
+                bad.append(f"{path}:{node.lineno}: {_name_of(node.func)} on {sorted(hit)}")
+        elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Call) \
+                and _name_of(node.left.func) == "type":
+            hit = set().union(*(_class_names_in(c) for c in node.comparators)) & classes
+            if hit:
+                bad.append(f"{path}:{node.lineno}: type() compared with {sorted(hit)}")
+        elif isinstance(node, ast.Call) and _name_of(node.func) in ("getattr", "hasattr") \
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str) \
+                and PROBED_NAMES.match(_name_of(node.args[0]) or ""):
+            bad.append(f"{path}:{node.lineno}: probes {_name_of(node.args[0])} for "
+                       f"{node.args[1].value!r}")
+    return bad
+
+
+def _seam_files(scanned: list[str]) -> list[Path]:
+    """The .py files of `scanned`, less those inside a family's own package."""
+    own = _family_packages()
+    out = []
+    for entry in scanned:
+        target = SRC / entry
+        for path in sorted(target.rglob("*.py")) if target.is_dir() else [target]:
+            if not any(pkg in path.parents for pkg in own):
+                out.append(path)
+    return out
+
+
+def test_the_pricing_side_asks_the_families():
+    classes = _family_class_names()
+    files = _seam_files(SEAM_SCANNED)
+    assert len(files) > 20 and {"ModelSpec", "MoESpec", "MLLMConfig", "MoEStage"} <= classes
+    assert [b for f in files for b in _seam_breaks(f, classes)] == []
+
+
+def test_the_seam_check_sees_a_class_test_and_a_probe(tmp_path):
+    """Negative control: the forms the pricing side's seam replaced."""
+    src = tmp_path / "fork.py"
+    src.write_text("ep = spec.ep if isinstance(spec, MoESpec) else 1\n"
+                   "if isinstance(model, (int, mllm.MLLMSpec)):\n    pass\n"
+                   "if type(run.config) is MLLMConfig:\n    pass\n"
+                   "ep = getattr(job, 'ep', 1)\n"
+                   "moe = hasattr(run.config, 'num_experts')\n"
+                   "flag = getattr(args, 'ep', None)\n"  # argparse: not concerned
+                   "ok = isinstance(value, int)\n")
+    bad = _seam_breaks(src, _family_class_names())
+    assert len(bad) == 5, bad
+
+
+def test_the_seam_skips_only_the_families_own_packages():
+    files = _seam_files(["costmodel"])
+    assert SRC / "costmodel" / "memory.py" in files
+    assert not any("decoder" in f.relative_to(SRC).parts for f in files)

@@ -51,7 +51,7 @@ def test_the_dp_reductions_copies_are_measured_and_bounded():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["mllm-stp-tp2", "mllm-zb-v-narrow-bf16"])
 def test_the_multimodal_estimate_against_the_measurement(name):
-    """`--arch mllm` (stp.costmodel.mllm_memory): model states to the byte (AdamW's
+    """`--arch mllm` (stp.costmodel.mllm.memory): model states to the byte (AdamW's
     step counters aside), the total within 10% on every pipeline rank; at tp 2 with
     the encoder's image rows as views of the packed stream, and in bfloat16 with them
     as copies."""

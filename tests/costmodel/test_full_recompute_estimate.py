@@ -1,5 +1,5 @@
 """The estimate of a run with full recomputation and a deferred W prices what the
-runtime keeps between B and W (stp.costmodel.kept): B rebuilds each unit and
+runtime keeps between B and W (stp.costmodel.decoder.kept): B rebuilds each unit and
 leaves its deferred W the (x, dy) of every matrix, as without recomputation,
 many times the unit input F kept. On one stage running F, B, then W (zb-h1 at
 pp 1, one microbatch) the peak is therefore the B-to-W bytes of the census
@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from stp.costmodel import ModelSpec, parse_hardware
-from stp.costmodel.kept import stp_kept
+from stp.costmodel.decoder.kept import stp_kept
 from stp.costmodel.memory import DTYPE_BYTES, Features, Layout, estimate
 
 HW = parse_hardware("a100-80g")

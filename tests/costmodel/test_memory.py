@@ -8,7 +8,7 @@ import pytest
 from stp.costmodel import MODELS, ModelSpec, num_parameters, parse_hardware
 from stp.costmodel.budget import over_budget, parse_size
 from stp.costmodel.configs import spec_from_config, spec_from_hf_json
-from stp.costmodel.decoder_costs import derive_decoder
+from stp.costmodel.decoder.costs import derive_decoder
 from stp.costmodel.memory import Features, Layout, estimate
 from stp.shapes import ModelConfig
 
@@ -119,11 +119,11 @@ def test_a_run_config_is_estimated_as_its_spec():
     from_config = estimate(cfg, HW, LAYOUT)
     from_spec = estimate(replace(SPEC, dropout=False, flash_attention=True), HW, LAYOUT)
     assert from_config.to_json()["ranks"] == from_spec.to_json()["ranks"]
-    # a multimodal spec is estimated too (stp.costmodel.mllm_memory): its TP shards
+    # a multimodal spec is estimated too (stp.costmodel.mllm.memory): its TP shards
     # hold the encoder, merger and decoder's weights (norm gains aside)
     from stp.costmodel import MLLM_MODELS
-    from stp.costmodel.mllm import decoder_view, vision_parameters
-    from stp.costmodel.model import num_parameters
+    from stp.costmodel.decoder.spec import num_parameters
+    from stp.costmodel.mllm.spec import decoder_view, vision_parameters
 
     mllm = replace(next(iter(MLLM_MODELS.values())), tp=1)
     held = sum(r.parameters for r in estimate(mllm, HW, LAYOUT).ranks) * LAYOUT.tp
@@ -134,7 +134,7 @@ def test_a_run_config_is_estimated_as_its_spec():
 def test_dropout_masks_are_what_the_formula_adds():
     """Korthikanti's 10h replicated bytes hold two 1-byte masks (2h) and the
     5 a s^2 b scores term one mask (a s^2 b)."""
-    from stp.costmodel.model import layer_activation_bytes
+    from stp.costmodel.decoder.spec import layer_activation_bytes
 
     s, b, h, a, t = SPEC.sequence, SPEC.micro_batch, SPEC.hidden, SPEC.heads, 2
     spec = replace(SPEC, tp=t)
@@ -199,7 +199,8 @@ def test_overlapped_copies_are_held_from_their_stage_final():
     the overlap its copy is held under stage 0's last backwards, counted in buffers
     as what it adds to the activations' peak (to the byte); off, every copy comes
     after the drain."""
-    from stp.costmodel.memory import estimate_run, rank_parameters
+    from stp.costmodel.decoder.memory import rank_parameters
+    from stp.costmodel.memory import estimate_run
 
     spec = replace(SPEC, vocab=16384, sequence=128)  # float32's activations twice bf16's
     layout = replace(LAYOUT, dp=4, seq_len=128)

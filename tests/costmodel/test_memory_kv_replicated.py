@@ -9,7 +9,7 @@ layout's partition, and the bytes `stp.train.run.memory_measure.measure` counts
 (by storage) of their parameters, the fp32 main grads and masters of
 stp.train.step.precision and a torch AdamW's state after one step (its step
 counters, which the model leaves out, subtracted); and the activations a layer
-keeps, `stp.costmodel.kept`, against stp.runtime.offload's census of a TP rank's
+keeps, `stp.costmodel.decoder.kept`, against stp.runtime.offload's census of a TP rank's
 forward.
 """
 
@@ -24,7 +24,7 @@ import torch
 
 from stp.costmodel import HARDWARE
 from stp.costmodel.configs import spec_from_config
-from stp.costmodel.kept import stp_kept
+from stp.costmodel.decoder.kept import stp_kept
 from stp.costmodel.memory import Features, Layout, estimate
 from stp.models import ModelConfig, build_stage
 from stp.models.moe.stage import build_moe_stage
@@ -150,7 +150,7 @@ def _census(cfg: ModelConfig, tp: int, dtype: torch.dtype) -> tuple[int, int]:
 
 @pytest.mark.parametrize("tp,kv", [(4, 2), (2, 1)])
 def test_kept_activations_of_a_layer_hold_one_whole_kv_head(tp: int, kv: int) -> None:
-    """Guards against kv heads divided instead of replicated in stp.costmodel.kept
+    """Guards against kv heads divided instead of replicated in stp.costmodel.decoder.kept
     (the activations' side: K and V of one kv head a rank, kept F to B and B to W):
     one more layer a stage adds the census's bytes, both F to B and B to W."""
     two, four = (_census(dataclasses.replace(_dense(kv), num_layers=n), tp, torch.bfloat16)

@@ -9,14 +9,14 @@ import pytest
 
 from stp.cli.main import main
 from stp.costmodel import derive, parse_hardware, parse_model
-from stp.costmodel.mllm import (
+from stp.costmodel.mllm.costs import mllm_layered_costs
+from stp.costmodel.mllm.spec import (
     MLLM_MODELS,
     MLLMSpec,
     merger_flops,
     vision_layer_flops,
     vision_parameters,
 )
-from stp.costmodel.mllm_costs import mllm_layered_costs
 
 HW = parse_hardware("a800-80g")
 
@@ -100,7 +100,7 @@ def test_more_stages_than_decoder_layers_prices_the_head_in_the_same_bytes():
     the head's memory, in units of one rank's share, grows with pp and nothing else."""
     from dataclasses import replace
 
-    from stp.costmodel.mllm_costs import derive_mllm
+    from stp.costmodel.mllm.costs import derive_mllm
 
     spec = replace(MLLM_MODELS["mllm-qwen2vl-7b"], layers=2)
     hw = parse_hardware("a800-80g")

@@ -1,4 +1,4 @@
-"""The multimodal model's byte estimate (stp.costmodel.mllm_memory): its model states
+"""The multimodal model's byte estimate (stp.costmodel.mllm.memory): its model states
 are the parameters the runtime builds, stage by stage and TP shard by TP shard, and
 the bytes its units keep are those `stp.runtime.offload`'s census counts."""
 
@@ -7,7 +7,7 @@ import torch
 
 from stp.costmodel import HARDWARE
 from stp.costmodel.memory import Features, Layout, estimate
-from stp.costmodel.mllm_memory import mllm_kept, mllm_stage_parameters
+from stp.costmodel.mllm.memory import mllm_kept, mllm_stage_parameters
 from stp.models.mllm.family import MLLM
 from stp.models.mllm.stage import build_mllm_stage
 from stp.runtime.executor import Executor

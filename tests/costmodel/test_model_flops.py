@@ -4,9 +4,9 @@ against hand counts: matmuls only, 2 FLOPs a multiply-add, F + B + W = 3 forward
 
 from __future__ import annotations
 
+from stp.costmodel.decoder.spec import ModelSpec
 from stp.costmodel.families import model_flops
-from stp.costmodel.mllm import MLLMSpec
-from stp.costmodel.model import ModelSpec
+from stp.costmodel.mllm.spec import MLLMSpec
 from stp.plan.price import model_flops_per_sequence
 
 

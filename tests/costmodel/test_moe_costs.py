@@ -9,10 +9,10 @@ import pytest
 from stp.cli.main import main
 from stp.costmodel import MODELS, ModelSpec, derive, layer_flops, num_parameters
 from stp.costmodel.configs import spec_from_config, spec_from_hf_json
+from stp.costmodel.decoder.spec import layer_activation_bytes
 from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.memory import Features, Layout, estimate
-from stp.costmodel.model import layer_activation_bytes
-from stp.costmodel.moe import MoESpec, a2a_bytes, a2a_time, active_parameters
+from stp.costmodel.moe.spec import MoESpec, a2a_bytes, a2a_time, active_parameters
 from stp.shapes import MoEConfig
 
 HW = HardwareSpec(peak_flops=1e15, tp_bandwidth=100e9, tp_latency=0.0, pp_bandwidth=10e9,

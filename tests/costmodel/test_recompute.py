@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from stp.costmodel import ModelSpec, parse_hardware
-from stp.costmodel.model import layer_activation_bytes, layer_flops
+from stp.costmodel.decoder.spec import layer_activation_bytes, layer_flops
 from stp.search.recompute import mode_costs, search_recompute
 
 S, B, H, A, T = 2048, 2, 1024, 16, 4

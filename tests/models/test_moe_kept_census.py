@@ -1,4 +1,4 @@
-"""The bytes `stp.costmodel.kept` says an MoE layer keeps from F to B are what stp's
+"""The bytes `stp.costmodel.decoder.kept` says an MoE layer keeps from F to B are what stp's
 MoE units keep: `stp.runtime.offload`'s census of one forward (every storage kept,
 once), one more layer per stage, with and without a shared expert, k 1 and 2."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stp.costmodel.configs import spec_from_config
-from stp.costmodel.kept import stp_kept
+from stp.costmodel.decoder.kept import stp_kept
 from stp.models.moe.stage import build_moe_stage
 from stp.runtime.executor import Executor
 from stp.runtime.offload import ActivationOffloader, runtime_plan
@@ -43,6 +43,6 @@ def test_moe_layer_bytes_match_what_a_forward_keeps(schedule, dtype, top_k, shar
     spec = spec_from_config(_config(2, top_k, shared), seq_len=SEQ, microbatch_size=MBS)
     kept = stp_kept(spec, width, native_weights=schedule == "1f1b-interleaved")
     tokens = SEQ * MBS
-    # the per-layer constant is fitted to this census (stp.costmodel.kept): within 16
+    # the per-layer constant is fitted to this census (stp.costmodel.decoder.kept): within 16
     # bytes a token, against the 2.9-6.8 KB a token the layer keeps
     assert abs((four - two) - kept.layer_b) <= 16 * tokens

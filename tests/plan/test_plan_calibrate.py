@@ -6,9 +6,9 @@ from dataclasses import replace
 import pytest
 
 from stp.cli.main import main
-from stp.costmodel.decoder_costs import decoder_layered_costs, derive_decoder, head_flops
+from stp.costmodel.decoder.costs import decoder_layered_costs, derive_decoder, head_flops
+from stp.costmodel.decoder.spec import ModelSpec, layer_flops
 from stp.costmodel.hardware import HardwareSpec
-from stp.costmodel.model import ModelSpec, layer_flops
 from stp.plan.calibrate import calibrated, fit_traces
 from stp.schedule import generate
 from stp.sim.engine import simulate

@@ -6,8 +6,8 @@ import pytest
 
 from stp.cli.main import main
 from stp.costmodel import HARDWARE
+from stp.costmodel.decoder.spec import ModelSpec
 from stp.costmodel.memory import Features, Layout, estimate_run
-from stp.costmodel.model import ModelSpec
 from stp.plan import PlanRequest, plan
 from stp.plan.space import MAX_CHUNKS, chunk_options
 from stp.schedule.ir import Kind, passes_of

@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 
 from stp.costmodel import HARDWARE
+from stp.costmodel.decoder.spec import ModelSpec
 from stp.costmodel.memory import Features, Layout, estimate_run
-from stp.costmodel.model import ModelSpec
-from stp.costmodel.moe import MoESpec
+from stp.costmodel.moe.spec import MoESpec
 from stp.plan import PlanRequest
 from stp.plan.experts import bound_exact, priced
 from stp.plan.price import price

@@ -7,8 +7,8 @@ import pytest
 
 from stp.cli.main import main
 from stp.costmodel import HARDWARE
-from stp.costmodel.model import ModelSpec
-from stp.costmodel.moe import MoESpec
+from stp.costmodel.decoder.spec import ModelSpec
+from stp.costmodel.moe.spec import MoESpec
 from stp.plan import NoPlan, PlanRequest, plan
 from stp.plan.experts import bound_memory, bound_time, priced
 from stp.plan.planner import priced_at

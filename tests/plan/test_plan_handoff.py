@@ -14,7 +14,7 @@ import pytest
 from stp.cli import plan as plan_cli
 from stp.cli.main import main
 from stp.costmodel import MODELS
-from stp.costmodel.model import num_parameters
+from stp.costmodel.decoder.spec import num_parameters
 from stp.train.run.config import TrainJob
 from stp.train.run.resolve import resolve
 

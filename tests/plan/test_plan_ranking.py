@@ -7,7 +7,7 @@ import pytest
 
 from stp.cli.main import main
 from stp.costmodel import HARDWARE
-from stp.costmodel.model import ModelSpec
+from stp.costmodel.decoder.spec import ModelSpec
 from stp.plan import NoPlan, PlanRequest, plan
 from stp.plan.price import memory_bound, price, time_bound
 from stp.plan.space import every_config

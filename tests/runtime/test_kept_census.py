@@ -1,4 +1,4 @@
-"""The bytes `stp.costmodel.kept` says stp's decoder units keep are the bytes they
+"""The bytes `stp.costmodel.decoder.kept` says stp's decoder units keep are the bytes they
 keep: `stp.runtime.offload`'s census of one forward (every storage it keeps, once),
 on one rank, for one and two layers, float32 and bfloat16; and a TP shard made by
 random initialisation holds only its own bytes."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stp.costmodel.configs import spec_from_config
-from stp.costmodel.kept import stp_kept
+from stp.costmodel.decoder.kept import stp_kept
 from stp.models import ModelConfig, build_stage
 from stp.runtime.executor import Executor
 from stp.runtime.offload import ActivationOffloader, runtime_plan

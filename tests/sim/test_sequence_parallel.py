@@ -5,7 +5,7 @@ model charges ring all-gathers and reduce-scatters instead of all-reduces."""
 import pytest
 
 from stp.costmodel import parse_hardware, parse_model
-from stp.costmodel.decoder_costs import derive_decoder
+from stp.costmodel.decoder.costs import derive_decoder
 from stp.costmodel.hardware import allgather_time, allreduce_time, reduce_scatter_time
 from stp.schedule import generate
 from stp.sim import Costs, simulate

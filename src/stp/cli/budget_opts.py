@@ -40,7 +40,7 @@ def budget_from_args(args: argparse.Namespace) -> float | None:
 def _spec_and_unit(args: argparse.Namespace, pp: int) -> tuple[object, float]:
     from stp.cli.common import model_from_args
     from stp.costmodel import derive, parse_hardware
-    from stp.costmodel.model import decoder_only
+    from stp.costmodel.decoder.spec import decoder_only
 
     spec = model_from_args(args)
     spec = decoder_only(spec, "--memory-budget")
@@ -57,7 +57,8 @@ def check_budget(args: argparse.Namespace, res: SimResult) -> None:
     if budget is None:
         return
     from stp.costmodel.budget import over_budget
-    from stp.costmodel.memory import Features, memory_of_run
+    from stp.costmodel.decoder.memory import memory_of_run
+    from stp.costmodel.memory import Features
 
     spec, unit = _spec_and_unit(args, res.schedule.num_ranks)
     feats = Features(sequence_parallel=spec.sequence_parallel,  # type: ignore[attr-defined]

@@ -258,7 +258,7 @@ def costs_from_args(args: argparse.Namespace) -> tuple[Costs, MemCosts]:
 def model_from_args(args: argparse.Namespace) -> object:
     """The --model spec, with --recompute applied (a decoder's field)."""
     from stp.costmodel import parse_model
-    from stp.costmodel.model import decoder_only
+    from stp.costmodel.decoder.spec import decoder_only
 
     spec = parse_model(args.model)
     mode = getattr(args, "recompute", None)

@@ -35,10 +35,13 @@ import json
 import os
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from stp.cli.common import EXIT_USAGE
 from stp.costmodel import derive
 from stp.costmodel.budget import over_budget, parse_size
+from stp.costmodel.decoder.spec import RECOMPUTE_MODES, ModelSpec, decoder_only
+from stp.costmodel.families import config_facts
 from stp.costmodel.memory import (
     CATEGORIES,
     Features,
@@ -47,7 +50,6 @@ from stp.costmodel.memory import (
     estimate,
     format_bytes,
 )
-from stp.costmodel.model import RECOMPUTE_MODES, ModelSpec, decoder_only
 
 __all__ = ["register", "run", "model_spec"]
 
@@ -220,18 +222,18 @@ def _train_estimate(args: argparse.Namespace) -> tuple[MemoryEstimate, str]:
     return est, _describe(run)
 
 
-def _describe(run: object) -> str:
-    job, c = run.job, run.config  # type: ignore[attr-defined]
+def _describe(run: Any) -> str:
+    job = run.job
     where = (f"--init-from {job.init_from}" if job.init_from
-             else f"--model {job.model_name}" if getattr(job, "model_name", None)
-             else f"stp train's {getattr(job, 'arch', None) or 'decoder'}")
-    experts = getattr(c, "num_experts", None)
-    moe = f", {experts} experts top-{c.top_k}" if experts else ""
-    vision = getattr(c, "vision", None)  # a multimodal model: its encoder, then its decoder
+             else f"--model {job.model_name}" if job.model_name
+             else f"stp train's {job.arch or 'decoder'}")
+    facts = config_facts(run.config)  # the family's own account (stp.costmodel.families)
+    c = facts.decoder
+    moe = f", {facts.experts} experts top-{facts.top_k}" if facts.experts else ""
+    vision = facts.vision  # a multimodal model: its encoder, then its decoder
     if vision is not None:
         moe += (f", after a vision encoder of {vision.num_layers} blocks, width "
                 f"{vision.hidden}, {vision.image_size}-pixel images")
-        c = c.decoder
     return (f"{where} ({c.num_layers} layers, hidden {c.hidden}, {c.num_heads} heads, "
             f"vocab {c.vocab_size}{moe})")
 

@@ -128,9 +128,9 @@ def local_hardware() -> object:
     import subprocess
     import tempfile
 
-    from stp.costmodel.decoder_costs import head_flops
+    from stp.costmodel.decoder.costs import head_flops
+    from stp.costmodel.decoder.spec import ModelSpec, layer_flops
     from stp.costmodel.hardware import HardwareSpec
-    from stp.costmodel.model import ModelSpec, layer_flops
     from stp.plan.calibrate import fit_traces
 
     lm = _LOCAL_MODEL
@@ -181,8 +181,7 @@ def request_from_args(args: argparse.Namespace) -> object:
 
     spec = model_spec(args.model)
     source, sha = _source(args.model)
-    if getattr(spec, "ep", 1) != 1:  # the planner chooses ep (a preset says ep=8)
-        spec = replace(spec, ep=1)
+    spec = spec.with_ep(1)  # the planner chooses ep (a preset says ep=8)
     budget = None if args.memory_budget is None else parse_size(args.memory_budget)
     return PlanRequest(
         model=replace(spec, tp=1), hardware=_hardware(args), gpus=args.gpus,  # type: ignore

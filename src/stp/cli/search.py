@@ -200,7 +200,7 @@ def _search_recompute(args: argparse.Namespace) -> tuple:
     without recomputation."""
     from stp.cli.common import model_from_args
     from stp.costmodel import parse_hardware
-    from stp.costmodel.model import decoder_only
+    from stp.costmodel.decoder.spec import decoder_only
     from stp.search.recompute import search_recompute
 
     if args.model is None:

@@ -1,9 +1,14 @@
 """Costs from model and hardware: FLOPs, activation bytes, link times. Imports no torch."""
 
+from stp.costmodel.decoder.spec import (
+    ModelSpec,
+    layer_activation_bytes,
+    layer_flops,
+    num_parameters,
+)
 from stp.costmodel.derive import Derived, derive, parse_hardware, parse_model
 from stp.costmodel.hardware import HardwareSpec, allreduce_time, p2p_time
-from stp.costmodel.mllm import MLLM_MODELS, MLLMSpec
-from stp.costmodel.model import ModelSpec, layer_activation_bytes, layer_flops, num_parameters
+from stp.costmodel.mllm.spec import MLLM_MODELS, MLLMSpec
 from stp.costmodel.presets import HARDWARE, MODELS, STP_REPORTED, ZB_BUBBLE_RATES, ZB_PROFILED
 
 __all__ = [

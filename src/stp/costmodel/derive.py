@@ -2,20 +2,20 @@
 and the `--model` / `--hardware` text a user gives for them.
 
 `derive` hands a spec to its own cost functions (stp.costmodel.families): a
-decoder's in stp.costmodel.decoder_costs (whose doc gives the formulas: times
+decoder's in stp.costmodel.decoder.costs (whose doc gives the formulas: times
 of one rank's share in milliseconds, memory in units of its M_B, PipeOffload's
-offload ratio), a multimodal model's in stp.costmodel.mllm_costs.
+offload ratio), a multimodal model's in stp.costmodel.mllm.costs.
 """
 
 from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from stp.costmodel.decoder_costs import Derived
+from stp.costmodel.decoder.costs import Derived
+from stp.costmodel.decoder.spec import ModelSpec
 from stp.costmodel.families import costs_of
 from stp.costmodel.hardware import HardwareSpec
-from stp.costmodel.mllm import MLLM_MODELS, MLLMSpec
-from stp.costmodel.model import ModelSpec
+from stp.costmodel.mllm.spec import MLLM_MODELS, MLLMSpec
 from stp.costmodel.presets import HARDWARE, MODELS
 
 __all__ = ["Derived", "derive", "parse_model", "parse_hardware"]

@@ -1,77 +1,69 @@
-"""Each cost-model spec and its own cost functions, looked up by the spec's class.
+"""The model families the cost model prices: one row each, looked up by class.
 
-A spec is a model family's torch-free view for the simulator (`ModelSpec`: a
-decoder; `MLLMSpec`: a vision encoder in front of one). The functions that
-price a spec live with its family (stp.costmodel.decoder_costs,
-stp.costmodel.mllm_costs); this table is the one place that pairs them, so
-that `derive` and `layered_costs` dispatch instead of testing classes, and the
-multimodal costs, built on the decoder's, need not import back up.
+A row (`stp.costmodel.pricing.FamilyPricing`) is a family's answers: its spec
+from a run's config, its time costs, its bytes per rank. Each family keeps its
+row in its own package (stp.costmodel.decoder, .moe, .mllm); `derive`,
+`layered_costs`, `estimate` and `spec_from_config` look the row up here instead
+of testing classes. Adding a family: its package with a `pricing` row, and one
+line in `FAMILIES`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from stp.costmodel.decoder_costs import decoder_layered_costs, decoder_model_flops, derive_decoder
-from stp.costmodel.mllm import MLLMSpec
-from stp.costmodel.mllm_costs import (
-    check_mllm_partition,
-    derive_mllm,
-    mllm_layered_costs,
-    mllm_model_flops,
+from stp.costmodel.decoder.pricing import DECODER_PRICING
+from stp.costmodel.mllm.pricing import MLLM_PRICING
+from stp.costmodel.moe.pricing import MOE_PRICING
+from stp.costmodel.pricing import ConfigFacts, FamilyPricing
+
+__all__ = ["FAMILIES", "config_facts", "costs_of", "is_spec", "model_flops", "pricing_of",
+           "pricing_of_config"]
+
+FAMILIES: tuple[FamilyPricing, ...] = (
+    DECODER_PRICING,
+    MOE_PRICING,
+    MLLM_PRICING,
 )
-from stp.costmodel.model import ModelSpec
-from stp.costmodel.moe import MoESpec
+"""Every family's row, one line each."""
 
-__all__ = ["SpecCosts", "costs_of", "model_flops"]
-
-
-@dataclass(frozen=True)
-class SpecCosts:
-    """How one kind of spec is priced."""
-
-    derive: Callable[..., Any]
-    """(spec, hardware, pp) -> Derived: one rank's uniform share."""
-    layered: Callable[..., Any]
-    """(spec, hardware, pp, costs, mem, layers) -> LayeredCosts: per-layer costs with
-    what the first and last stages add."""
-    check_partition: Callable[[Any, tuple[int, ...]], None]
-    """(spec, counts): ValueError (one line) for counts that cannot cut the model, in
-    the family's own words."""
-    model_flops: Callable[[Any], float]
-    """spec -> training FLOPs of one microbatch of the whole model (F, B, W; unsharded,
-    no recomputation): what MFU divides (`model_flops`)."""
+_BY_SPEC = {f.spec_type: f for f in FAMILIES}
+_BY_CONFIG = {f.config_type: f for f in FAMILIES}
 
 
-def _any_partition(spec: ModelSpec, counts: tuple[int, ...]) -> None:
-    """A decoder's counts are checked against its layers where they are used."""
-
-
-_BY_SPEC: dict[type, SpecCosts] = {
-    ModelSpec: SpecCosts(derive_decoder, decoder_layered_costs, _any_partition,
-                          decoder_model_flops),
-    # a mixture of experts is a decoder whose MLP hooks and all-to-all (costmodel.moe)
-    # the decoder's functions read
-    MoESpec: SpecCosts(derive_decoder, decoder_layered_costs, _any_partition,
-                          decoder_model_flops),
-    MLLMSpec: SpecCosts(derive_mllm, mllm_layered_costs, check_mllm_partition,
-                        mllm_model_flops),
-}
-
-
-def costs_of(spec: Any) -> SpecCosts:
-    """The cost functions of `spec`'s class; ValueError for an object that is no spec."""
+def pricing_of(spec: Any) -> FamilyPricing:
+    """The row of `spec`'s family; ValueError for an object that is no spec."""
     found = _BY_SPEC.get(type(spec))
     if found is None:
-        raise ValueError(f"no cost model for a {type(spec).__name__}; give a ModelSpec or "
-                         "an MLLMSpec (stp.costmodel)")
+        names = ", ".join(f.spec_type.__name__ for f in FAMILIES)
+        raise ValueError(f"no cost model for a {type(spec).__name__}; give one of {names} "
+                         "(stp.costmodel)")
     return found
+
+
+costs_of = pricing_of
+"""The row's time functions are the cost functions of a spec (`derive`, `layered`)."""
+
+
+def pricing_of_config(config: Any) -> FamilyPricing | None:
+    """The row of the family whose config `config` is (None: no family's)."""
+    return _BY_CONFIG.get(type(config))
+
+
+def is_spec(model: Any) -> bool:
+    """Whether `model` is a cost-model spec of some family (not a config)."""
+    return type(model) in _BY_SPEC
+
+
+def config_facts(config: Any) -> ConfigFacts:
+    """What the reports say of a run's model; a config no family knows (a user's
+    stage builder's) is taken as a decoder's."""
+    row = pricing_of_config(config)
+    return ConfigFacts("decoder", config) if row is None else row.facts(config)
 
 
 def model_flops(spec: Any) -> float:
     """Training FLOPs of one microbatch of `spec`'s whole model (F, B and W, unsharded,
     no recomputation, attention counted full): MFU's numerator, the count `stp plan`
     reports its MFU with."""
-    return costs_of(spec).model_flops(spec)
+    return pricing_of(spec).model_flops(spec)

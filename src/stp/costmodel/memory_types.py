@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stp.costmodel.model import RECOMPUTE_MODES
+from stp.costmodel.decoder.spec import RECOMPUTE_MODES
 from stp.schedule.offload import parse_policy
 from stp.schedule.registry import SCHEDULES
 
@@ -74,8 +74,8 @@ class Features:
     offload: str = "none"
     """An offload policy of `stp.sim.offload` (none, stp, all, selective:X)."""
     runtime: str = "megatron"
-    """Whose activations: `megatron` (Korthikanti's formulas, stp.costmodel.model)
-    or `stp` (what stp's own decoder units keep, stp.costmodel.kept: the
+    """Whose activations: `megatron` (Korthikanti's formulas, stp.costmodel.decoder.spec)
+    or `stp` (what stp's own decoder units keep, stp.costmodel.decoder.kept: the
     estimate of a `stp train` run)."""
     overlap_grad_sync: bool = True
     """Each stage's DP gradient reduction launched as soon as its gradients are final

@@ -26,7 +26,7 @@ Models
     Experts", arXiv 2401.04088, Table 1, and its released config.json: 32
     layers, dim 4096, 32 query / 8 key-value heads, 8 experts of SwiGLU
     width 14336, top-2 routing, vocabulary 32000, untied head): 46.7B
-    parameters, 12.9B active (`costmodel.moe.active_parameters`); sequence
+    parameters, 12.9B active (`costmodel.moe.spec.active_parameters`); sequence
     4096, tp 1 and ep 8 by default.
   * `qwen2-57b-a14b`: Qwen2-57B-A14B as published (Yang et al., "Qwen2
     Technical Report", arXiv 2407.10671, Table 1, and its released
@@ -36,7 +36,7 @@ Models
     untied head): 57.4B parameters, 14.2B active; sequence 4096, tp 1 and
     ep 8 by default.
   * `mllm-qwen2vl-7b`: a multimodal model (Qwen2-VL-7B's shapes), in
-    `stp.costmodel.mllm.MLLM_MODELS`.
+    `stp.costmodel.mllm.spec.MLLM_MODELS`.
 
 Hardware (16-bit dense peak from NVIDIA's A100 / A800 datasheets; link
 bandwidths are one direction; `efficiency` and the effective bandwidths are
@@ -54,9 +54,9 @@ A100 / A800 80 GB, 81559 MiB on the H100 80 GB.
 
 from __future__ import annotations
 
+from stp.costmodel.decoder.spec import ModelSpec
 from stp.costmodel.hardware import HardwareSpec
-from stp.costmodel.model import ModelSpec
-from stp.costmodel.moe import MoESpec
+from stp.costmodel.moe.spec import MoESpec
 
 __all__ = [
     "MODELS",

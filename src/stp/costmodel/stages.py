@@ -1,16 +1,16 @@
 """Per-stage costs of a model: `layered_costs` hands a spec to its own per-stage
 cost function (stp.costmodel.families: the decoder's embedding and output
-layer, stp.costmodel.decoder_costs; the multimodal model's encoder, merger and
-decoder, stp.costmodel.mllm_costs).
+layer, stp.costmodel.decoder.costs; the multimodal model's encoder, merger and
+decoder, stp.costmodel.mllm.costs).
 """
 
 from __future__ import annotations
 
-from stp.costmodel.decoder_costs import edge_costs, head_flops
+from stp.costmodel.decoder.costs import edge_costs, head_flops
+from stp.costmodel.decoder.spec import ModelSpec
 from stp.costmodel.families import costs_of
 from stp.costmodel.hardware import HardwareSpec
-from stp.costmodel.mllm import MLLMSpec
-from stp.costmodel.model import ModelSpec
+from stp.costmodel.mllm.spec import MLLMSpec
 from stp.schedule.memory import MemCosts
 from stp.sim.costs import Costs
 from stp.sim.layered import LayeredCosts

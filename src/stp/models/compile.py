@@ -23,7 +23,7 @@ So the things stp's runtime relies on are untouched:
   - each Function saves exactly the tensors the eager ops save (the norm's
     float32 xhat and rstd, the linears' inputs, the gate's input, silu output
     and up projection), chosen by stp, not by AOTAutograd's min-cut
-    partitioner, so the activation census (stp.costmodel.kept), `stp memory`,
+    partitioner, so the activation census (stp.costmodel.decoder.kept), `stp memory`,
     offload (which reads the saved tensors of every node) and recomputation
     (which reruns the same Functions) see what they see eagerly;
   - the attention core stays F.scaled_dot_product_attention (a fused kernel

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stp.costmodel.model import RECOMPUTE_MODES
+from stp.costmodel.decoder.spec import RECOMPUTE_MODES
 
 __all__ = ["RECOMPUTE_MODES", "attention_core", "check_recompute"]
 

@@ -9,7 +9,7 @@ fit, over every trace given (medians, so one slow rank does not decide):
                  2 L all-reduces (after attention and after the MLP), one
                  more on the first stage (the vocab-parallel embedding) and
                  three more on the last (the loss's reductions,
-                 `stp.costmodel.decoder_costs`), so one takes ar / that; on
+                 `stp.costmodel.decoder.costs`), so one takes ar / that; on
                  the small tensors of a
                  calibration run a ring all-reduce is latency-bound, 2 (t-1)
                  steps (`stp.costmodel.hardware`): tp_latency = that / 2(t-1)

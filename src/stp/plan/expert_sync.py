@@ -20,25 +20,20 @@ stage's reduction on the simulated timeline (`stp.sim.dp_overlap`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 
+from stp.costmodel.decoder.memory import rank_parameters
+from stp.costmodel.decoder.spec import ModelSpec
 from stp.costmodel.hardware import HardwareSpec
-from stp.costmodel.memory import MemoryEstimate, rank_parameters
-from stp.costmodel.model import ModelSpec
-from stp.costmodel.moe import MoESpec
+from stp.costmodel.memory import MemoryEstimate
 from stp.sim.result import SimResult
 
 __all__ = ["expert_parameters", "group_seconds", "rank_experts"]
 
 
-def _ep(spec: ModelSpec) -> int:
-    return spec.ep if isinstance(spec, MoESpec) else 1
-
-
 def expert_parameters(spec: ModelSpec) -> float:
     """Expert weights of one TP rank's share of the whole model at its ep: every
     MoE layer's experts over t x ep ranks (0 for a dense model)."""
-    return spec.layers * spec.mlp_parameters()[1] / (spec.tp * _ep(spec))
+    return spec.layers * spec.mlp_parameters()[1] / (spec.tp * spec.ep)
 
 
 def group_seconds(collective: Callable[[float, int, float, float], float], width: float,
@@ -58,9 +53,9 @@ def group_seconds(collective: Callable[[float, int, float, float], float], width
 def rank_experts(spec: ModelSpec, est: MemoryEstimate, res: SimResult) -> tuple[int, list[float]]:
     """(the ep the estimate priced, the expert weights among each pipeline rank's
     parameters; all 0 for a dense model or at ep 1, where every weight syncs over dp)."""
-    if isinstance(spec, MoESpec) and est.layout.ep not in (None, spec.ep):
-        spec = replace(spec, ep=est.layout.ep)  # the ep the estimate priced (memory.Layout.ep)
-    ep = _ep(spec)
+    if est.layout.ep not in (None, spec.ep):
+        spec = spec.with_ep(est.layout.ep)  # the ep the estimate priced (memory.Layout.ep)
+    ep = spec.ep
     if ep == 1:
         return 1, [0.0] * len(est.ranks)
     sch = res.schedule

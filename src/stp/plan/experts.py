@@ -9,7 +9,7 @@ the simulator runs two all-to-alls per MoE layer in F and B (hidden by the
 braid, exposed in a pass on its own); the DP sync syncs the experts over dp /
 ep (`stp.plan.expert_sync`). The EP group's peers inside a node (`--gpus-per-
 node`) are reached over NVLink, the rest over the network
-(`stp.costmodel.moe.a2a_time`): the hardware's `node_gpus` is the request's.
+(`stp.costmodel.moe.spec.a2a_time`): the hardware's `node_gpus` is the request's.
 
 Both bounds the planner prunes by (`stp.plan.price`) stay bounds for a
 mixture of experts, and get tighter here, since ep multiplies the
@@ -34,11 +34,11 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import lru_cache
 
-from stp.costmodel.decoder_costs import derive_decoder
+from stp.costmodel.decoder.costs import derive_decoder
+from stp.costmodel.decoder.memory import rank_parameters
+from stp.costmodel.decoder.spec import ModelSpec
 from stp.costmodel.hardware import HardwareSpec
-from stp.costmodel.memory import DTYPE_BYTES, rank_parameters
-from stp.costmodel.model import ModelSpec
-from stp.costmodel.moe import MoESpec
+from stp.costmodel.memory import DTYPE_BYTES
 from stp.plan.price import (
     Priced,
     exact_memory_bound,
@@ -57,12 +57,12 @@ __all__ = ["model_at", "hardware_of", "priced", "bound_time", "bound_memory", "i
 
 
 def is_moe(model: ModelSpec) -> bool:
-    return isinstance(model, MoESpec)
+    return model.has_experts
 
 
 def model_at(model: ModelSpec, ep: int) -> ModelSpec:
     """`model` with its experts over `ep` ranks (a dense model as it is)."""
-    return replace(model, ep=ep) if isinstance(model, MoESpec) and model.ep != ep else model
+    return model.with_ep(ep) if model.has_experts else model
 
 
 def hardware_of(request: PlanRequest) -> HardwareSpec:
@@ -112,7 +112,7 @@ def bound_memory(request: PlanRequest, cfg: Config) -> float:
     """Bytes the fullest rank of `cfg` holds at least (module doc)."""
     model, hw = model_at(request.model, cfg.mesh.ep), hardware_of(request)
     bound = memory_bound(model, hw, cfg, request.seq_len)
-    if not isinstance(model, MoESpec) or cfg.mesh.ep == 1:
+    if not model.has_experts or cfg.mesh.ep == 1:
         return bound
     f, dp, ep = cfg.features, cfg.mesh.dp, cfg.mesh.ep
     spec = spec_for(model, cfg, request.seq_len)
@@ -120,7 +120,7 @@ def bound_memory(request: PlanRequest, cfg: Config) -> float:
     states = (4 if f.sixteen_bit else 0) + 2 * max(4, width)  # masters + moments a weight
     fewest = min(_experts_per_rank(spec, cfg.schedule, cfg.mesh.pp, cfg.chunks))
     unsplit = fewest * states * (ep / dp - 1 / dp) if f.shard_optimizer else 0.0
-    a2a = 2 * 2 * spec.sequence * spec.micro_batch * spec.hidden * width * spec.top_k
+    a2a = 2 * 2 * spec.sequence * spec.micro_batch * spec.hidden * width * spec.a2a_copies
     return bound + unsplit + a2a
 
 
@@ -128,7 +128,7 @@ def bound_time(request: PlanRequest, cfg: Config) -> float:
     """Seconds a step of `cfg` takes at least (module doc)."""
     model, hw = model_at(request.model, cfg.mesh.ep), hardware_of(request)
     bound = time_bound(model, hw, cfg, request.seq_len)
-    if not isinstance(model, MoESpec) or cfg.schedule in BRAIDED:
+    if not model.has_experts or cfg.schedule in BRAIDED:
         return bound
     spec = spec_for(model, cfg, request.seq_len)
     pp = cfg.mesh.pp

@@ -23,7 +23,6 @@ from dataclasses import replace
 from typing import Any
 
 from stp.costmodel.memory import format_bytes
-from stp.costmodel.moe import MoESpec
 from stp.plan.experts import bound_memory
 from stp.plan.request import MAX_GPUS, PlanRequest
 from stp.plan.space import Config, levers_for, meshes, microbatchings, schedules_for
@@ -102,7 +101,7 @@ def explain_no_fit(request: PlanRequest, result: Any,
     if result.rejected:
         best = result.rejected[0]
         c = best.config
-        ep = f" ep={c.mesh.ep}" if isinstance(request.model, MoESpec) else ""
+        ep = f" ep={c.mesh.ep}" if request.model.has_experts else ""
         closest = (f"; the closest, pp={c.mesh.pp} tp={c.mesh.tp} dp={c.mesh.dp}{ep} "
                    f"{c.schedule} with every lever on, needs "
                    f"{format_bytes(best.peak_bytes)} on rank {best.estimate.peak.rank}")
@@ -118,10 +117,10 @@ def _ep_tried(request: PlanRequest) -> str:
     """For a mixture of experts: the expert-parallel sizes its experts admit (the
     planner tried those dividing dp), or the --ep sizes it was held to."""
     m = request.model
-    if not isinstance(m, MoESpec):
+    if not m.has_experts:
         return ""
     if request.ep is not None:
         return f" (held to --ep {','.join(map(str, request.ep))})"
-    admits = [n for n in range(1, m.experts + 1) if m.experts % n == 0]
-    return (f" (its {m.experts} experts admit ep {', '.join(map(str, admits))}, each "
+    admits = m.ep_sizes()  # the divisors of its experts, the last all of them
+    return (f" (its {admits[-1]} experts admit ep {', '.join(map(str, admits))}, each "
             "dividing dp)")

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from stp.costmodel.decoder_costs import derive_decoder
+from stp.costmodel.decoder.costs import derive_decoder
 from stp.costmodel.stages import layered_costs
 from stp.plan.experts import (
     bound_exact,

@@ -40,25 +40,21 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from stp.costmodel.decoder_costs import decoder_model_flops, derive_decoder
+from stp.costmodel.decoder.costs import decoder_model_flops, derive_decoder
+from stp.costmodel.decoder.memory import (
+    memory_of_run,
+    rank_parameters,
+    simulate_run,
+    states_bound,
+)
+from stp.costmodel.decoder.spec import ModelSpec, num_parameters
 from stp.costmodel.hardware import (
     HardwareSpec,
     allgather_time,
     allreduce_time,
     reduce_scatter_time,
 )
-from stp.costmodel.memory import (
-    DTYPE_BYTES,
-    Features,
-    Layout,
-    MemoryEstimate,
-    memory_of_run,
-    rank_parameters,
-    simulate_run,
-    states_bound,
-)
-from stp.costmodel.model import ModelSpec, num_parameters
-from stp.costmodel.moe import MoESpec
+from stp.costmodel.memory import DTYPE_BYTES, Features, Layout, MemoryEstimate
 from stp.plan.expert_sync import expert_parameters, group_seconds, rank_experts
 from stp.plan.space import Config
 from stp.schedule.ir import Schedule
@@ -159,7 +155,7 @@ def dp_sync_parts(res: SimResult, rank_params: list[float], stage_shares: list[f
 def _shard_parameters(spec: ModelSpec) -> float:
     """Parameters of one TP rank's shard of the whole model (about 1/t; a mixture of
     experts' routed experts 1/ep of that again, stp.costmodel.moe)."""
-    ep = getattr(spec, "ep", 1)
+    ep = spec.ep
     experts = spec.layers * spec.mlp_parameters()[1] * (1 - 1 / ep)
     return (num_parameters(spec) - experts) / spec.tp
 
@@ -194,7 +190,7 @@ def time_bound(model: ModelSpec, hardware: HardwareSpec, config: Config, seq_len
     busiest = max(before * f + config.microbatches * mine * fbw
                   for before, mine in _rank_layers(config, spec.layers))
     dp, sharded = config.mesh.dp, config.features.shard_optimizer
-    ep = getattr(spec, "ep", 1)
+    ep = spec.ep
     shares = _stage_shares(spec, _placement(config.schedule, pp, spec.layers, config.chunks)[1])
     smallest = _shard_parameters(spec) * min(shares) / sum(shares)
     # a lower bound: the smallest stage's reduction, taken as all experts when the
@@ -252,7 +248,7 @@ def price(model: ModelSpec, hardware: HardwareSpec, config: Config, seq_len: int
 def exact_memory_bound(model: ModelSpec, hardware: HardwareSpec, config: Config,
                        seq_len: int) -> float | None:
     """Bytes the fullest rank of `config` holds at least, found without
-    simulating and nearly exact: `stp.costmodel.memory.states_bound` (the
+    simulating and nearly exact: `stp.costmodel.decoder.memory.states_bound` (the
     estimate's states, buffers and program-order activation peak; only the
     gradient copies over the peak are left out). None with offload."""
     mesh = config.mesh
@@ -273,7 +269,7 @@ def _estimate(model: ModelSpec, hardware: HardwareSpec, layout: Layout,
                                        replace(features, shard_optimizer=False))
     est = memory_of_run(spec, res, unit * 2 / DTYPE_BYTES[features.dtype], features,
                         dp=layout.dp)
-    if isinstance(spec, MoESpec):
+    if spec.has_experts:
         est = replace(est, layout=replace(est.layout, ep=spec.ep))
     return (replace(est, notes=(*est.notes, note)) if note else est), res
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stp.costmodel.decoder.spec import ModelSpec, decoder_only
 from stp.costmodel.hardware import HardwareSpec
-from stp.costmodel.model import ModelSpec
-from stp.costmodel.moe import MoESpec
 
 __all__ = ["PlanRequest", "MAX_GPUS", "MAX_GLOBAL_BATCH", "MAX_SEQ_LEN"]
 
@@ -31,15 +30,15 @@ def _check_ep(model: ModelSpec, ep: tuple[int, ...]) -> None:
         raise ValueError("--ep: give expert-parallel sizes separated by commas")
     for n in ep:
         _int_in("--ep", n, 1, MAX_GPUS)
-    if not isinstance(model, MoESpec):
+    if not model.has_experts:
         if set(ep) != {1}:
             raise ValueError(f"--ep {','.join(map(str, ep))}: expert parallelism needs a "
                              f"mixture-of-experts model; {model.name} has no experts")
         return
-    bad = [n for n in ep if model.experts % n]
+    fits = model.ep_sizes()  # the divisors of its experts, the last all of them
+    bad = [n for n in ep if n not in fits]
     if bad:
-        fits = [n for n in range(1, model.experts + 1) if model.experts % n == 0]
-        raise ValueError(f"--ep {bad[0]}: must divide the model's {model.experts} experts "
+        raise ValueError(f"--ep {bad[0]}: must divide the model's {fits[-1]} experts "
                          f"(each expert-parallel rank holds experts / ep); accepted: "
                          f"{', '.join(map(str, fits))}")
 
@@ -88,9 +87,11 @@ class PlanRequest:
     checks before training."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, ModelSpec):
+        try:
+            decoder_only(self.model, "stp plan")
+        except ValueError:
             raise ValueError("stp plan covers decoder models; give a decoder preset or a "
-                             "config.json")
+                             "config.json") from None
         _int_in("--gpus", self.gpus, 1, MAX_GPUS)
         _int_in("--global-batch", self.global_batch, 1, MAX_GLOBAL_BATCH)
         _int_in("--seq-len", self.seq_len, 1, MAX_SEQ_LEN)

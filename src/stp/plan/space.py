@@ -7,7 +7,7 @@ recomputation, activation offload). A mesh is kept when
 
 * tp divides the node (`--gpus-per-node`: TP stays on the fast link), the
   model's heads, and divides or is a multiple of its key/value heads (each
-  TP rank holds whole heads, `stp.costmodel.model.ModelSpec`);
+  TP rank holds whole heads, `stp.costmodel.decoder.spec.ModelSpec`);
 * dp divides the global batch (every replica gets whole sequences);
 * some schedule's stages fit in the model's layers (one layer per stage at
   least);
@@ -38,9 +38,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
+from stp.costmodel.decoder.spec import ModelSpec
 from stp.costmodel.memory import Features
-from stp.costmodel.model import ModelSpec
-from stp.costmodel.moe import MoESpec
 from stp.plan.request import PlanRequest
 from stp.schedule.registry import SCHEDULES, generate
 
@@ -115,9 +114,10 @@ def ep_options(request: PlanRequest, dp: int) -> list[int]:
     model; for a mixture of experts every divisor of dp that divides its experts
     (only those of `request.ep` when given)."""
     model = request.model
-    if not isinstance(model, MoESpec):
+    if not model.has_experts:
         return [1]
-    return [ep for ep in _divisors(dp) if model.experts % ep == 0
+    sizes = model.ep_sizes()
+    return [ep for ep in _divisors(dp) if ep in sizes
             and (request.ep is None or ep in request.ep)]
 
 

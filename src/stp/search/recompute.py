@@ -2,7 +2,7 @@
 
 Recomputation trades B time for activation bytes (Korthikanti et al.,
 "Reducing Activation Recomputation in Large Transformer Models", arXiv
-2205.05198, section 5; the formulas in `stp.costmodel.model`). Given a
+2205.05198, section 5; the formulas in `stp.costmodel.decoder.spec`). Given a
 decoder and a limit in units of its M_B *without* recomputation, the search
 runs once per mode (none, selective, full) that can meet the limit at all,
 with every stage's memory expressed in that one unit, and keeps the fastest
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from stp.costmodel.decoder_costs import derive_decoder
+from stp.costmodel.decoder.costs import derive_decoder
+from stp.costmodel.decoder.spec import RECOMPUTE_MODES, ModelSpec
 from stp.costmodel.hardware import HardwareSpec
-from stp.costmodel.model import RECOMPUTE_MODES, ModelSpec
 from stp.costmodel.stages import layered_costs
 from stp.schedule.memory import MemCosts
 from stp.search.entry import SearchResult, search

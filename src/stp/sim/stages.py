@@ -82,7 +82,7 @@ class StageCost:
     """Activations kept from B until W: usually the part of `mem_b` B leaves; more than
     `mem_b` when B allocates the rest (full recomputation with W deferred: B rebuilds
     the unit and W keeps its matrices' inputs and output gradients, more than the unit
-    input F kept; stp.costmodel.kept)."""
+    input F kept; stp.costmodel.decoder.kept)."""
     units: int = 2
     """Pieces the pass is cut into, each F/B piece ending in an all-reduce
     (`stp.sim.units`): two per transformer layer at the finest."""

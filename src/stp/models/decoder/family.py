@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from stp.costmodel.configs import spec_from_config
-from stp.costmodel.model import ModelSpec
+from stp.costmodel.decoder.spec import ModelSpec
 from stp.models.decoder.init import count_parameters, parameter_specs
 from stp.models.decoder.reference import build_reference
 from stp.models.decoder.shared_grads import SharedGrads

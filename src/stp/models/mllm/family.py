@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from stp.costmodel.mllm import MLLMSpec
+from stp.costmodel.mllm.configs import mllm_spec_from_config
+from stp.costmodel.mllm.spec import MLLMSpec
 from stp.models.decoder.init import count_parameters
 from stp.models.decoder.shared_grads import SharedGrads
 from stp.models.family import StageBuilder
@@ -66,19 +67,9 @@ class MLLMFamily:
 
     def cost_spec(self, config: MLLMConfig, *, sequence: int, micro_batch: int,
                   tp: int) -> MLLMSpec:
-        """One image per sample and the caption's `sequence` text tokens. Two things the
-        cost model assumes and stp's encoder does not do: Qwen2-VL's patches span two
-        video frames (stp's one image) and its decoder heads are re-split to divide by
-        tp. Both move every partition's cost alike, so a partition's choice barely
-        depends on them."""
-        dec, vis = config.decoder, config.vision
-        return MLLMSpec(
-            layers=dec.num_layers, hidden=dec.num_heads * dec.head_dim, heads=dec.num_heads,
-            kv_heads=dec.num_kv_heads, ffn=dec.ffn, vocab=dec.vocab_size, sequence=sequence,
-            vision_layers=vis.num_layers, vision_hidden=vis.hidden, vision_heads=vis.num_heads,
-            vision_mlp=vis.mlp, patch=vis.patch_size, merge=vis.merge, images=1,
-            resolution=vis.image_size, micro_batch=micro_batch, tp=tp, name="stp-mllm",
-        )
+        # one image per sample and the caption's text (stp.costmodel.mllm.configs)
+        return mllm_spec_from_config(config, seq_len=sequence, microbatch_size=micro_batch,
+                                     tp=tp)
 
     def shared_grads(self, config: MLLMConfig, stages: Mapping[int, Any], schedule: Any,
                      mesh: Any) -> SharedGrads:

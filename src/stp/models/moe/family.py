@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from stp.costmodel.configs import spec_from_config
-from stp.costmodel.model import ModelSpec
+from stp.costmodel.decoder.spec import ModelSpec
 from stp.models.decoder.init import count_parameters
 from stp.models.decoder.shared_grads import SharedGrads
 from stp.models.decoder.stage import check_model

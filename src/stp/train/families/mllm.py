@@ -5,7 +5,7 @@ the encoder's from `TrainJob.vision`. `--seq-len` is the caption's tokens:
 the decoder sees image tokens + seq-len positions. The data are seeded
 coloured-shape images (stp.train.data.images.ShapeImages), or `--images DIR`.
 `--partition` counts vision blocks first, then decoder layers; `auto` asks the
-multimodal cost model (stp.costmodel.mllm_costs, through the family's cost
+multimodal cost model (stp.costmodel.mllm.costs, through the family's cost
 spec: stp.train.run.resolve). `--eval-every` evaluates on
 held-out images: `--eval-images DIR`, or with generated shapes a held-out
 stream of them (never the training images). `--sequence-parallel` splits the

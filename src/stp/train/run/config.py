@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stp.costmodel.model import RECOMPUTE_MODES
+from stp.costmodel.decoder.spec import RECOMPUTE_MODES
 from stp.train.families import MODULES as FAMILY_MODULES
 
 __all__ = ["ARCHS", "DEFAULT_LR", "DTYPES", "LR_SCHEDULES", "TOY_SHAPE", "MoEShape", "ModelShape",

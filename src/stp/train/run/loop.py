@@ -29,9 +29,9 @@ from stp.costmodel.peaks import Peak
 from stp.models.compile import compile_stats
 from stp.runtime.launch import in_torchrun
 from stp.runtime.mesh import Mesh, ParallelDims
+from stp.train.checkpoint.resume import write_settings
+from stp.train.checkpoint.storage import StorageFault, cause_of
 from stp.train.run.config import TrainJob
-from stp.train.step.finite import SkipCounter
-from stp.train.step.lr import LRSchedule, adamw
 from stp.train.run.memory_measure import CATEGORIES, measure
 from stp.train.run.mfu import device_peak, step_flops, unknown_peak_line
 from stp.train.run.mfu import mfu as mfu_of
@@ -39,9 +39,9 @@ from stp.train.run.metrics import MetricsLog
 from stp.train.run.outlock import lock_error
 from stp.train.run.pretrained import copy_tokenizer
 from stp.train.run.resolve import Run
-from stp.train.checkpoint.resume import write_settings
 from stp.train.run.startup import Startup
-from stp.train.checkpoint.storage import StorageFault, cause_of
+from stp.train.step.finite import SkipCounter
+from stp.train.step.lr import LRSchedule, adamw
 from stp.train.step.trainer import Trainer, TrainerOptions
 
 __all__ = ["StepReport", "RunSummary", "run"]

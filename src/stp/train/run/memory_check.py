@@ -4,7 +4,7 @@ The estimate is the cost model's (`stp.costmodel.memory.estimate`: weights,
 gradients, masters, optimizer state, the simulator's peak activations for the
 run's schedule, partition, offload, recomputation and sequence parallelism,
 buffers) for the run's own model, mesh, batch and dtype, with the activations
-stp's own decoder units keep (`stp.costmodel.kept`): `run_estimate`, the one
+stp's own decoder units keep (`stp.costmodel.decoder.kept`): `run_estimate`, the one
 function `stp train` and `stp memory` (given a train command line) both call.
 
 - `--memory-budget SIZE`: the peak rank's total must fit SIZE (one device).
@@ -13,11 +13,11 @@ function `stp train` and `stp memory` (given a train command line) both call.
   host's available memory (MemAvailable): a run of `--seq-len 1048576` is
   refused in one line instead of allocating until the kernel kills it.
 
-Emulated stages are not checked; a mixture of experts is priced with its
-routed copies and router (`stp.costmodel.moe`) at the job's `ep` (1 where
-`stp train` has no `--ep`); the multimodal model (`--arch mllm`) through its
-family's cost spec, with what its encoder's and decoder's units keep
-(`stp.costmodel.mllm_memory`).
+Emulated stages are not checked. Each family is priced by its row of the cost
+model's family table (stp.costmodel.families: its spec from the run's config,
+its estimate): a mixture of experts with its routed copies and router
+(`stp.costmodel.moe`) at the job's `--ep`; the multimodal model with what its
+encoder's and decoder's units keep (`stp.costmodel.mllm.memory`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from typing import Any
 from stp.costmodel import HARDWARE
 from stp.costmodel.budget import parse_size
 from stp.costmodel.configs import spec_from_config
+from stp.costmodel.families import pricing_of_config
 from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.memory import Features, Layout, MemoryEstimate, estimate, format_bytes
-from stp.shapes import MLLMConfig, ModelConfig, MoEConfig
 
 __all__ = ["available_host_bytes", "check_memory", "no_estimate_reason", "run_estimate",
            "run_features"]
@@ -53,26 +53,24 @@ def no_estimate_reason(run: Any) -> str | None:
     job = run.job
     if job.emulate is not None:
         return "--emulate-compute stages wait instead of computing: they hold no model"
-    if type(run.config) not in (ModelConfig, MoEConfig, MLLMConfig):
-        return (f"--arch {job.arch}: the byte model prices the decoder, the mixture of "
-                "experts and the multimodal model only (stp.costmodel.memory)")
+    if pricing_of_config(run.config) is None:
+        return (f"--arch {job.arch}: the byte model prices the families of "
+                "stp.costmodel.families only (stp.costmodel.memory)")
     return None
 
 
 def run_features(job: Any, *, recompute: str | None = None,
                  shard_optimizer: bool | None = None) -> Features:
-    """What of `job` (a TrainJob) changes its memory. `--recompute` and
-    `--shard-optimizer` are read where the job has them; `recompute` and
-    `shard_optimizer` given here stand in for a job without them (`stp memory`'s
-    own flags)."""
+    """What of `job` (a TrainJob) changes its memory; `recompute` and
+    `shard_optimizer` given here stand in for the job's (`stp memory`'s own flags)."""
     if recompute is None:
-        recompute = getattr(job, "recompute", "none")
+        recompute = job.recompute
     if shard_optimizer is None:
-        shard_optimizer = bool(getattr(job, "shard_optimizer", False))
+        shard_optimizer = bool(job.shard_optimizer)
     return Features(dtype=job.dtype, offload=job.offload, recompute=recompute,
                     sequence_parallel=job.sequence_parallel and job.tp > 1,
                     shard_optimizer=shard_optimizer, runtime="stp",
-                    overlap_grad_sync=bool(getattr(job, "overlap_grad_sync", True)))
+                    overlap_grad_sync=bool(job.overlap_grad_sync))
 
 
 def run_estimate(run: Any, hardware: HardwareSpec | None = None,
@@ -85,18 +83,14 @@ def run_estimate(run: Any, hardware: HardwareSpec | None = None,
     if no_estimate_reason(run) is not None:
         return None
     job = run.job
-    if type(run.config) is MLLMConfig:  # the family's own cost spec (stp.costmodel.mllm)
-        spec = run.family.model.cost_spec(run.config, sequence=job.model.seq_len,
-                                          micro_batch=job.microbatch_size, tp=job.tp)
-    else:
-        spec = spec_from_config(run.config, seq_len=job.model.seq_len,
-                                microbatch_size=job.microbatch_size, tp=job.tp,
-                                flash_attention=False)
+    spec = spec_from_config(run.config, seq_len=job.model.seq_len,
+                            microbatch_size=job.microbatch_size, tp=job.tp,
+                            flash_attention=False)
     layout = Layout(pp=job.pp, tp=job.tp, dp=job.dp,
                     microbatches=run.schedule.num_microbatches,
                     microbatch_size=job.microbatch_size, seq_len=job.model.seq_len,
                     schedule=run.schedule.name, partition=run.partition,
-                    ep=getattr(job, "ep", 1))  # expert parallelism, where stp train has it
+                    ep=job.ep)
     return estimate(spec, hardware or HARDWARE["a100-80g"], layout,
                     features or run_features(job), schedule=run.schedule)
 

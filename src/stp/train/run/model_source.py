@@ -74,7 +74,7 @@ def shape_of(text: str) -> Any:
                          "(ASCII) expected")
     if is_preset(text):
         from stp.costmodel import parse_model
-        from stp.costmodel.mllm import MLLM_MODELS
+        from stp.costmodel.mllm.spec import MLLM_MODELS
 
         if text.split(",")[0].strip() in MLLM_MODELS:
             raise ValueError(f"--model {text.split(',')[0]}: a multimodal preset; stp train "

@@ -10,7 +10,7 @@ Parameters (one TP shard, as `stp.models.mllm.stage` builds and shards them;
                     positions have none), the text embedding `ceil(V / t) h`
     encoder block   `4 h_v^2 / t + 2 h_v f_v / t + 2 h_v` (two gains)
     merger          with the last block: `mw^2 / t + h mw / t + h_v`, mw = merge^2 h_v
-    decoder layer   as the decoder's (`stp.costmodel.memory.rank_parameters`)
+    decoder layer   as the decoder's (`stp.costmodel.decoder.memory.rank_parameters`)
     last stage      the final norm and the output layer `h + ceil(V / t) h`
 
 Kept activations under the `stp` runtime: a census of `stp.models.mllm.vision`'s
@@ -31,7 +31,7 @@ as its row-parallel matrix keeps it for W, likewise (`b S h w` or `P h_v w`).
                        B to W   b S h w + P h_v (c + 2w + 2w / t)
     input unit         F to B   P pd w / t + 9 b T + X + P h_v (c + w) + P c
                        B to W   P pd w / t + X + G + 8 b T / t + b T h w / t + P h_v c
-    decoder layer, loss head   `stp.costmodel.kept` over the S positions, with
+    decoder layer, loss head   `stp.costmodel.decoder.kept` over the S positions, with
                        two graphs per unit at every t (its t > 1 terms: the
                        multimodal stage does not fuse a layer at t = 1)
 
@@ -54,17 +54,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from stp.costmodel.decoder_costs import Derived
+from stp.costmodel.decoder.costs import Derived
+from stp.costmodel.decoder.kept import stp_kept
+from stp.costmodel.decoder.memory import assemble, layout_schedule
+from stp.costmodel.decoder.spec import ModelSpec
 from stp.costmodel.hardware import HardwareSpec
-from stp.costmodel.kept import stp_kept
-from stp.costmodel.mllm import CHANNELS, FRAMES_PER_PATCH, MLLMSpec
-from stp.costmodel.mllm_costs import derive_mllm, mllm_layered_costs
-from stp.costmodel.model import ModelSpec
-from stp.sim.costs import MemCosts
+from stp.costmodel.memory_types import DTYPE_BYTES, Features, Layout, MemoryEstimate
+from stp.costmodel.mllm.costs import derive_mllm, mllm_layered_costs
+from stp.costmodel.mllm.spec import CHANNELS, FRAMES_PER_PATCH, MLLMSpec
+from stp.schedule.ir import Schedule
+from stp.sim.costs import MemCosts, OffloadCosts
+from stp.sim.engine import simulate
+from stp.sim.layered import check_partition, even_partition
+from stp.sim.offload import plan_offload
+from stp.sim.result import SimResult
 from stp.sim.stages import StageCost, StageCosts
 
-__all__ = ["MLLMKept", "mllm_decoder_spec", "mllm_kept", "mllm_stage_parameters",
-           "mllm_stp_table"]
+__all__ = ["MLLMKept", "estimate_mllm", "mllm_decoder_spec", "mllm_kept",
+           "mllm_stage_parameters", "mllm_stp_table"]
 
 
 def mllm_decoder_spec(spec: MLLMSpec, *, sequence_parallel: bool = False,
@@ -80,7 +87,7 @@ def mllm_decoder_spec(spec: MLLMSpec, *, sequence_parallel: bool = False,
 
 
 def _decoder_layer_parameters(dec: ModelSpec) -> float:
-    """One TP rank's share of a decoder layer (as `stp.costmodel.memory`'s): Q and O
+    """One TP rank's share of a decoder layer (as `stp.costmodel.decoder.memory`'s): Q and O
     split by t, K and V by t or one kv head per rank, the SwiGLU MLP by t, two gains."""
     h, t, d = dec.hidden, dec.tp, dec.head_dim
     kv = max(dec.kv_heads // t, 1) * d
@@ -181,7 +188,7 @@ def mllm_stp_table(spec: MLLMSpec, hardware: HardwareSpec, pp: int, dtype_bytes:
     (`mllm_kept`): the multimodal cost model's times (`mllm_costs`), each part's bytes
     in units of one rank's share of the model's layers (encoder blocks, merger,
     decoder layers: the returned bytes per unit). Without full recomputation a W's
-    bytes are capped at what its B freed (as `stp.costmodel.memory`'s decoder table);
+    bytes are capped at what its B freed (as the decoder's table, `stp.costmodel.decoder.memory`);
     with it, B rebuilds the units and allocates the rest."""
     derived = derive_mllm(spec, hardware, pp)
     layered = mllm_layered_costs(spec, hardware, pp, derived.costs, derived.mem)
@@ -200,3 +207,55 @@ def mllm_stp_table(spec: MLLMSpec, hardware: HardwareSpec, pp: int, dtype_bytes:
     total_w = spec.vision_layers * k.block_w + k.merger_w + spec.layers * k.layer_w
     mem = MemCosts(m_b=1.0, m_w=min(1.0, total_w / pp / unit))
     return layered.table(counts), mem, unit, derived
+
+
+def estimate_mllm(spec: MLLMSpec, hardware: HardwareSpec, layout: Layout,
+                  features: Features = Features(), schedule: Schedule | None = None
+                  ) -> tuple[MemoryEstimate, SimResult]:
+    """`stp.costmodel.memory.estimate_run` for a multimodal model: its parameters per
+    stage and, under the `stp` runtime, what its units keep (above); under `megatron`
+    Qwen2-VL's encoder and Korthikanti's bytes (stp.costmodel.mllm.costs). The
+    layout's seq_len is the text tokens of a sample (the decoder sees the image
+    tokens too); the buffers are those of the decoder-wide packed stream."""
+    if layout.ep not in (None, 1):
+        raise ValueError(f"ep={layout.ep}: expert parallelism needs a mixture-of-experts "
+                         f"model; {spec.name} has no experts")
+    spec = replace(spec, tp=layout.tp, sequence=layout.seq_len,
+                   micro_batch=layout.microbatch_size)
+    sch = layout_schedule(layout, schedule)
+    if spec.total_layers < sch.num_stages:
+        raise ValueError(f"the model's {spec.vision_layers} vision + {spec.layers} decoder "
+                         f"layers cannot fill {sch.num_stages} stages of {layout.schedule} at "
+                         f"pp={layout.pp}")
+    counts = (even_partition(spec.total_layers, sch.num_stages) if layout.partition is None
+              else check_partition(layout.partition, sch.num_stages, spec.total_layers))
+    width, stp = DTYPE_BYTES[features.dtype], features.runtime == "stp"
+    sp = features.sequence_parallel and layout.tp > 1
+    notes = []
+    if stp:
+        table, mem, unit, derived = mllm_stp_table(
+            spec, hardware, layout.pp, width, counts, sequence_parallel=sp,
+            recompute=features.recompute)
+        if sp:
+            notes.append("with sequence parallelism the vision encoder's kept bytes are "
+                         "derived, not census-checked (stp.costmodel.mllm.memory)")
+    else:
+        derived = derive_mllm(spec, hardware, layout.pp)
+        table = mllm_layered_costs(spec, hardware, layout.pp, derived.costs,
+                                   derived.mem).table(counts)
+        mem, unit = derived.mem, derived.bytes_per_unit * width / 2
+        if sp or features.recompute != "none":
+            notes.append("the multimodal model's activation formulas (stp.costmodel.mllm) "
+                         "count neither sequence parallelism nor recomputation")
+    oc = OffloadCosts(bandwidth=hardware.host_bandwidth / 1e3, act_bytes=unit)
+    plan = plan_offload(sch, features.offload, derived.costs, mem, oc, stages=table)
+    res = simulate(sch, derived.costs, mem, offload=plan if len(plan) else None,
+                   offload_costs=oc, record_spans=False, stages=table)
+    stage_params = mllm_stage_parameters(spec, counts, stp_runtime=stp)
+    params = [0] * sch.num_ranks
+    for stage, n in enumerate(stage_params):
+        params[sch.stage_to_rank[stage]] += n
+    dec = mllm_decoder_spec(spec, sequence_parallel=sp, recompute=features.recompute)
+    est = assemble(dec, res, unit, features, replace(layout, partition=counts, ep=None),
+                    (params, [0] * sch.num_ranks), (stage_params, [0] * len(stage_params)))
+    return replace(est, notes=(*est.notes, *notes)), res

@@ -12,7 +12,7 @@ merge` window (`n / merge^2` image tokens, each `merge^2 h_v` wide) and a
 
 Encoder block, one microbatch (`b` samples, `I` images each, `h_v` width,
 `f_v` MLP width, `t` TP size; FLOPs count matmuls, 2 per multiply-add, as
-`stp.costmodel.model`; its GELU MLP has 2 matrices and QKV has 3 h_v wide
+`stp.costmodel.decoder.spec`; its GELU MLP has 2 matrices and QKV has 3 h_v wide
 outputs):
 
     linear  L = 2 n I b (4 h_v^2 + 2 h_v f_v)
@@ -20,7 +20,7 @@ outputs):
     F = (L + A) / t    B = (L + 2A) / t    W = L / t
 
 that is, per image token `2 (4 h_v^2 + 2 h_v f_v) + 4 n h_v` forward FLOPs.
-Activation bytes are `stp.costmodel.model`'s formulas with `n` as the
+Activation bytes are `stp.costmodel.decoder.spec`'s formulas with `n` as the
 sequence and `I b` sequences (flash attention: no n^2 term). Merger:
 `2 (n / merge^2) I b (merge^2 h_v)(merge^2 h_v + h) / t` FLOPs per pass;
 patch embedding: `2 n I b (3 * 2 * patch^2) h_v` in F and in W only (pixels
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from stp.costmodel.model import ModelSpec, layer_activation_bytes, layer_flops
+from stp.costmodel.decoder.spec import ModelSpec, layer_activation_bytes, layer_flops
 
 __all__ = [
     "MLLM_MODELS",

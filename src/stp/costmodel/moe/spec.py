@@ -6,7 +6,7 @@ by a router over `experts` SwiGLU experts of width `expert_ffn`, each token
 going to its `top_k`, plus an optional shared expert of width
 `shared_expert_ffn` with its sigmoid gate (Qwen2-MoE, "Qwen2 Technical
 Report", arXiv 2407.10671; Mixtral, "Mixtral of Experts", arXiv
-2401.04088). The decoder's formulas (`stp.costmodel.model`) read the MLP
+2401.04088). The decoder's formulas (`stp.costmodel.decoder.spec`) read the MLP
 through three hooks, each a mean over the model's layers:
 
     mlp_width      what a token computes: k x expert_ffn + shared_expert_ffn
@@ -29,7 +29,7 @@ Parameters: the experts (E x 3 h expert_ffn per MoE layer) are split over
 `ep` expert-parallel ranks (and over t, as stp shards each expert); the
 router, the shared expert, its gate and attention are not
 (`ModelSpec.mlp_parameters`); the router and the gate are whole on every TP
-rank (`router_parameters`).
+rank (`MoESpec.router_parameters`).
 
 The all-to-all (expert parallelism, "GShard", arXiv 2006.16668; the
 DeepSeek-V3 report, arXiv 2412.19437, section 3.2): two per MoE layer in F,
@@ -57,14 +57,13 @@ every token), so the bytes do not fall with t.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
+from stp.costmodel.decoder.spec import ModelSpec
 from stp.costmodel.hardware import HardwareSpec
-from stp.costmodel.model import ModelSpec
 
-__all__ = ["MoESpec", "a2a_bytes", "a2a_time", "active_parameters", "layer_a2a_time",
-           "router_parameters"]
+__all__ = ["MoESpec", "a2a_bytes", "a2a_time", "active_parameters"]
 
 
 @dataclass(frozen=True)
@@ -129,14 +128,56 @@ class MoESpec(ModelSpec):
         dense = (1 - x) * 3 * h * self.ffn + x * moe_dense
         return dense, x * self.experts * 3 * h * self.expert_ffn
 
+    # the decoder's expert-parallel questions (stp.costmodel.decoder.spec), answered
 
-def router_parameters(spec: ModelSpec) -> float:
-    """A layer's router and shared-expert gate (a mean over layers): weights every TP
-    rank holds whole (stp.models.moe: replicated over TP); 0 for a dense model."""
-    if not isinstance(spec, MoESpec):
-        return 0.0
-    gate = spec.hidden if spec.shared_expert_ffn else 0
-    return spec.moe_fraction * (spec.hidden * spec.experts + gate)
+    @property
+    def has_experts(self) -> bool:
+        return True
+
+    def ep_sizes(self) -> tuple[int, ...]:
+        return tuple(n for n in range(1, self.experts + 1) if self.experts % n == 0)
+
+    def with_ep(self, ep: int) -> MoESpec:
+        return self if ep == self.ep else replace(self, ep=ep)
+
+    def at_layout_ep(self, ep: int | None, dp: int) -> tuple[MoESpec, str | None]:
+        if ep is not None:
+            if self.experts % ep:
+                raise ValueError(f"ep={ep} must divide the model's {self.experts} experts")
+            return replace(self, ep=ep), None
+        if dp % self.ep == 0:
+            return self, None
+        return replace(self, ep=1), (f"{self.name}'s ep={self.ep} does not divide dp={dp}: "
+                                     f"priced at ep=1 (give dp a multiple of {self.ep}, or ep)")
+
+    def router_parameters(self) -> float:
+        """A layer's router and shared-expert gate (a mean over layers): weights every
+        TP rank holds whole (stp.models.moe: replicated over TP)."""
+        gate = self.hidden if self.shared_expert_ffn else 0
+        return self.moe_fraction * (self.hidden * self.experts + gate)
+
+    @property
+    def a2a_copies(self) -> float:
+        return float(self.top_k) if self.ep > 1 else 0.0
+
+    def layer_a2a_time(self, hardware: HardwareSpec) -> float:
+        """Two all-to-alls per MoE layer (dispatch, combine; B: their duals)."""
+        return 2 * self.moe_fraction * a2a_time(self, hardware)
+
+    def kept_extra(self, dtype_bytes: int, tp: int, native_weights: bool) -> float:
+        """What the census finds an MoE unit keeping per token beside the dense MLP
+        unit's count at the same width, its routed copies and its router (measured,
+        stp.costmodel.decoder.kept): 4 w h + 28 bytes (the routed sum's h-wide
+        tensors), w h more with a shared expert (its output, kept by the gate's
+        product); at t = 1 in float32 with W inside B, none of the 8 h float32 norm
+        values the dense unit keeps for autograd's W. At t > 1 the dense count (two
+        graphs, full-width partial outputs) already holds the 4 w h + 28: fitted to
+        one measured run (`benchmarks/bench_memory.py`, moe-stp-tp2)."""
+        w, h = dtype_bytes, self.hidden
+        extra = w * h if self.shared_expert_ffn else 0
+        if tp == 1:
+            extra += 4 * w * h + 28 - (8 * h if native_weights and w == 4 else 0)
+        return self.moe_fraction * extra
 
 
 def active_parameters(spec: MoESpec, *, tied_embeddings: bool = False) -> int:
@@ -168,10 +209,3 @@ def a2a_time(spec: MoESpec, hardware: HardwareSpec, dtype_bytes: int = 2) -> flo
     return (ep - 1) * latency + max(local * per_peer / hardware.tp_bandwidth,
                                     remote * per_peer / hardware.pp_bandwidth)
 
-
-def layer_a2a_time(spec: ModelSpec, hardware: HardwareSpec) -> float:
-    """Seconds of a layer's all-to-alls in one F (or B) pass, a layer's mean: two
-    per MoE layer (dispatch, combine; B: their duals); 0 for a dense model."""
-    if not isinstance(spec, MoESpec):
-        return 0.0
-    return 2 * spec.moe_fraction * a2a_time(spec, hardware)

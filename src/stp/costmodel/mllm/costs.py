@@ -12,7 +12,7 @@ train --arch mllm` cuts them). One microbatch, one TP rank:
                     merger's matmuls, one all-reduce of its s_img b h output
                     per pass, its input (4 merge^2 n I b h_v / merge^2 bytes:
                     input and hidden, 16-bit) kept
-    decoder layer   `stp.costmodel.model` over `sequence + image tokens`
+    decoder layer   `stp.costmodel.decoder.spec` over `sequence + image tokens`
                     positions
     first stage     the token embedding (`stp.costmodel.stages`) and the
                     patch embedding (F and W), keeping the pixels' patches
@@ -29,15 +29,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from stp.costmodel.decoder_costs import (
+from stp.costmodel.decoder.costs import (
     Derived,
     decoder_model_flops,
     derive_decoder,
     edge_costs,
     head_flops,
 )
+from stp.costmodel.decoder.spec import layer_activation_bytes, layer_flops
 from stp.costmodel.hardware import HardwareSpec, allreduce_time, p2p_time
-from stp.costmodel.mllm import (
+from stp.costmodel.mllm.spec import (
     MLLMSpec,
     decoder_view,
     merger_flops,
@@ -45,7 +46,6 @@ from stp.costmodel.mllm import (
     vision_layer_bytes,
     vision_layer_flops,
 )
-from stp.costmodel.model import layer_activation_bytes, layer_flops
 from stp.schedule.memory import MemCosts
 from stp.sim.costs import Costs
 from stp.sim.layered import LayeredCosts

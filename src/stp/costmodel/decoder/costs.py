@@ -6,7 +6,7 @@ One rank's share (`derive_decoder`): what one rank does for one microbatch
 (its share: `L = layers / pp` transformer layers, all of its chunks together;
 `stp.sim.costs`):
 
-    f, b, w   L x (F, B, W FLOPs of a layer, `stp.costmodel.model`) / achieved FLOP/s
+    f, b, w   L x (F, B, W FLOPs of a layer, `stp.costmodel.decoder.spec`) / achieved FLOP/s
     ar        L x 2 all-reduces of the layer output (s b h 16-bit values) in one
               F pass (Megatron-LM TP: after attention and after the MLP; B has the
               same two on the input gradients; Shoeybi et al. 2019, section 3)
@@ -34,7 +34,7 @@ Per-stage costs (`edge_costs`, `decoder_layered_costs`): the embedding on
 the first stage, the output layer and the loss on the last, every layer on
 the stage that holds it. What the first and last stages add to their layers, one microbatch, one TP
 rank (`s` sequence, `b` microbatch size, `h` hidden, `V` vocabulary, `t`
-TP size; FLOPs count matmuls, 2 per multiply-add, as `stp.costmodel.model`):
+TP size; FLOPs count matmuls, 2 per multiply-add, as `stp.costmodel.decoder.spec`):
 
     embedding   F: a row lookup, no matmul; the vocab-parallel lookup ends in
                    one all-reduce of the s b h output (Megatron-LM, Shoeybi
@@ -62,6 +62,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from stp.costmodel.decoder.spec import ModelSpec, layer_activation_bytes, layer_flops
 from stp.costmodel.hardware import (
     HardwareSpec,
     allgather_time,
@@ -69,8 +70,6 @@ from stp.costmodel.hardware import (
     p2p_time,
     reduce_scatter_time,
 )
-from stp.costmodel.model import ModelSpec, layer_activation_bytes, layer_flops
-from stp.costmodel.moe import layer_a2a_time
 from stp.schedule.memory import MemCosts
 from stp.sim.costs import Costs
 from stp.sim.layered import LayeredCosts
@@ -138,7 +137,7 @@ def derive_decoder(model: ModelSpec, hardware: HardwareSpec, pp: int) -> Derived
     comm = p2p_time(sent, hardware.pp_bandwidth, hardware.pp_latency)
     m_b, m_w = layer_activation_bytes(model)
     unit = m_b * per_rank
-    a2a = per_rank * layer_a2a_time(model, hardware)  # expert parallelism (costmodel.moe)
+    a2a = per_rank * model.layer_a2a_time(hardware)  # expert parallelism (costmodel.moe)
     costs = Costs(f=f_fl * ms, b=b_fl * ms, w=w_fl * ms, ar=ar * 1e3, comm=comm * 1e3,
                   ag=gather * 1e3, rs=scatter * 1e3, a2a=a2a * 1e3)
     lm_head = 2.0 * s * b * h * model.vocab / t * ms

@@ -1,6 +1,6 @@
 """What stp's own decoder units keep for their backward: a census, in bytes.
 
-`stp.costmodel.model`'s activation formulas are Korthikanti et al.'s
+`stp.costmodel.decoder.spec`'s activation formulas are Korthikanti et al.'s
 counting ("Reducing Activation Recomputation in Large Transformer Models",
 arXiv 2205.05198) for a Megatron-style layer. stp's runtime
 (`stp.models.decoder.units`, torch's scaled_dot_product_attention) keeps
@@ -43,7 +43,7 @@ and `2 w h` B to W, and the router's `routing_bytes`; the census of
 without a shared expert, float32 and bfloat16, t = 1) finds 4 w h + 28
 bytes more per token and MoE layer, w h more with a shared expert, and at
 t = 1 in float32 with W inside B not the dense unit's 8 h of norm values
-(`_moe_unit_extra`): fitted to the census, not derived; with them every
+(`MoESpec.kept_extra`): fitted to the census, not derived; with them every
 case measured agrees within 11 bytes a token (0.3%). At t = 2 the dense
 count already holds the 4 w h + 28 (one measured run, the `moe-stp-tp2`
 row of `benchmarks/results/memory.md`; no census at t > 1 yet).
@@ -70,7 +70,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stp.costmodel.model import ModelSpec
+from stp.costmodel.decoder.spec import ModelSpec
 
 __all__ = ["Kept", "stp_kept"]
 
@@ -94,24 +94,6 @@ def _measured(table: dict[tuple[int, bool], int], w: int, native: bool) -> float
     return table.get((w, native), table[4, native] * w / 4)
 
 
-def _moe_unit_extra(spec: ModelSpec, w: int, t: int, native_weights: bool) -> float:
-    """What the census finds an MoE unit keeping per token beside the dense MLP unit's
-    count at the same width, its routed copies and its router (measured, module doc):
-    4 w h + 28 bytes (the routed sum's h-wide tensors), w h more with a shared expert
-    (its output, kept by the gate's product); at t = 1 in float32 with W inside B,
-    none of the 8 h float32 norm values the dense unit keeps for autograd's W. At
-    t > 1 the dense count (two graphs, full-width partial outputs) already holds the
-    4 w h + 28: fitted to one measured run (`benchmarks/bench_memory.py`, moe-stp-tp2)."""
-    moe = getattr(spec, "moe_fraction", 0.0)
-    if not moe:
-        return 0.0
-    h = spec.hidden
-    extra = w * h if getattr(spec, "shared_expert_ffn", 0) else 0
-    if t == 1:  # at t > 1 the dense unit's two graphs and full-width partials hold them
-        extra += 4 * w * h + 28 - (8 * h if native_weights and w == 4 else 0)
-    return moe * extra
-
-
 def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False, *,
              two_graphs: bool = False) -> Kept:
     """The census formulas of the module doc for `spec` (its tp, sequence,
@@ -120,7 +102,7 @@ def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False, *,
     at t = 1 autograd computes the weight gradients and the norms keep float32
     values for them; a schedule that defers W taps the linears instead.
     `two_graphs`: every unit keeps two graphs even at t = 1, as the t > 1 terms
-    count (the multimodal stage's decoder units, stp.costmodel.mllm_memory: the
+    count (the multimodal stage's decoder units, stp.costmodel.mllm.memory: the
     t > 1 terms reproduce its census at t = 1 to the byte)."""
     # f: the width a token computes (a mixture of experts: its top-k and shared experts)
     h, f, a, t, v = spec.hidden, spec.mlp_width, spec.heads, spec.tp, spec.vocab
@@ -139,8 +121,8 @@ def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False, *,
     # the expert's output before its routing weight (h each) and the token index (8), and
     # the router's logits and softmax; W reads each copy's input and output gradient
     copies = spec.routed_copies
-    layer_b += copies * (3 * w * h + 8) + spec.routing_bytes + _moe_unit_extra(spec, w, t,
-                                                                               native_weights)
+    layer_b += copies * (3 * w * h + 8) + spec.routing_bytes + spec.kept_extra(w, t,
+                                                                              native_weights)
     layer_w += copies * 2 * w * h
     if one_graph:  # bytes per h counted beside the ids and mask, and in the loss head
         first_b = 9 + _measured({(4, True): 4, (4, False): 12, (2, True): 6, (2, False): 6},

@@ -64,6 +64,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
+from stp.costmodel.hardware import HardwareSpec
+
 __all__ = ["RECOMPUTE_MODES", "ModelSpec", "decoder_only", "layer_flops", "layer_activation_bytes",
            "num_parameters"]
 
@@ -146,7 +148,7 @@ class ModelSpec:
 
     # What a layer's MLP is, as the formulas below read it. A dense MLP: one
     # input of h values per token, a hidden layer of f. A mixture of experts
-    # (stp.costmodel.moe.MoESpec) overrides these with its routed copies.
+    # (stp.costmodel.moe.spec.MoESpec) overrides these with its routed copies.
 
     @property
     def mlp_width(self) -> float:
@@ -169,6 +171,56 @@ class ModelSpec:
         """(dense, expert) MLP weights of a layer (a layer's mean, whole model): the
         expert ones are split over expert-parallel ranks, the dense ones are not."""
         return float(self.mlp_matrices * self.hidden * self.ffn), 0.0
+
+    # Expert parallelism, as the shared memory, time and planner code asks it: a
+    # decoder has no experts; a mixture of experts (stp.costmodel.moe.spec) answers
+    # otherwise. The questions live on the spec so that no caller tests its class.
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel ranks the spec is cut for (1: no experts to split)."""
+        return 1
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether the MLP routes tokens to experts (and ep is a mesh axis)."""
+        return False
+
+    def ep_sizes(self) -> tuple[int, ...]:
+        """The expert-parallel sizes the model's experts split into."""
+        return (1,)
+
+    def with_ep(self, ep: int) -> ModelSpec:
+        """The spec cut for `ep` expert-parallel ranks; ValueError (one line) for a
+        size the model cannot take."""
+        if ep != 1:
+            raise ValueError(f"ep={ep}: expert parallelism needs a mixture-of-experts "
+                             f"model; {self.name} has no experts")
+        return self
+
+    def at_layout_ep(self, ep: int | None, dp: int) -> tuple[ModelSpec, str | None]:
+        """The spec at a layout's `ep` (None: the spec's own, where it divides `dp`),
+        and a note when the spec's own ep was set aside (stp.costmodel.memory_types
+        `Layout.ep`)."""
+        return self.with_ep(1 if ep is None else ep), None
+
+    def router_parameters(self) -> float:
+        """A layer's weights every TP rank holds whole (a router, its gate): none."""
+        return 0.0
+
+    @property
+    def a2a_copies(self) -> float:
+        """h-wide values per token one all-to-all moves at ep > 1 (none without experts)."""
+        return 0.0
+
+    def layer_a2a_time(self, hardware: HardwareSpec) -> float:
+        """Seconds of a layer's all-to-alls in one F (or B) pass: none."""
+        return 0.0
+
+    def kept_extra(self, dtype_bytes: int, tp: int, native_weights: bool) -> float:
+        """Bytes per token a layer's units keep beyond the census formulas
+        (stp.costmodel.decoder.kept): none for the decoder they were fitted to."""
+        return 0.0
 
 
 def layer_flops(spec: ModelSpec) -> tuple[float, float, float]:
