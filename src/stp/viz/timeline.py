@@ -23,14 +23,14 @@ from collections.abc import Sequence
 from stp.schedule.ir import Kind, passes_of
 from stp.sim.result import SimResult, Span
 from stp.viz import colors as C
-from stp.viz.scene import Line, Poly, Rect, Scene, Text, fmt_num, nice_ticks, text_width
+from stp.viz.bands import LEFT, Bands
+from stp.viz.scene import Line, Poly, Rect, Scene, Text, fmt_num, text_width
 
 __all__ = ["timeline_scene", "tp_rect", "tp_kinds"]
 
-_LEFT, _RIGHT, _TOP = 92.0, 24.0, 106.0
 _LANE_H = {"compute": 26.0, "tp": 9.0, "send": 6.0, "d2h": 6.0, "h2d": 6.0}
 _LANE_NAME = {"compute": "", "tp": "TP", "send": "send", "d2h": "D2H", "h2d": "H2D"}
-_MEM_H, _GAP, _RANK_GAP = 30.0, 3.0, 16.0
+_MEM_H = 30.0
 _EPS = 1e-9
 
 
@@ -58,7 +58,7 @@ def _shortest_pass(res: SimResult) -> float:
     return min((x for x in (c.f, c.b, c.w) if x > 0), default=1.0) / res.schedule.chunks
 
 
-class _Layout:
+class _Layout(Bands):
     def __init__(self, res: SimResult, plot_width: float | None) -> None:
         self.res = res
         sch = res.schedule
@@ -66,32 +66,15 @@ class _Layout:
         self.by_lane: dict[tuple[int, str], list[Span]] = defaultdict(list)
         for s in res.spans:
             self.by_lane[(s.rank, s.lane)].append(s)
-        self.lanes = ["compute"] + [
+        lanes = ["compute"] + [
             ln for ln in ("tp", "send", "d2h", "h2d")
             if any(self.by_lane.get((r, ln)) for r in range(sch.num_ranks))
         ]
-        self.t_end = max([res.makespan, *(s.end for s in res.spans)]) or 1.0
+        t_end = max([res.makespan, *(s.end for s in res.spans)]) or 1.0
         shortest = _shortest_pass(res)
-        # about 18 px for the shortest pass, so a two-digit microbatch fits
-        want = self.t_end / shortest * 18.0
-        self.plot_w = plot_width or min(max(want, 800.0), 2800.0)
-        self.px = self.plot_w / self.t_end
+        super().__init__(lanes, _LANE_H, sch.num_ranks, t_end, shortest, plot_width,
+                         extra_h=_MEM_H)
         self.font = 10.0 if shortest * self.px >= 16 else 9.0
-        self.band_h = sum(_LANE_H[ln] + _GAP for ln in self.lanes) + _MEM_H
-        self.width = _LEFT + self.plot_w + _RIGHT
-        self.plot_bottom = _TOP + sch.num_ranks * (self.band_h + _RANK_GAP) - _RANK_GAP
-        self.height = self.plot_bottom + 52.0
-
-    def x(self, t: float) -> float:
-        return _LEFT + t * self.px
-
-    def lane_y(self, rank: int, lane: str) -> float:
-        y = _TOP + rank * (self.band_h + _RANK_GAP)
-        for ln in self.lanes:
-            if ln == lane:
-                return y
-            y += _LANE_H[ln] + _GAP
-        return y  # the memory strip
 
     def mem_y(self, rank: int) -> float:
         return self.lane_y(rank, "memory")
@@ -106,18 +89,14 @@ def timeline_scene(
     L = _Layout(res, plot_width)
     sc = Scene(L.width, L.height)
     _header(sc, L, title)
-    ticks = nice_ticks(L.t_end, target=max(4, int(L.plot_w // 90)))
-    for r in range(res.schedule.num_ranks):
-        for ln in L.lanes:
-            sc.add(Rect(_LEFT, L.lane_y(r, ln), L.plot_w, _LANE_H[ln], fill=C.LANE_BG))
-    for t in ticks:
-        sc.add(Line(L.x(t), _TOP - 4, L.x(t), L.plot_bottom, color=C.GRID, width=1.0))
+    ticks = L.ticks()
+    L.draw_lanes(sc, res.schedule.num_ranks, ticks)
     for r in range(res.schedule.num_ranks):
         _rank_labels(sc, L, r)
         _compute_lane(sc, L, r)
         _plain_lanes(sc, L, r)
         _memory(sc, L, r)
-    _axis(sc, L, ticks)
+    L.draw_axis(sc, ticks, "time (units of the --cost inputs)")
     return sc
 
 
@@ -211,12 +190,12 @@ def _legend(sc: Scene, L: _Layout, x: float, y: float) -> None:
 
 def _rank_labels(sc: Scene, L: _Layout, r: int) -> None:
     y = L.lane_y(r, "compute")
-    sc.add(Text(_LEFT - 8, y + _LANE_H["compute"] / 2 + 4, f"rank {r}", size=12, bold=True,
+    sc.add(Text(LEFT - 8, y + _LANE_H["compute"] / 2 + 4, f"rank {r}", size=12, bold=True,
                 color=C.INK, anchor="end"))
     for ln in L.lanes[1:]:
-        sc.add(Text(_LEFT - 8, L.lane_y(r, ln) + _LANE_H[ln] - 0.5, _LANE_NAME[ln], size=8,
+        sc.add(Text(LEFT - 8, L.lane_y(r, ln) + _LANE_H[ln] - 0.5, _LANE_NAME[ln], size=8,
                     color=C.MUTED, anchor="end"))
-    sc.add(Text(_LEFT - 8, L.mem_y(r) + _MEM_H / 2 + 3, "memory", size=8, color=C.MUTED,
+    sc.add(Text(LEFT - 8, L.mem_y(r) + _MEM_H / 2 + 3, "memory", size=8, color=C.MUTED,
                 anchor="end"))
 
 
@@ -326,17 +305,7 @@ def _memory(sc: Scene, L: _Layout, r: int) -> None:
     px, py = L.x(hit), base - peak * scale
     sc.add(Poly(((px - 4, py - 6), (px + 4, py - 6), (px, py)), color=None, fill=C.PEAK_COLOR))
     text = f"peak {fmt_num(peak)} M_B"
-    right = px + 6 + text_width(text, 9) < _LEFT + L.plot_w
+    right = px + 6 + text_width(text, 9) < LEFT + L.plot_w
     # inside the strip, under the curve's top, so the curve never crosses the text
     sc.add(Text(px + 6 if right else px - 6, base - 4, text, size=9, color=C.PEAK_COLOR,
                 anchor="start" if right else "end", bold=True))
-
-
-def _axis(sc: Scene, L: _Layout, ticks: list[float]) -> None:
-    y = L.plot_bottom + 6
-    sc.add(Line(_LEFT, y, _LEFT + L.plot_w, y, color=C.INK, width=1.0))
-    for t in ticks:
-        sc.add(Line(L.x(t), y, L.x(t), y + 5, color=C.INK, width=1.0))
-        sc.add(Text(L.x(t), y + 17, fmt_num(t), size=10, color=C.INK, anchor="middle"))
-    sc.add(Text(_LEFT + L.plot_w / 2, y + 36, "time (units of the --cost inputs)", size=11,
-                color=C.MUTED, anchor="middle"))
