@@ -19,8 +19,8 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from stp.models import ModelConfig
 from stp.models.decoder.init import init_full, parameter_specs
-from stp.models.decoder.reference import register_dotted
 from stp.models.decoder.rope import RopeCache, apply_rope
+from stp.models.param_names import register_dotted
 from stp.schedule import Schedule
 from stp.schedule import io as schedule_io
 from stp.schedule.placement import stage_layers

@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from stp.models.decoder.init import ParamSpec, init_full, parameter_specs
+from stp.models.param_names import register_dotted
 from stp.shapes.decoder import IGNORE_INDEX, ModelConfig, RopeScaling
 
-__all__ = ["ReferenceModel", "build_reference", "register_dotted", "rope_frequencies", "rotate"]
+__all__ = ["ReferenceModel", "build_reference", "rope_frequencies", "rotate"]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,19 +61,6 @@ def rotate(x: torch.Tensor, freqs: list[float]) -> torch.Tensor:
     c, si = angle.cos().to(x), angle.sin().to(x)
     a, b = x[..., :half], x[..., half:]
     return torch.cat([a * c - b * si, a * si + b * c], dim=-1)
-
-
-def register_dotted(root: nn.Module, name: str, param: nn.Parameter) -> None:
-    """Register `param` under its dotted stage name (`layers.3.attn.wq.weight`) in
-    `root`, through plain container modules made on the way, so that a model
-    written apart from the stages still has their parameter names."""
-    *path, leaf = name.split(".")
-    module = root
-    for part in path:
-        if part not in module._modules:
-            module.add_module(part, nn.Module())
-        module = module._modules[part]  # type: ignore[assignment]  # add_module just made it
-    module.register_parameter(leaf, param)
 
 
 class ReferenceModel(nn.Module):
