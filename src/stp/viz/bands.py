@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from stp.viz import colors as C
-from stp.viz.scene import Line, Rect, Scene, Text, fmt_num, nice_ticks
+from stp.viz.scene import Line, Rect, Scene, Text, fmt_num, nice_ticks, text_width
 
-__all__ = ["Bands", "LEFT", "TOP"]
+__all__ = ["Bands", "LEFT", "Legend", "TOP"]
 
 LEFT, RIGHT, TOP = 92.0, 24.0, 106.0
 """Margins: rank and lane labels on the left, the header above."""
@@ -70,3 +70,42 @@ class Bands:
             sc.add(Text(self.x(t), y + 17, fmt_num(t), size=10, color=C.INK, anchor="middle"))
         sc.add(Text(LEFT + self.plot_w / 2, y + 36, caption, size=11, color=C.MUTED,
                     anchor="middle"))
+
+
+class Legend:
+    """The header's row of swatches, each followed by its name, left to right."""
+
+    SW, SH, FS = 14.0, 11.0, 11.0
+    """Swatch width and height, name font size."""
+
+    def __init__(self, sc: Scene, x: float, y: float) -> None:
+        self.sc, self.x, self.y = sc, x, y
+
+    def label(self, text: str) -> None:
+        self.sc.add(Text(self.x, self.y + self.SH - 1, text, size=self.FS, color=C.INK))
+        self.x += text_width(text, self.FS) + 16
+
+    def swatch(self, fill: str, name: str, *, thin: bool = False) -> None:
+        """A filled swatch (`thin`: a lane's height, for a collective or a copy), named."""
+        if thin:
+            self.sc.add(Rect(self.x, self.y + 3, self.SW, self.SH - 6, fill=fill))
+        else:
+            self.sc.add(Rect(self.x, self.y, self.SW, self.SH, fill=fill))
+        self.x += self.SW + 4
+        self.label(name)
+
+    def frame(self, name: str) -> None:
+        """The dark frame a braided block is drawn in, named."""
+        self.sc.add(Rect(self.x, self.y, self.SW, self.SH, stroke=C.FRAME_COLOR,
+                         stroke_width=1.4))
+        self.x += self.SW + 4
+        self.label(name)
+
+    def tp_kinds(self, kinds: list[str]) -> None:
+        """One thin swatch per TP collective drawn (AR, RS, AG, A2A)."""
+        for kind in kinds:
+            self.swatch(C.TP_COLORS[kind], C.TP_NAMES[kind], thin=True)
+
+    def close(self) -> None:
+        """Widen the scene to the row's end."""
+        self.sc.width = max(self.sc.width, self.x + 12)

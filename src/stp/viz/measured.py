@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from stp.sim.result import Span
 from stp.viz import colors as C
-from stp.viz.bands import LEFT, Bands
+from stp.viz.bands import LEFT, Bands, Legend
 from stp.viz.measured_read import MeasuredTrace
 from stp.viz.scene import Line, Rect, Scene, Text, fmt_num, text_width
 from stp.viz.timeline import tp_kinds, tp_rect
@@ -119,38 +119,21 @@ def _summary(trace: MeasuredTrace, L: _Layout) -> list[str]:
 
 
 def _legend(sc: Scene, L: _Layout, trace: MeasuredTrace) -> None:
-    x, y, sw, sh, fs = 12.0, 80.0, 14.0, 11.0, 11.0
-
-    def label(text: str) -> None:
-        nonlocal x
-        sc.add(Text(x, y + sh - 1, text, size=fs, color=C.INK))
-        x += text_width(text, fs) + 16
-
+    leg = Legend(sc, 12.0, 80.0)
     kinds = {s.kind for s in trace.spans if s.lane == "compute"}
     for kind, name in (("F", "F forward"), ("B", "B input grad"), ("W", "W weight grad")):
         if kind in kinds:
-            sc.add(Rect(x, y, sw, sh, fill=C.pass_color(kind, 0, 1)))
-            x += sw + 4
-            label(name)
+            leg.swatch(C.pass_color(kind, 0, 1), name)
     if any(s.braided for s in trace.spans if s.lane == "compute"):
-        sc.add(Rect(x, y, sw, sh, stroke=C.FRAME_COLOR, stroke_width=1.4))
-        x += sw + 4
-        label("braided block (F mb | other mb)")
-    for kind in tp_kinds(L.by_lane, "tp"):
-        sc.add(Rect(x, y + 3, sw, sh - 6, fill=C.TP_COLORS[kind]))
-        x += sw + 4
-        label(C.TP_NAMES[kind])
+        leg.frame("braided block (F mb | other mb)")
+    leg.tp_kinds(tp_kinds(L.by_lane, "tp"))
     if "send" in L.lanes:
-        sc.add(Rect(x, y + 3, sw, sh - 6, fill=C.SEND_COLOR))
-        x += sw + 4
-        label("send / receive")
+        leg.swatch(C.SEND_COLOR, "send / receive", thin=True)
     if "dp" in L.lanes:
-        sc.add(Rect(x, y + 3, sw, sh - 6, fill=C.DP_COLOR))
-        x += sw + 4
         gathers = any(s.kind == "DP-AG" for s in trace.spans if s.lane == "dp")
-        label("DP gradient reduction / parameter all-gather" if gathers
-              else "DP gradient reduction")
-    sc.width = max(sc.width, x + 12)
+        leg.swatch(C.DP_COLOR, "DP gradient reduction / parameter all-gather" if gathers
+                   else "DP gradient reduction", thin=True)
+    leg.close()
 
 
 def _compute(sc: Scene, L: _Layout, trace: MeasuredTrace, band: int, r: int) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from stp.schedule.ir import Kind, passes_of
 from stp.sim.result import SimResult, Span
 from stp.viz import colors as C
-from stp.viz.bands import LEFT, Bands
+from stp.viz.bands import LEFT, Bands, Legend
 from stp.viz.scene import Line, Poly, Rect, Scene, Text, fmt_num, text_width
 
 __all__ = ["timeline_scene", "tp_rect", "tp_kinds"]
@@ -137,55 +137,41 @@ def _legend(sc: Scene, L: _Layout, x: float, y: float) -> None:
     sch = L.res.schedule
     kinds = {p.kind for r in range(sch.num_ranks) for p in sch.passes(r)}
     braided = any(s.braided for s in L.res.spans)
-    sw, sh, fs = 14.0, 11.0, 11.0
-
-    def label(text: str) -> None:
-        nonlocal x
-        sc.add(Text(x, y + sh - 1, text, size=fs, color=C.INK))
-        x += text_width(text, fs) + 16
-
+    leg = Legend(sc, x, y)
+    sw, sh = leg.SW, leg.SH
     for kind, key, name in ((Kind.F, "F", "F forward"), (Kind.B, "B", "B input grad"),
                             (Kind.W, "W", "W weight grad"), (Kind.BW, "B", "B+W full backward")):
         if kind not in kinds:
             continue
-        for ch in range(L.v):
-            fill = C.pass_color(key, ch, L.v)
-            sc.add(Rect(x, y, sw, sh, fill=fill))
+        for ch in range(L.v):  # one swatch per chunk shade
+            sc.add(Rect(leg.x, y, sw, sh, fill=C.pass_color(key, ch, L.v)))
             if kind is Kind.BW:
-                sc.add(Rect(x, y + sh * 0.65, sw, sh * 0.35, fill=C.pass_color("W", ch, L.v)))
-            x += sw + 1
-        x += 4
-        label(name)
+                sc.add(Rect(leg.x, y + sh * 0.65, sw, sh * 0.35,
+                            fill=C.pass_color("W", ch, L.v)))
+            leg.x += sw + 1
+        leg.x += 4
+        leg.label(name)
     if braided:
-        sc.add(Rect(x, y, sw / 2, sh, fill=C.pass_color("F", 0, 1)))
-        sc.add(Rect(x + sw / 2, y, sw / 2, sh, fill=C.pass_color("B", 0, 1)))
-        sc.add(Rect(x, y, sw, sh, stroke=C.FRAME_COLOR, stroke_width=1.4))
-        x += sw + 4
-        label("braided block (F mb | other mb)")
-    for kind in tp_kinds(L.by_lane, "tp"):
-        sc.add(Rect(x, y + 3, sw, sh - 6, fill=C.TP_COLORS[kind]))
-        x += sw + 4
-        label(C.TP_NAMES[kind])
+        sc.add(Rect(leg.x, y, sw / 2, sh, fill=C.pass_color("F", 0, 1)))
+        sc.add(Rect(leg.x + sw / 2, y, sw / 2, sh, fill=C.pass_color("B", 0, 1)))
+        leg.frame("braided block (F mb | other mb)")
+    leg.tp_kinds(tp_kinds(L.by_lane, "tp"))
     extra = [("send", C.SEND_COLOR, "send"),
              ("d2h", C.COPY_COLORS["D2H"], "offload D2H"),
              ("h2d", C.COPY_COLORS["H2D"], "reload H2D")]
     for lane, color, name in extra:
         if lane in L.lanes:
-            sc.add(Rect(x, y + 3, sw, sh - 6, fill=color))
-            x += sw + 4
-            label(name)
+            leg.swatch(color, name, thin=True)
     if "tp" in L.lanes:
-        sc.add(Rect(x, y, sw, sh, fill=C.tp_wait(C.KIND_BASE["F"])))
-        x += sw + 4
-        label("pale: pass waits on its all-reduce")
-    sc.add(Rect(x, y, sw, sh, fill=C.MEM_FILL, stroke=C.MEM_LINE, stroke_width=1.0))
-    x += sw + 4
-    label("activation memory (peak marked)")
+        leg.swatch(C.tp_wait(C.KIND_BASE["F"]), "pale: pass waits on its all-reduce")
+    sc.add(Rect(leg.x, y, sw, sh, fill=C.MEM_FILL, stroke=C.MEM_LINE, stroke_width=1.0))
+    leg.x += sw + 4
+    leg.label("activation memory (peak marked)")
     if L.v == 2:
-        label("dark = chunk 0, light = chunk 1")
+        leg.label("dark = chunk 0, light = chunk 1")
     elif L.v > 2:
-        label("darker = earlier chunk")
-    sc.width = max(sc.width, x + 12)
+        leg.label("darker = earlier chunk")
+    leg.close()
 
 
 def _rank_labels(sc: Scene, L: _Layout, r: int) -> None:
