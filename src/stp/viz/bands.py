@@ -4,15 +4,19 @@ tick lines across all bands and a time axis under them."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+from stp.sim.result import Span
 from stp.viz import colors as C
 from stp.viz.scene import Line, Rect, Scene, Text, fmt_num, nice_ticks, text_width
 
-__all__ = ["Bands", "LEFT", "Legend", "TOP"]
+__all__ = ["Bands", "LEFT", "Legend", "TOP", "tp_kinds", "tp_rect"]
 
 LEFT, RIGHT, TOP = 92.0, 24.0, 106.0
 """Margins: rank and lane labels on the left, the header above."""
+LANE_COLORS = {"send": C.SEND_COLOR, "dp": C.DP_COLOR, "d2h": C.COPY_COLORS["D2H"],
+               "h2d": C.COPY_COLORS["H2D"]}
+"""The colour of a span in a lane other than compute and tp (tp: its collective's)."""
 GAP, RANK_GAP = 3.0, 16.0
 """Between two lanes of a band; between two bands."""
 PX_PER_SHORTEST = 18.0
@@ -61,6 +65,20 @@ class Bands:
             sc.add(Line(self.x(t), TOP - 4, self.x(t), self.plot_bottom, color=C.GRID,
                         width=1.0))
 
+    def draw_thin_lanes(self, sc: Scene, band: int, rank: int,
+                        spans: Mapping[tuple[int, str], Sequence[Span]],
+                        tip: Callable[[Span], str]) -> None:
+        """Rank `rank`'s spans (`spans[(rank, lane)]`) of every lane but compute, in
+        `band`, at least a hairline wide, each with its tooltip."""
+        for ln in self.lanes[1:]:
+            y, h = self.lane_y(band, ln), self.lane_h[ln]
+            for s in spans.get((rank, ln), []):
+                x, w = self.x(s.start), max((s.end - s.start) * self.px, 0.6)
+                if ln == "tp":
+                    tp_rect(sc, x, y, w, h, s.kind, tip(s))
+                else:
+                    sc.add(Rect(x, y, w, h, fill=LANE_COLORS[ln], title=tip(s)))
+
     def draw_axis(self, sc: Scene, ticks: Sequence[float], caption: str) -> None:
         """The time axis under the bands, its ticks numbered, `caption` under it."""
         y = self.plot_bottom + 6
@@ -70,6 +88,21 @@ class Bands:
             sc.add(Text(self.x(t), y + 17, fmt_num(t), size=10, color=C.INK, anchor="middle"))
         sc.add(Text(LEFT + self.plot_w / 2, y + 36, caption, size=11, color=C.MUTED,
                     anchor="middle"))
+
+
+def tp_rect(sc: Scene, x: float, y: float, w: float, h: float, kind: str, tip: str) -> None:
+    """A TP-lane span coloured by its collective (an `RS+AG` span: RS above, AG below)."""
+    parts = C.tp_parts(kind)
+    for i, part in enumerate(parts):
+        sc.add(Rect(x, y + i * h / len(parts), w, h / len(parts), fill=C.TP_COLORS[part],
+                    title=tip))
+
+
+def tp_kinds(by_lane: dict[tuple[int, str], list[Span]], lane: str) -> list[str]:
+    """The collectives the TP lanes hold, in legend order (AR, RS, AG)."""
+    seen = {part for (_, ln), spans in by_lane.items() if ln == lane for s in spans
+            for part in C.tp_parts(s.kind)}
+    return [k for k in C.TP_COLORS if k in seen]
 
 
 class Legend:

@@ -22,10 +22,9 @@ from collections.abc import Sequence
 
 from stp.sim.result import Span
 from stp.viz import colors as C
-from stp.viz.bands import LEFT, Bands, Legend
+from stp.viz.bands import LEFT, Bands, Legend, tp_kinds
 from stp.viz.measured_read import MeasuredTrace
 from stp.viz.scene import Line, Rect, Scene, Text, fmt_num, text_width
-from stp.viz.timeline import tp_kinds, tp_rect
 
 __all__ = ["measured_scene", "hidden_under_compute"]
 
@@ -87,7 +86,8 @@ def measured_scene(trace: MeasuredTrace, *, title: str | None = None,
                     bold=True, color=C.INK, anchor="end"))
     for band, r in enumerate(L.ranks):
         _compute(sc, L, trace, band, r)
-        _comm(sc, L, band, r)
+        L.draw_thin_lanes(sc, band, r, L.by_lane,
+                          lambda s: f"{s.kind} of {s.name} {s.start:.3f}-{s.end:.3f} ms")
     L.draw_axis(sc, ticks, "time (ms, measured)")
     return sc
 
@@ -158,17 +158,3 @@ def _compute(sc: Scene, L: _Layout, trace: MeasuredTrace, band: int, r: int) -> 
             sc.add(Text((L.x(t0) + L.x(t1)) / 2, y + h / 2 + 3.2, text, size=9, color=C.INK,
                         anchor="middle", halo="#ffffff"))
         sc.add(Line(L.x(t0), y, L.x(t0), y + h, color="#ffffff", width=0.8))
-
-
-def _comm(sc: Scene, L: _Layout, band: int, r: int) -> None:
-    for ln in L.lanes[1:]:
-        y = L.lane_y(band, ln)
-        for s in L.by_lane.get((r, ln), []):
-            x, w = L.x(s.start), max((s.end - s.start) * L.px, 0.6)
-            tip = f"{s.kind} of {s.name} {s.start:.3f}-{s.end:.3f} ms"
-            if ln == "tp":
-                tp_rect(sc, x, y, w, _LANE_H[ln], s.kind, tip)
-            elif ln == "dp":
-                sc.add(Rect(x, y, w, _LANE_H[ln], fill=C.DP_COLOR, title=tip))
-            else:
-                sc.add(Rect(x, y, w, _LANE_H[ln], fill=C.SEND_COLOR, title=tip))

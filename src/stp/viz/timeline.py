@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from stp.schedule.ir import Kind, passes_of
 from stp.sim.result import SimResult, Span
 from stp.viz import colors as C
-from stp.viz.bands import LEFT, Bands, Legend
+from stp.viz.bands import LEFT, Bands, Legend, tp_kinds
 from stp.viz.scene import Line, Poly, Rect, Scene, Text, fmt_num, text_width
 
-__all__ = ["timeline_scene", "tp_rect", "tp_kinds"]
+__all__ = ["timeline_scene"]
 
 _LANE_H = {"compute": 26.0, "tp": 9.0, "send": 6.0, "d2h": 6.0, "h2d": 6.0}
 _LANE_NAME = {"compute": "", "tp": "TP", "send": "send", "d2h": "D2H", "h2d": "H2D"}
@@ -94,7 +94,8 @@ def timeline_scene(
     for r in range(res.schedule.num_ranks):
         _rank_labels(sc, L, r)
         _compute_lane(sc, L, r)
-        _plain_lanes(sc, L, r)
+        L.draw_thin_lanes(sc, r, r, L.by_lane, lambda s: f"{s.kind} of {s.name} "
+                          f"{fmt_num(s.start)}-{fmt_num(s.end)}")
         _memory(sc, L, r)
     L.draw_axis(sc, ticks, "time (units of the --cost inputs)")
     return sc
@@ -235,34 +236,6 @@ def _compute_lane(sc: Scene, L: _Layout, r: int) -> None:
                str(p.mb), under)
         # a white hairline where a pass starts, so back-to-back passes of one colour separate
         sc.add(Line(L.x(t_lo), y, L.x(t_lo), y + h, color="#ffffff", width=0.8))
-
-
-def _plain_lanes(sc: Scene, L: _Layout, r: int) -> None:
-    color = {"send": C.SEND_COLOR, "d2h": C.COPY_COLORS["D2H"], "h2d": C.COPY_COLORS["H2D"]}
-    for ln in L.lanes[1:]:
-        y = L.lane_y(r, ln)
-        for s in L.by_lane.get((r, ln), []):
-            x, w = L.x(s.start), max((s.end - s.start) * L.px, 0.6)
-            tip = f"{s.kind} of {s.name} {fmt_num(s.start)}-{fmt_num(s.end)}"
-            if ln == "tp":
-                tp_rect(sc, x, y, w, _LANE_H[ln], s.kind, tip)
-            else:
-                sc.add(Rect(x, y, w, _LANE_H[ln], fill=color[ln], title=tip))
-
-
-def tp_rect(sc: Scene, x: float, y: float, w: float, h: float, kind: str, tip: str) -> None:
-    """A TP-lane span coloured by its collective (an `RS+AG` span: RS above, AG below)."""
-    parts = C.tp_parts(kind)
-    for i, part in enumerate(parts):
-        sc.add(Rect(x, y + i * h / len(parts), w, h / len(parts), fill=C.TP_COLORS[part],
-                    title=tip))
-
-
-def tp_kinds(by_lane: dict[tuple[int, str], list[Span]], lane: str) -> list[str]:
-    """The collectives the TP lanes hold, in legend order (AR, RS, AG)."""
-    seen = {part for (_, ln), spans in by_lane.items() if ln == lane for s in spans
-            for part in C.tp_parts(s.kind)}
-    return [k for k in C.TP_COLORS if k in seen]
 
 
 def _memory(sc: Scene, L: _Layout, r: int) -> None:
