@@ -22,6 +22,7 @@ _COMM_RE = re.compile(r"^\s*\d+(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDU
 
 
 def where(row: int, cell: int) -> str:
+    """How an error names a cell: its row (the rank) and its index in the row."""
     return f"row {row} (rank {row}), cell {cell}"
 
 
