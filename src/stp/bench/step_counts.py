@@ -45,7 +45,8 @@ def _place() -> str:
     """The innermost frame of the step outside this benchmark: where a host read is."""
     for frame in reversed(traceback.extract_stack()[:-2]):
         name = frame.filename.replace("\\", "/")
-        if "/stp/bench/single_device" in name or "/torch/" in name:
+        if "/stp/bench/single_device" in name or "/stp/bench/step_counts" in name \
+                or "/torch/" in name:
             continue
         short = name.split("/src/")[-1] if "/src/" in name else name.rsplit("/", 1)[-1]
         return f"{short}:{frame.lineno} {frame.name}"
