@@ -1,8 +1,7 @@
 """The helpers every generator ends with: dropping the microbatches a rule was
 built past, and the schedule on its placement with `chunks` first in its meta."""
 
-from stp.schedule.ir import (Block, Kind, Pass, drop_microbatches, looped_schedule,
-                             v_schedule)
+from stp.schedule.ir import Block, Kind, Pass, drop_microbatches, looped_schedule, v_schedule
 
 
 def test_drop_microbatches_keeps_order_and_unbraids_a_lone_survivor():
