@@ -39,7 +39,7 @@ Three parts, each recorded under its key in the JSON (`--only` picks some):
 `--counts` (any machine, the CPU, small shape): per step, for stp's step and the
 plain loop, eager and compiled, aten ops, autograd nodes, compiled-graph calls
 and host synchronisations by kind and by place in the code
-(stp.bench.single_device.count_sides), and the ratios stp / plain; `--md FILE`
+(stp.bench.step_counts.count_sides), and the ratios stp / plain; `--md FILE`
 rewrites the tables between FILE's `<!-- counts -->` markers
 (benchmarks/results/single_device.md says the command).
 
@@ -66,7 +66,8 @@ from dataclasses import replace
 
 import torch
 
-from stp.bench.single_device import SIDES, SingleSpec, count_sides, counts_with_ratios, time_sides
+from stp.bench.single_device import SIDES, SingleSpec, time_sides
+from stp.bench.step_counts import count_sides, counts_with_ratios
 from stp.costmodel.decoder.costs import derive_decoder
 from stp.costmodel.decoder.spec import layer_flops
 from stp.costmodel.presets import HARDWARE, MODELS

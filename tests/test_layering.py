@@ -52,7 +52,7 @@ ALLOWED: dict[str, set[str]] = {
     "costmodel": {"schedule", "sim", "costmodel"},
     "search": {"schedule", "sim", "search", "costmodel"},
     "plan": {"schedule", "sim", "search", "costmodel", "plan"},
-    "runtime": {"schedule", "sim", "viz", "runtime", "torch"},
+    "runtime": {"schedule", "sim", "runtime", "torch"},
     "models": {"schedule", "sim", "costmodel", "runtime", "models", "torch"},
     "train": PURE | {"runtime", "models", "train", "torch"},
     "bench": PURE | {"runtime", "models", "train", "bench", "torch"},

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 import stp.bench.plain_loop as plain_loop
 from stp.bench.plain_loop import PlainModel, PlainShape, plain_step
-from stp.bench.single_device import SingleSpec, count_sides, time_sides
+from stp.bench.single_device import SingleSpec, time_sides
+from stp.bench.step_counts import count_sides
 
 SHAPE = PlainShape(layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=256, seq_len=16)
 

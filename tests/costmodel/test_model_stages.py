@@ -16,7 +16,7 @@ from stp.schedule.registry import SCHEDULES
 from stp.sim import simulate
 from stp.sim.layered import LayeredCosts
 from stp.sim.stages import StageCost
-from stp.viz.trace import trace_events
+from stp.sim.trace_format import trace_events
 
 HW = parse_hardware("a100-80g")
 PP, M = 4, 12

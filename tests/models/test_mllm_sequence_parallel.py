@@ -23,7 +23,7 @@ from _dist import run_dist
 
 from stp.cli.main import main
 from stp.models import ModelConfig
-from stp.models.mllm import vision
+from stp.models.mllm import vision_input
 from stp.models.mllm.reference import build_mllm_reference
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
@@ -106,7 +106,7 @@ def _worker(rank: int, world: int, cases: list[Case], planted: Case | None,
     out = {case: _case(rank, world, mesh, case, trace if k == 0 else None)
            for k, case in enumerate(cases)}
     if planted is not None:
-        vision.AddGrad.accumulate = _rows_at_zero
+        vision_input.AddGrad.accumulate = _rows_at_zero
         out[("planted", *planted)] = _case(rank, world, mesh, planted, None)
     return out
 
@@ -237,8 +237,8 @@ def test_stp_train_arch_mllm_sequence_parallel_matches_one_process(tmp_path):
     import subprocess
     import sys
 
-    from stp.train.run.config import ModelShape, TrainJob, VisionShape
     from stp.train.families.mllm import mllm_batches
+    from stp.train.run.config import ModelShape, TrainJob, VisionShape
     from stp.train.run.job import model_config
     from stp.train.step.lr import adamw
 

@@ -12,7 +12,7 @@ from stp.costmodel.hardware import HardwareSpec
 from stp.plan.calibrate import calibrated, fit_traces
 from stp.schedule import generate
 from stp.sim.engine import simulate
-from stp.viz.trace import trace_events
+from stp.sim.trace_format import trace_events
 
 SPEC = ModelSpec(layers=4, hidden=256, heads=4, kv_heads=4, ffn=1024, vocab=512, sequence=128,
                  tp=2, flash_attention=True, dropout=False)

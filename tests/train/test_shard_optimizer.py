@@ -56,7 +56,8 @@ from stp.train.run.memory_measure import measure
 from stp.train.run.resolve import resolve
 from stp.train.checkpoint.shards import Box
 from stp.train.step.trainer import Trainer
-from stp.train.step.zero import DPGroup, ShardedPrecision, ShardLayout, row_box
+from stp.train.step.shard_layout import ShardLayout, row_box
+from stp.train.step.zero import DPGroup, ShardedPrecision
 
 STEPS, SAVE_AT = 3, 2
 

@@ -20,6 +20,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from stp.models import ModelConfig
 from stp.models.decoder.init import init_full, parameter_specs
 from stp.models.decoder.rope import RopeCache, apply_rope
+from stp.models.param_names import register_dotted
 from stp.schedule import Schedule
 from stp.schedule import io as schedule_io
 from stp.schedule.placement import stage_layers
@@ -72,13 +73,7 @@ class DecoderPart(nn.Module):
         self.p: dict[str, nn.Parameter] = {}
         for spec in parameter_specs(config, layers, first=first, last=last):
             param = nn.Parameter(init_full(config, spec, dtype))
-            *path, leaf = spec.name.split(".")
-            module: nn.Module = self
-            for part in path:
-                if part not in module._modules:
-                    module.add_module(part, nn.Module())
-                module = module._modules[part]  # type: ignore[assignment]
-            module.register_parameter(leaf, param)
+            register_dotted(self, spec.name, param)
             self.p[spec.name] = param
         self.rope = RopeCache(config.head_dim, config.rope_theta, config.rope_scaling)
 

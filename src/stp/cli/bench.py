@@ -317,7 +317,7 @@ def run_peer(args: argparse.Namespace) -> int:
 
 def _write_traces(out: Path, sch: Any, sim: Any, spans: list[Any]) -> None:
     from stp.runtime.trace import write_trace as write_measured
-    from stp.viz.trace import write_trace as write_simulated
+    from stp.sim.trace_format import write_trace as write_simulated
 
     out.mkdir(parents=True, exist_ok=True)
     pp_of = {r: r // 2 for r in range(4)}  # tp fastest: global rank = 2 pp + tp

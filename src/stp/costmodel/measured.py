@@ -3,7 +3,7 @@ the simulator's `StageCosts`, so the simulator and the search work on the
 user's own model and machine.
 
 The trace (`stp.runtime.trace`, Chrome / Perfetto JSON in the shape of
-`stp.viz.trace`) holds every action (one pass, or a braided block) with its
+`stp.sim.trace_format`) holds every action (one pass, or a braided block) with its
 units' compute spans (kind F, B or W), every TP all-reduce on the tp lane and
 every send and receive. Per global stage, averaged over the microbatches and
 over the ranks that run it (TP and DP replicas):

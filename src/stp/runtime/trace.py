@@ -46,7 +46,7 @@ project's CI has no GPU, so only CPU (gloo) traces are tested.
 
 `gather_spans` brings every rank's spans to global rank 0 on one time axis
 (zero = the earliest run start; `time.perf_counter` is one clock for all the
-processes of a machine); `write_trace` writes them with stp.viz.trace, so a
+processes of a machine); `write_trace` writes them in stp.sim.trace_format, so a
 measured run and a simulated one open side by side in ui.perfetto.dev.
 """
 
@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import json
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -62,11 +61,10 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from stp.files import write_text_atomic
 from stp.schedule.ir import Pass, Schedule
 from stp.schedule.lower import Message
 from stp.sim.result import Span
-from stp.viz.trace import trace_events
+from stp.sim.trace_format import trace_document, trace_events, write_trace_document
 
 __all__ = ["Recorder", "TransferRecord", "Watched", "gather_spans", "write_trace",
            "lane_layout"]
@@ -264,17 +262,16 @@ def write_trace(
     pp_rank_of: Mapping[int, int],
     meta: Mapping[str, object] | None = None,
 ) -> None:
-    """Write measured `spans` as a Chrome / Perfetto trace (stp.viz.trace format,
+    """Write measured `spans` as a Chrome / Perfetto trace (stp.sim.trace_format,
     times in seconds shown as such). `pp_rank_of[rank]` names each rank's actions
     from the schedule."""
     names = {
         (r, i): str(a)
         for r, pp in pp_rank_of.items() for i, a in enumerate(schedule.actions[pp])
     }
-    doc = {
-        "traceEvents": trace_events(spans, action_names=names, time_scale=1e6),
-        "displayTimeUnit": "ms",
-        "otherData": {
+    doc = trace_document(
+        trace_events(spans, action_names=names, time_scale=1e6),
+        {
             "source": "stp runtime (measured)",
             "schedule": schedule.name,
             "pp": schedule.num_ranks,
@@ -284,8 +281,5 @@ def write_trace(
             "pp_rank_of_rank": {str(r): pp for r, pp in pp_rank_of.items()},
             **dict(meta or {}),
         },
-    }
-    try:
-        write_text_atomic(path, json.dumps(doc))
-    except OSError as e:
-        raise ValueError(f"cannot write {str(path)!r}: {e.strerror or e}") from None
+    )
+    write_trace_document(path, doc)

@@ -18,7 +18,7 @@ This is PyTorch's ScheduleLoopedBFS order, action for action, for every m
 from __future__ import annotations
 
 from stp.schedule.gen_classic import check_sizes
-from stp.schedule.ir import Kind, Pass, Schedule, looped_placement
+from stp.schedule.ir import Kind, Pass, Schedule, looped_schedule
 
 __all__ = ["looped_bfs", "check_chunks"]
 
@@ -50,15 +50,6 @@ def looped_bfs(num_ranks: int, num_microbatches: int, chunks: int = 2) -> Schedu
         order = [Pass(s, Kind.F, i) for s in stages for i in range(m)]
         order += [Pass(s, Kind.BW, i) for s in reversed(stages) for i in reversed(range(m))]
         actions.append(tuple(order))
-    return Schedule(
-        name="looped-bfs",
-        num_ranks=p,
-        num_microbatches=m,
-        stage_to_rank=looped_placement(p, v),
-        actions=tuple(actions),
-        meta={
-            "chunks": v,
-            "bubble": "(p-1)(T_F+T_B+T_W)/v for m >= p",
-            "peak_activation": "m M_B",
-        },
-    )
+    return looped_schedule("looped-bfs", m, v, actions,
+                           bubble="(p-1)(T_F+T_B+T_W)/v for m >= p",
+                           peak_activation="m M_B")

@@ -11,7 +11,7 @@ one rank's whole share, M_B one microbatch's activations on one rank.
 
 from __future__ import annotations
 
-from stp.schedule.ir import Kind, Pass, Schedule, looped_placement
+from stp.schedule.ir import Kind, Pass, Schedule, looped_schedule
 
 __all__ = [
     "gpipe",
@@ -193,17 +193,6 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, chunks: int = 2) -> 
         forwards = [Pass(c * p + r, Kind.F, mb) for mb, c in table]
         backwards = [Pass((v - 1 - c) * p + r, Kind.BW, mb) for mb, c in table]
         actions.append(_one_f_one_b_order(forwards, backwards, warmup))
-    return Schedule(
-        name="1f1b-interleaved",
-        num_ranks=p,
-        num_microbatches=m,
-        stage_to_rank=looped_placement(p, v),
-        actions=tuple(actions),
-        meta={
-            "chunks": v,
-            "groups": groups,
-            "warmup": tuple(warmups),
-            "bubble": "(p-1)(T_F+T_B+T_W)/v",
-            "peak_activation": "min(w_r + 1, m v) M_B / v",
-        },
-    )
+    return looped_schedule("1f1b-interleaved", m, v, actions, groups=groups,
+                           warmup=tuple(warmups), bubble="(p-1)(T_F+T_B+T_W)/v",
+                           peak_activation="min(w_r + 1, m v) M_B / v")

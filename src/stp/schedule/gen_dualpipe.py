@@ -34,7 +34,7 @@ a valid schedule whose warm-up is longer than m needs.
 from __future__ import annotations
 
 from stp.schedule.gen_classic import check_sizes
-from stp.schedule.ir import Action, Block, Kind, Pass, Schedule, passes_of, v_placement
+from stp.schedule.ir import Action, Block, Kind, Pass, Schedule, drop_microbatches, v_schedule
 
 __all__ = ["dualpipev"]
 
@@ -116,18 +116,6 @@ def _rank_actions(r: int, p: int, m: int) -> list[Action]:
     return rb.actions
 
 
-def _drop_microbatches(actions: list[Action], m: int) -> tuple[Action, ...]:
-    """The actions with every pass of microbatch >= m removed."""
-    out: list[Action] = []
-    for a in actions:
-        kept = tuple(q for q in passes_of(a) if q.mb < m)
-        if len(kept) == 1:
-            out.append(kept[0])
-        elif kept:
-            out.append(Block(kept))
-    return tuple(out)
-
-
 def dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
     """DualPipeV on p ranks (2p stages in a V), m microbatches.
 
@@ -143,20 +131,9 @@ def dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
     check_sizes("dualpipev", num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
     full = max(m, 2 * p)
-    actions = tuple(_drop_microbatches(_rank_actions(r, p, full), m) for r in range(p))
-    return Schedule(
-        name="dualpipev",
-        num_ranks=p,
-        num_microbatches=m,
-        stage_to_rank=v_placement(p),
-        actions=actions,
-        meta={
-            "chunks": 2,
-            "torch_order": m >= 2 * p,
-            **({} if m >= 2 * p else {"torch_note": (
-                f"PyTorch's ScheduleDualPipeV refuses m={m} < 2p={2 * p}; this is its "
-                f"m={2 * p} order with microbatches {m}..{2 * p - 1} dropped")}),
-            "bubble": "(p-1)(F&B+B-3W)",
-            "peak_activation": "(2p+1) M_B / 2",
-        },
-    )
+    actions = [drop_microbatches(_rank_actions(r, p, full), m) for r in range(p)]
+    note = {} if m >= 2 * p else {"torch_note": (
+        f"PyTorch's ScheduleDualPipeV refuses m={m} < 2p={2 * p}; this is its "
+        f"m={2 * p} order with microbatches {m}..{2 * p - 1} dropped")}
+    return v_schedule("dualpipev", m, actions, torch_order=m >= 2 * p, **note,
+                      bubble="(p-1)(F&B+B-3W)", peak_activation="(2p+1) M_B / 2")

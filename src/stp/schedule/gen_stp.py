@@ -84,7 +84,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from stp.schedule.ir import Action, Block, Kind, Pass, Schedule, passes_of, v_placement
+from stp.schedule.ir import Action, Block, Kind, Pass, Schedule, drop_microbatches, v_schedule
 
 __all__ = ["stp", "full_phase_min_microbatches"]
 
@@ -172,18 +172,6 @@ def _rank_order(p: int, m: int, r: int) -> list[Action]:
     return o.actions
 
 
-def _truncate(actions: list[Action], m: int) -> list[Action]:
-    """Drop every pass of microbatch >= m; a block left with one pass becomes it."""
-    out: list[Action] = []
-    for a in actions:
-        kept = tuple(ps for ps in passes_of(a) if ps.mb < m)
-        if len(kept) == 1:
-            out.append(kept[0])
-        elif kept:
-            out.append(Block(kept))
-    return out
-
-
 def stp(num_ranks: int, num_microbatches: int) -> Schedule:
     """The STP schedule (arXiv 2510.27257, Fig. 5) for `num_ranks` ranks on the V
     placement and `num_microbatches` microbatches (any m >= 1; the paper's
@@ -199,20 +187,7 @@ def stp(num_ranks: int, num_microbatches: int) -> Schedule:
             f"stp: {m!r} microbatches not accepted at pp={p}; it needs at least 1"
         )
     m0 = max(m, full_phase_min_microbatches(p))
-    rows = [_rank_order(p, m0, r) for r in range(p)]
-    if m0 > m:
-        rows = [_truncate(row, m) for row in rows]
-    return Schedule(
-        name="stp",
-        num_ranks=p,
-        num_microbatches=m,
-        stage_to_rank=v_placement(p),
-        actions=tuple(tuple(row) for row in rows),
-        meta={
-            "chunks": 2,
-            "placement": "v",
-            "braided": True,
-            "full_phase_min_microbatches": full_phase_min_microbatches(p),
-            "truncated_from": m0 if m0 > m else None,
-        },
-    )
+    rows = [drop_microbatches(_rank_order(p, m0, r), m) for r in range(p)]
+    return v_schedule("stp", m, rows, placement="v", braided=True,
+                      full_phase_min_microbatches=full_phase_min_microbatches(p),
+                      truncated_from=m0 if m0 > m else None)

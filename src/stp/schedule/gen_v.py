@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from stp.schedule.building_block import BuildingBlock, block_peak, place_w, rank_orders, settle
 from stp.schedule.gen_classic import check_sizes
-from stp.schedule.ir import Kind, Pass, Schedule, v_placement
+from stp.schedule.ir import Kind, Pass, Schedule, drop_microbatches, v_placement, v_schedule
 
 __all__ = [
     "zb_v",
@@ -127,22 +127,10 @@ def zb_v(num_ranks: int, num_microbatches: int) -> Schedule:
     check_sizes("zb-v", num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
     n = max(m, zero_bubble_min_microbatches(p))
-    actions = tuple(
-        tuple(a for a in _zb_v_rank(p, n, r) if a.mb < m) for r in range(p)
-    )
-    return Schedule(
-        name="zb-v",
-        num_ranks=p,
-        num_microbatches=m,
-        stage_to_rank=v_placement(p),
-        actions=actions,
-        meta={
-            "chunks": 2,
-            "placement": "v",
-            "zero_bubble_min_microbatches": zero_bubble_min_microbatches(p),
-            "truncated_from": n if n > m else None,
-        },
-    )
+    actions = [drop_microbatches(_zb_v_rank(p, n, r), m) for r in range(p)]
+    return v_schedule("zb-v", m, actions, placement="v",
+                      zero_bubble_min_microbatches=zero_bubble_min_microbatches(p),
+                      truncated_from=n if n > m else None)
 
 
 # -- controllable-memory building blocks (V-Half, V-Min) ----------------------

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from stp.schedule.gen_bfs import check_chunks
 from stp.schedule.gen_classic import check_sizes, interleaved_group_sizes, issue_table
-from stp.schedule.ir import Kind, Pass, Schedule, looped_placement
+from stp.schedule.ir import Kind, Pass, Schedule, looped_schedule
 
 __all__ = ["zb_interleaved", "torch_accepts"]
 
@@ -77,20 +77,7 @@ def zb_interleaved(num_ranks: int, num_microbatches: int, chunks: int = 2) -> Sc
     note = {} if torch_accepts(p, m) else {"torch_note": (
         f"PyTorch's ScheduleInterleavedZeroBubble refuses m={m} (its {len(groups)} rounds "
         f"do not divide it); this runs groups {'/'.join(map(str, groups))}, larger first")}
-    return Schedule(
-        name="zb-interleaved",
-        num_ranks=p,
-        num_microbatches=m,
-        stage_to_rank=looped_placement(p, v),
-        actions=actions,
-        meta={
-            "chunks": v,
-            "groups": groups,
-            "warmup": warmups,
-            "pending_w": tuple(range(p)),
-            "torch_order": torch_accepts(p, m),
-            **note,
-            "bubble": "(p-1)(T_F+T_B-T_W)/v",
-            "peak_activation": "min((v-1) g + p - r, m v) M_B / v",
-        },
-    )
+    return looped_schedule("zb-interleaved", m, v, actions, groups=groups, warmup=warmups,
+                           pending_w=tuple(range(p)), torch_order=torch_accepts(p, m), **note,
+                           bubble="(p-1)(T_F+T_B-T_W)/v",
+                           peak_activation="min((v-1) g + p - r, m v) M_B / v")

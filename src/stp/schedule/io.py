@@ -37,6 +37,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import replace
 
+from stp.schedule.csv_checks import check_cell, check_rows, csv_rows, where
 from stp.schedule.ir import Action, Block, Kind, Pass, Schedule, passes_of
 from stp.schedule.limits import (
     MAX_MICROBATCHES,
@@ -60,10 +61,6 @@ __all__ = [
 JSON_FORMAT = "stp-schedule"
 """Value of the `format` key of our JSON files."""
 _JSON_VERSION = 1
-
-# Actions PyTorch's lowered ("compute_comms") CSV holds but a compute-only one must not.
-_COMM_RE = re.compile(r"^\s*\d+(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)\d*\s*$")
-
 
 # Action text is PyTorch's (Kind.B is its "I", Kind.BW its "B"): reading it is an
 # exchange-format job, so this is the one place a letter becomes a Kind.
@@ -144,109 +141,6 @@ def from_rows(
     )
 
 
-def _where(row: int, cell: int) -> str:
-    return f"row {row} (rank {row}), cell {cell}"
-
-
-def _csv_rows(text: str) -> list[list[str]]:
-    """The CSV's rows of stripped cells, trailing blank lines dropped."""
-    try:
-        rows = [[cell.strip() for cell in row] for row in csv.reader(io.StringIO(text))]
-    except csv.Error as e:  # a NUL byte, a cell over the csv module's field limit
-        raise ValueError(f"not a readable CSV: {e}") from None
-    while rows and not any(rows[-1]):
-        rows.pop()  # trailing blank lines are not ranks
-    if not rows:
-        raise ValueError("the CSV holds no rows; expected one row of actions per rank")
-    if len(rows) > MAX_RANKS:
-        raise ValueError(f"the CSV holds {len(rows)} rows (ranks); at most {MAX_RANKS} are read")
-    check_count(sum(1 for row in rows for cell in row if cell))
-    return rows
-
-
-def _check_cell(r: int, c: int, cell: str) -> None:
-    """Refuse, before anything is parsed or allocated, a communication action,
-    a non-ASCII cell and a stage or microbatch index beyond the limits."""
-    if not cell.isascii():
-        raise ValueError(f"{_where(r, c)}: {shown(cell)} holds a non-ASCII character; "
-                         "actions are ASCII, e.g. '0F3' or '(0F7;7I3)OVERLAP_F_B'")
-    if _COMM_RE.match(cell):
-        raise ValueError(
-            f"{_where(r, c)}: {shown(cell)} is a communication/FSDP action; only a "
-            "compute-only CSV is accepted (actions F, I, W, B and (a;b)OVERLAP_F_B)"
-        )
-    check_indices(f"{_where(r, c)}: {shown(cell)}", cell)
-
-
-_LABEL = {"F": "forward (F)", "B": "backward (I or B)", "W": "weight gradient (W or B)"}
-_KIND_LABEL = {
-    Kind.F: "forward", Kind.B: "input-gradient backward", Kind.W: "weight-gradient backward",
-    Kind.BW: "full backward",
-}
-_PROVIDES = {Kind.F: ("F",), Kind.B: ("B",), Kind.W: ("W",), Kind.BW: ("B", "W")}
-
-
-def _check_rows(cells: Sequence[Sequence[tuple[int, Action]]], num_microbatches: int) -> None:
-    """Per-row checks that can name the cell: microbatch range, a pass run
-    twice, a backward before its forward, a W before its B, and every stage
-    running every microbatch (consistent counts).
-
-    A stage lives on one rank (checked before), so the order of one stage's
-    passes is the order of that rank's row.
-    """
-    m = num_microbatches
-    ran: dict[tuple[int, str, int], int] = {}  # (stage, F/B/W, mb) -> cell
-    stage_row: dict[int, int] = {}
-    for r, row in enumerate(cells):
-        for c, action in row:
-            for p in passes_of(action):
-                stage_row[p.stage] = r
-                if not 0 <= p.mb < m:
-                    raise ValueError(
-                        f"{_where(r, c)}: microbatch {p.mb} of {p} is outside 0..{m - 1} "
-                        f"(the schedule has {m} microbatches)"
-                    )
-                need = {Kind.B: "F", Kind.BW: "F", Kind.W: "B"}.get(p.kind)
-                if need and (p.stage, need, p.mb) not in ran:
-                    raise ValueError(
-                        f"{_where(r, c)}: {_KIND_LABEL[p.kind]} {p} comes before its "
-                        + ("forward" if need == "F" else "input-gradient backward")
-                        + f" {p.stage}{'F' if need == 'F' else 'I'}{p.mb}"
-                    )
-                for k in _PROVIDES[p.kind]:
-                    if (p.stage, k, p.mb) in ran:
-                        raise ValueError(
-                            f"{_where(r, c)}: {p} repeats the {_LABEL[k]} of stage {p.stage}, "
-                            f"microbatch {p.mb}, already run at cell {ran[(p.stage, k, p.mb)]}"
-                        )
-                    ran[(p.stage, k, p.mb)] = c
-    runs: dict[tuple[int, str], int] = {}
-    for s, k, _ in ran:
-        runs[(s, k)] = runs.get((s, k), 0) + 1
-    for s in sorted(stage_row):
-        r = stage_row[s]
-        for k in ("F", "B", "W"):
-            count = runs.get((s, k), 0)
-            if count != m:
-                raise ValueError(
-                    f"row {r} (rank {r}): inconsistent microbatch counts: stage {s} runs "
-                    f"{count} {_LABEL[k]} passes, expected {m} (microbatches "
-                    f"0..{m - 1}); missing microbatch {_first_missing(ran, s, k, m)}"
-                )
-
-
-def _first_missing(ran: dict[tuple[int, str, int], int], stage: int, k: str, m: int) -> str:
-    """Up to eight missing microbatches, in bounded time: the search stops
-    after them, and the first is at most the number of passes present."""
-    missing: list[int] = []
-    for i in range(m):
-        if (stage, k, i) not in ran:
-            missing.append(i)
-            if len(missing) > 8:
-                break
-    return ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
-
-
 def load_csv(
     source: str | os.PathLike[str],
     *,
@@ -279,10 +173,10 @@ def parse_csv(
     if num_microbatches is not None and not 1 <= num_microbatches <= MAX_MICROBATCHES:
         raise ValueError(f"num_microbatches={num_microbatches!r}: accepted are 1.."
                          f"{MAX_MICROBATCHES}")
-    rows = _csv_rows(text)
+    rows = csv_rows(text)
     for r, row in enumerate(rows):
         for c, cell in enumerate(row):
-            _check_cell(r, c, cell)
+            check_cell(r, c, cell)
         if not any(row):
             raise ValueError(f"row {r} (rank {r}) holds no actions; every rank needs a stage")
     # parses cells, infers the placement, refuses a stage on two ranks
@@ -292,7 +186,7 @@ def parse_csv(
         list(zip(cols, acts, strict=True))
         for cols, acts in zip(cell_of, sch.actions, strict=True)
     ]
-    _check_rows(located, sch.num_microbatches)
+    check_rows(located, sch.num_microbatches)
     sch = replace(sch, meta={"source": "csv"})
     if check:
         try:
@@ -303,7 +197,7 @@ def parse_csv(
             prefix = f"rank {e.rank}, position {e.position} ({e.action}): "
             msg = str(e).removeprefix(prefix)
             raise ValueError(
-                f"{_where(e.rank, cell_of[e.rank][e.position])} ({e.action}): {msg}"
+                f"{where(e.rank, cell_of[e.rank][e.position])} ({e.action}): {msg}"
             ) from None
     return sch
 

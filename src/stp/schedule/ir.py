@@ -24,7 +24,7 @@ letter into a `Kind`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple
@@ -40,6 +40,9 @@ __all__ = [
     "format_action",
     "looped_placement",
     "v_placement",
+    "drop_microbatches",
+    "looped_schedule",
+    "v_schedule",
 ]
 
 
@@ -258,3 +261,42 @@ class Schedule:
     def format(self) -> str:
         """Readable multi-line form: `rank r: 0F0 0F1 ...`."""
         return "\n".join(f"rank {r}: " + " ".join(row) for r, row in enumerate(self.rows()))
+
+
+# -- what every generator ends with --------------------------------------------
+
+
+def drop_microbatches(actions: Sequence[Action], m: int) -> tuple[Action, ...]:
+    """`actions` with every pass of microbatch >= m removed; a block left with one
+    pass becomes that pass. A generator whose rule needs more microbatches builds
+    its order for enough of them and drops the rest: the order stays valid (only
+    passes go), the rule's bubble and peak may not hold."""
+    out: list[Action] = []
+    for a in actions:
+        kept = tuple(q for q in passes_of(a) if q.mb < m)
+        if len(kept) == 1:
+            out.append(kept[0])
+        elif kept:
+            out.append(Block(kept))
+    return tuple(out)
+
+
+def looped_schedule(name: str, num_microbatches: int, chunks: int,
+                    actions: Sequence[Sequence[Action]], **meta: object) -> Schedule:
+    """A schedule on the looped placement (rank r holds r, r+p, ..., r+(v-1)p), one
+    action list per rank; `meta` records `chunks` first, then the generator's facts."""
+    p = len(actions)
+    return Schedule(name=name, num_ranks=p, num_microbatches=num_microbatches,
+                    stage_to_rank=looped_placement(p, chunks),
+                    actions=tuple(tuple(row) for row in actions),
+                    meta={"chunks": chunks, **meta})
+
+
+def v_schedule(name: str, num_microbatches: int, actions: Sequence[Sequence[Action]],
+               **meta: object) -> Schedule:
+    """A schedule on the V placement (rank r holds stages r and 2p-1-r), one action
+    list per rank; `meta` records `chunks` (2) first, then the generator's facts."""
+    p = len(actions)
+    return Schedule(name=name, num_ranks=p, num_microbatches=num_microbatches,
+                    stage_to_rank=v_placement(p), actions=tuple(tuple(row) for row in actions),
+                    meta={"chunks": 2, **meta})

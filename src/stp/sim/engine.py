@@ -65,12 +65,13 @@ rest of the span not spent computing.
 
 from __future__ import annotations
 
-from stp.schedule.ir import Action, Done, Kind, Pass, Schedule, passes_of
+from stp.schedule.ir import Action, Kind, Pass, Schedule, passes_of
 from stp.schedule.memory import MemCosts
 from stp.schedule.offload import OffloadPlan
 from stp.schedule.validate import ScheduleError
 from stp.sim.costs import Costs, OffloadCosts
-from stp.sim.result import RankStats, SimResult
+from stp.sim.rank_lanes import RankLanes, memory_curves
+from stp.sim.result import SimResult
 from stp.sim.spans import NoSpans, SpanRecorder, SpanSink
 from stp.sim.stages import StageCosts
 from stp.sim.table import stage_table
@@ -79,10 +80,6 @@ from stp.sim.units import Item, braid_counts
 __all__ = ["simulate"]
 
 _F = Kind.F  # bound once: an enum member lookup is slow and this runs per pass
-
-MemEvent = tuple[float, float]
-"""(time, change of resident activations in M_B)."""
-
 
 def simulate(
     schedule: Schedule,
@@ -117,7 +114,7 @@ def simulate(
     sim = _Simulation(schedule, costs, mem, layers, offload, offload_costs or OffloadCosts(),
                       recorder or NoSpans(), stages)
     sim.run()
-    memory, peak = _memory_curves([rank.mem_events for rank in sim.ranks])
+    memory, peak = memory_curves([rank.mem_events for rank in sim.ranks])
     return SimResult(
         schedule=schedule,
         costs=costs,
@@ -130,47 +127,6 @@ def simulate(
         offload=offload,
         stages=stages,
     )
-
-
-class _Rank:
-    """One rank as the simulation advances: where each lane is free, its
-    running totals and its memory events."""
-
-    def __init__(self, index: int, actions: tuple[Action, ...]) -> None:
-        self.index, self.actions = index, actions
-        self.next = 0
-        """Position of the next action to run."""
-        self.lane = 0.0
-        """Compute lane free."""
-        self.tp = 0.0
-        """TP lane free (last all-reduce issued ends)."""
-        self.d2h = self.h2d = 0.0
-        """Offload copy lanes free."""
-        self.first_f = float("inf")
-        self.last_end = self.busy = self.tp_wait = self.off_wait = self.tp_total = 0.0
-        self.a2a_wait = self.a2a_total = 0.0
-        self.grads_final: dict[int, float] = {}
-        """Stage -> end of its last gradient pass (B, W or a full backward) so far."""
-        self.mem_events: list[MemEvent] = []
-        self.waiting: Done | None = None
-        """A result the next action needs that was missing when last checked."""
-        self.reloads_at: dict[int, list[tuple[int, int]]] = {}
-        """Action position -> (stage, mb) whose copy back starts there."""
-
-    def stats(self, peak: float) -> RankStats:
-        return RankStats(
-            rank=self.index,
-            start=self.first_f if self.first_f != float("inf") else 0.0,
-            end=self.last_end,
-            compute=self.busy,
-            exposed_tp=self.tp_wait,
-            peak_activation=peak,
-            exposed_offload=self.off_wait,
-            tp_total=self.tp_total,
-            exposed_a2a=self.a2a_wait,
-            a2a_total=self.a2a_total,
-            grads_final=dict(self.grads_final),
-        )
 
 
 class _Simulation:
@@ -190,7 +146,7 @@ class _Simulation:
         self.done: dict[tuple[int, Kind, int], float] = {}
         """(stage, kind, mb) of a result (the shape of a `Done` key) -> when it
         is ready on its own rank."""
-        self.ranks = [_Rank(r, acts) for r, acts in enumerate(schedule.actions)]
+        self.ranks = [RankLanes(r, acts) for r, acts in enumerate(schedule.actions)]
         self.offloaded = offload.reload_at if offload else {}
         self.copied_out: dict[tuple[int, int], float] = {}
         self.reload_ready: dict[tuple[int, int], float] = {}
@@ -219,7 +175,7 @@ class _Simulation:
                     rank.index, rank.next, rank.actions[rank.next],
                 )
 
-    def _arrivals(self, passes: tuple[Pass, ...], rank: _Rank) -> list[float] | None:
+    def _arrivals(self, passes: tuple[Pass, ...], rank: RankLanes) -> list[float] | None:
         """When each pass's inputs are all on `rank` (None: one is not produced
         yet; `rank.waiting` names it)."""
         out = []
@@ -236,7 +192,7 @@ class _Simulation:
             out.append(t)
         return out
 
-    def _run_action(self, rank: _Rank, index: int, action: Action, ready: list[float]) -> None:
+    def _run_action(self, rank: RankLanes, index: int, action: Action, ready: list[float]) -> None:
         passes = passes_of(action)
         self.sink.action(rank.index, index, passes)
         self._reload(rank, index)
@@ -265,7 +221,7 @@ class _Simulation:
                 free -= d
         return alloc, free
 
-    def _reload(self, rank: _Rank, index: int) -> None:
+    def _reload(self, rank: RankLanes, index: int) -> None:
         """Issue the copies back that the plan starts when the stream reaches
         action `index` (each also waits for its copy out to end)."""
         for key in sorted(rank.reloads_at.get(index, ())):
@@ -275,7 +231,7 @@ class _Simulation:
             rank.mem_events.append((start, self.table.chunk_act[key[0]]))
             self.sink.reload(key[0], key[1], start, rank.h2d)
 
-    def _compute(self, rank: _Rank, passes: tuple[Pass, ...], items: tuple[Item, ...],
+    def _compute(self, rank: RankLanes, passes: tuple[Pass, ...], items: tuple[Item, ...],
                  ready: list[float]) -> tuple[float, list[float]]:
         """Run the action's units on the compute lane and their all-reduces on
         the TP lane. Returns when the first unit started and, per pass, when
@@ -350,7 +306,7 @@ class _Simulation:
         rank.a2a_wait += a2a_wait
         return start, chain_end
 
-    def _chain_start(self, rank: _Rank, p: Pass, t: float, arrival: float,
+    def _chain_start(self, rank: RankLanes, p: Pass, t: float, arrival: float,
                      gather: float = 0.0) -> tuple[float, float]:
         """(when pass p's first unit may start on a lane free at `t`, the part of
         the wait spent on its leading all-gather): its input has arrived, the
@@ -370,7 +326,7 @@ class _Simulation:
         rank.off_wait += start - gathered
         return start, gathered - base
 
-    def _output(self, rank: _Rank, chain: int, p: Pass, fin: float) -> None:
+    def _output(self, rank: RankLanes, chain: int, p: Pass, fin: float) -> None:
         """Pass p (chain `chain` of the action) is final at `fin`: copy its
         activations out if the plan offloads them, mark its results done, and
         send its output on."""
@@ -386,26 +342,3 @@ class _Simulation:
         for kind in p.provides():
             self.done[(p.stage, kind, p.mb)] = fin
         self.sink.sent(chain, fin)
-
-
-def _memory_curves(
-    events: list[list[MemEvent]],
-) -> tuple[list[list[tuple[float, float]]], list[float]]:
-    """Sweep each rank's (time, delta) events in time order, frees first at
-    equal times (so an action that starts as another ends does not count
-    both), into step curves and peaks."""
-    curves, peaks = [], []
-    for ev in events:
-        ev.sort(key=lambda e: (e[0], e[1] > 0))
-        cur = peak = 0.0
-        curve = [(0.0, 0.0)]
-        for t, d in ev:
-            cur += d
-            peak = max(peak, cur)
-            if curve[-1][0] == t:
-                curve[-1] = (t, cur)
-            else:
-                curve.append((t, cur))
-        curves.append(curve)
-        peaks.append(peak)
-    return curves, peaks

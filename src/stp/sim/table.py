@@ -99,8 +99,8 @@ def program_peaks(schedule: Schedule, stages: StageCosts) -> list[float]:
     order: an action allocates its forwards' activations when it starts and
     releases its backwards' when it ends, and a rank's compute lane runs its
     actions one after another, so without offload this is the peak `simulate`
-    reports (`_memory_curves`), found without timing anything (the planner's
-    memory bound, `stp.plan.price`)."""
+    reports (`stp.sim.rank_lanes.memory_curves`), found without timing anything
+    (the planner's memory bound, `stp.plan.price`)."""
     delta = _per_stage(stages, OffloadCosts()).delta
     peaks = []
     for actions in schedule.actions:

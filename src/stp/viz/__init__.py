@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from stp.sim.result import SimResult
+from stp.sim.trace_format import trace_events, trace_json, write_trace
 from stp.viz.compare_plot import compare_scene
 from stp.viz.curves import curves_scene, load_metrics
 from stp.viz.measured import measured_scene
@@ -15,7 +16,6 @@ from stp.viz.measured_read import MeasuredTrace, load_measured_trace
 from stp.viz.scene import Scene
 from stp.viz.svg import to_svg
 from stp.viz.timeline import timeline_scene
-from stp.viz.trace import trace_events, trace_json, write_trace
 
 __all__ = [
     "draw_curves",

@@ -22,16 +22,14 @@ from collections.abc import Sequence
 
 from stp.sim.result import Span
 from stp.viz import colors as C
+from stp.viz.bands import LEFT, Bands, Legend, tp_kinds
 from stp.viz.measured_read import MeasuredTrace
-from stp.viz.scene import Line, Rect, Scene, Text, fmt_num, nice_ticks, text_width
-from stp.viz.timeline import tp_kinds, tp_rect
+from stp.viz.scene import Line, Rect, Scene, Text, fmt_num, text_width
 
 __all__ = ["measured_scene", "hidden_under_compute"]
 
-_LEFT, _RIGHT, _TOP = 92.0, 24.0, 106.0
 _LANES = ("compute", "tp", "send", "dp")
 _LANE_H = {"compute": 26.0, "tp": 9.0, "send": 6.0, "dp": 6.0}
-_GAP, _RANK_GAP = 3.0, 16.0
 
 
 def hidden_under_compute(spans: Sequence[Span], rank: int, kind: str) -> tuple[float, float]:
@@ -52,34 +50,18 @@ def hidden_under_compute(spans: Sequence[Span], rank: int, kind: str) -> tuple[f
     return total, hidden
 
 
-class _Layout:
+class _Layout(Bands):
     def __init__(self, trace: MeasuredTrace, plot_width: float | None) -> None:
         self.ranks = sorted({s.rank for s in trace.spans})
         self.by_lane: dict[tuple[int, str], list[Span]] = defaultdict(list)
         for s in trace.spans:
             self.by_lane[(s.rank, s.lane)].append(s)
-        self.lanes = [ln for ln in _LANES if ln == "compute" or any(
+        lanes = [ln for ln in _LANES if ln == "compute" or any(
             self.by_lane.get((r, ln)) for r in self.ranks)]
-        self.t_end = max(s.end for s in trace.spans) or 1.0
+        t_end = max(s.end for s in trace.spans) or 1.0
         units = [s.end - s.start for s in trace.spans if s.lane == "compute" and s.end > s.start]
-        shortest = min(units, default=self.t_end)
-        self.plot_w = plot_width or min(max(self.t_end / shortest * 18.0, 800.0), 2800.0)
-        self.px = self.plot_w / self.t_end
-        self.band_h = sum(_LANE_H[ln] + _GAP for ln in self.lanes)
-        self.width = _LEFT + self.plot_w + _RIGHT
-        self.plot_bottom = _TOP + len(self.ranks) * (self.band_h + _RANK_GAP) - _RANK_GAP
-        self.height = self.plot_bottom + 52.0
-
-    def x(self, t: float) -> float:
-        return _LEFT + t * self.px
-
-    def lane_y(self, band: int, lane: str) -> float:
-        y = _TOP + band * (self.band_h + _RANK_GAP)
-        for ln in self.lanes:
-            if ln == lane:
-                return y
-            y += _LANE_H[ln] + _GAP
-        return y
+        super().__init__(lanes, _LANE_H, len(self.ranks), t_end, min(units, default=t_end),
+                         plot_width)
 
 
 def measured_scene(trace: MeasuredTrace, *, title: str | None = None,
@@ -93,28 +75,20 @@ def measured_scene(trace: MeasuredTrace, *, title: str | None = None,
         sc.add(Text(12, 42 + 15 * i, line, size=11, color=C.MUTED))
         sc.width = max(sc.width, 24 + text_width(line, 11))
     _legend(sc, L, trace)
-    ticks = nice_ticks(L.t_end, target=max(4, int(L.plot_w // 90)))
+    ticks = L.ticks()
+    L.draw_lanes(sc, len(L.ranks), ticks)
     for band, r in enumerate(L.ranks):
-        for ln in L.lanes:
-            sc.add(Rect(_LEFT, L.lane_y(band, ln), L.plot_w, _LANE_H[ln], fill=C.LANE_BG))
-            if ln != "compute":
-                sc.add(Text(_LEFT - 8, L.lane_y(band, ln) + _LANE_H[ln] - 0.5,
-                            {"tp": "TP", "send": "send", "dp": "DP"}[ln], size=8, color=C.MUTED,
-                            anchor="end"))
-        sc.add(Text(_LEFT - 8, L.lane_y(band, "compute") + 17, f"rank {r}", size=12,
+        for ln in L.lanes[1:]:
+            sc.add(Text(LEFT - 8, L.lane_y(band, ln) + _LANE_H[ln] - 0.5,
+                        {"tp": "TP", "send": "send", "dp": "DP"}[ln], size=8, color=C.MUTED,
+                        anchor="end"))
+        sc.add(Text(LEFT - 8, L.lane_y(band, "compute") + 17, f"rank {r}", size=12,
                     bold=True, color=C.INK, anchor="end"))
-    for t in ticks:
-        sc.add(Line(L.x(t), _TOP - 4, L.x(t), L.plot_bottom, color=C.GRID, width=1.0))
     for band, r in enumerate(L.ranks):
         _compute(sc, L, trace, band, r)
-        _comm(sc, L, band, r)
-    y = L.plot_bottom + 6
-    sc.add(Line(_LEFT, y, _LEFT + L.plot_w, y, color=C.INK, width=1.0))
-    for t in ticks:
-        sc.add(Line(L.x(t), y, L.x(t), y + 5, color=C.INK, width=1.0))
-        sc.add(Text(L.x(t), y + 17, fmt_num(t), size=10, color=C.INK, anchor="middle"))
-    sc.add(Text(_LEFT + L.plot_w / 2, y + 36, "time (ms, measured)", size=11, color=C.MUTED,
-                anchor="middle"))
+        L.draw_thin_lanes(sc, band, r, L.by_lane,
+                          lambda s: f"{s.kind} of {s.name} {s.start:.3f}-{s.end:.3f} ms")
+    L.draw_axis(sc, ticks, "time (ms, measured)")
     return sc
 
 
@@ -145,38 +119,21 @@ def _summary(trace: MeasuredTrace, L: _Layout) -> list[str]:
 
 
 def _legend(sc: Scene, L: _Layout, trace: MeasuredTrace) -> None:
-    x, y, sw, sh, fs = 12.0, 80.0, 14.0, 11.0, 11.0
-
-    def label(text: str) -> None:
-        nonlocal x
-        sc.add(Text(x, y + sh - 1, text, size=fs, color=C.INK))
-        x += text_width(text, fs) + 16
-
+    leg = Legend(sc, 12.0, 80.0)
     kinds = {s.kind for s in trace.spans if s.lane == "compute"}
     for kind, name in (("F", "F forward"), ("B", "B input grad"), ("W", "W weight grad")):
         if kind in kinds:
-            sc.add(Rect(x, y, sw, sh, fill=C.pass_color(kind, 0, 1)))
-            x += sw + 4
-            label(name)
+            leg.swatch(C.pass_color(kind, 0, 1), name)
     if any(s.braided for s in trace.spans if s.lane == "compute"):
-        sc.add(Rect(x, y, sw, sh, stroke=C.FRAME_COLOR, stroke_width=1.4))
-        x += sw + 4
-        label("braided block (F mb | other mb)")
-    for kind in tp_kinds(L.by_lane, "tp"):
-        sc.add(Rect(x, y + 3, sw, sh - 6, fill=C.TP_COLORS[kind]))
-        x += sw + 4
-        label(C.TP_NAMES[kind])
+        leg.frame("braided block (F mb | other mb)")
+    leg.tp_kinds(tp_kinds(L.by_lane, "tp"))
     if "send" in L.lanes:
-        sc.add(Rect(x, y + 3, sw, sh - 6, fill=C.SEND_COLOR))
-        x += sw + 4
-        label("send / receive")
+        leg.swatch(C.SEND_COLOR, "send / receive", thin=True)
     if "dp" in L.lanes:
-        sc.add(Rect(x, y + 3, sw, sh - 6, fill=C.DP_COLOR))
-        x += sw + 4
         gathers = any(s.kind == "DP-AG" for s in trace.spans if s.lane == "dp")
-        label("DP gradient reduction / parameter all-gather" if gathers
-              else "DP gradient reduction")
-    sc.width = max(sc.width, x + 12)
+        leg.swatch(C.DP_COLOR, "DP gradient reduction / parameter all-gather" if gathers
+                   else "DP gradient reduction", thin=True)
+    leg.close()
 
 
 def _compute(sc: Scene, L: _Layout, trace: MeasuredTrace, band: int, r: int) -> None:
@@ -201,17 +158,3 @@ def _compute(sc: Scene, L: _Layout, trace: MeasuredTrace, band: int, r: int) -> 
             sc.add(Text((L.x(t0) + L.x(t1)) / 2, y + h / 2 + 3.2, text, size=9, color=C.INK,
                         anchor="middle", halo="#ffffff"))
         sc.add(Line(L.x(t0), y, L.x(t0), y + h, color="#ffffff", width=0.8))
-
-
-def _comm(sc: Scene, L: _Layout, band: int, r: int) -> None:
-    for ln in L.lanes[1:]:
-        y = L.lane_y(band, ln)
-        for s in L.by_lane.get((r, ln), []):
-            x, w = L.x(s.start), max((s.end - s.start) * L.px, 0.6)
-            tip = f"{s.kind} of {s.name} {s.start:.3f}-{s.end:.3f} ms"
-            if ln == "tp":
-                tp_rect(sc, x, y, w, _LANE_H[ln], s.kind, tip)
-            elif ln == "dp":
-                sc.add(Rect(x, y, w, _LANE_H[ln], fill=C.DP_COLOR, title=tip))
-            else:
-                sc.add(Rect(x, y, w, _LANE_H[ln], fill=C.SEND_COLOR, title=tip))

@@ -1,5 +1,5 @@
 """A measured trace read back: the file `stp train --trace` wrote (stp.runtime.trace,
-in stp.viz.trace's Chrome / Perfetto shape) as `Span`s, for `stp draw --measured`.
+in stp.sim.trace_format's Chrome / Perfetto shape) as `Span`s, for `stp draw --measured`.
 
 A trace is a file a user hands stp, so every field is checked as it is read:
 one ValueError naming the file, the event and what was expected, never a

@@ -23,14 +23,14 @@ from collections.abc import Sequence
 from stp.schedule.ir import Kind, passes_of
 from stp.sim.result import SimResult, Span
 from stp.viz import colors as C
-from stp.viz.scene import Line, Poly, Rect, Scene, Text, fmt_num, nice_ticks, text_width
+from stp.viz.bands import LEFT, Bands, Legend, tp_kinds
+from stp.viz.scene import Line, Poly, Rect, Scene, Text, fmt_num, text_width
 
-__all__ = ["timeline_scene", "tp_rect", "tp_kinds"]
+__all__ = ["timeline_scene"]
 
-_LEFT, _RIGHT, _TOP = 92.0, 24.0, 106.0
 _LANE_H = {"compute": 26.0, "tp": 9.0, "send": 6.0, "d2h": 6.0, "h2d": 6.0}
 _LANE_NAME = {"compute": "", "tp": "TP", "send": "send", "d2h": "D2H", "h2d": "H2D"}
-_MEM_H, _GAP, _RANK_GAP = 30.0, 3.0, 16.0
+_MEM_H = 30.0
 _EPS = 1e-9
 
 
@@ -58,7 +58,7 @@ def _shortest_pass(res: SimResult) -> float:
     return min((x for x in (c.f, c.b, c.w) if x > 0), default=1.0) / res.schedule.chunks
 
 
-class _Layout:
+class _Layout(Bands):
     def __init__(self, res: SimResult, plot_width: float | None) -> None:
         self.res = res
         sch = res.schedule
@@ -66,32 +66,15 @@ class _Layout:
         self.by_lane: dict[tuple[int, str], list[Span]] = defaultdict(list)
         for s in res.spans:
             self.by_lane[(s.rank, s.lane)].append(s)
-        self.lanes = ["compute"] + [
+        lanes = ["compute"] + [
             ln for ln in ("tp", "send", "d2h", "h2d")
             if any(self.by_lane.get((r, ln)) for r in range(sch.num_ranks))
         ]
-        self.t_end = max([res.makespan, *(s.end for s in res.spans)]) or 1.0
+        t_end = max([res.makespan, *(s.end for s in res.spans)]) or 1.0
         shortest = _shortest_pass(res)
-        # about 18 px for the shortest pass, so a two-digit microbatch fits
-        want = self.t_end / shortest * 18.0
-        self.plot_w = plot_width or min(max(want, 800.0), 2800.0)
-        self.px = self.plot_w / self.t_end
+        super().__init__(lanes, _LANE_H, sch.num_ranks, t_end, shortest, plot_width,
+                         extra_h=_MEM_H)
         self.font = 10.0 if shortest * self.px >= 16 else 9.0
-        self.band_h = sum(_LANE_H[ln] + _GAP for ln in self.lanes) + _MEM_H
-        self.width = _LEFT + self.plot_w + _RIGHT
-        self.plot_bottom = _TOP + sch.num_ranks * (self.band_h + _RANK_GAP) - _RANK_GAP
-        self.height = self.plot_bottom + 52.0
-
-    def x(self, t: float) -> float:
-        return _LEFT + t * self.px
-
-    def lane_y(self, rank: int, lane: str) -> float:
-        y = _TOP + rank * (self.band_h + _RANK_GAP)
-        for ln in self.lanes:
-            if ln == lane:
-                return y
-            y += _LANE_H[ln] + _GAP
-        return y  # the memory strip
 
     def mem_y(self, rank: int) -> float:
         return self.lane_y(rank, "memory")
@@ -106,18 +89,15 @@ def timeline_scene(
     L = _Layout(res, plot_width)
     sc = Scene(L.width, L.height)
     _header(sc, L, title)
-    ticks = nice_ticks(L.t_end, target=max(4, int(L.plot_w // 90)))
-    for r in range(res.schedule.num_ranks):
-        for ln in L.lanes:
-            sc.add(Rect(_LEFT, L.lane_y(r, ln), L.plot_w, _LANE_H[ln], fill=C.LANE_BG))
-    for t in ticks:
-        sc.add(Line(L.x(t), _TOP - 4, L.x(t), L.plot_bottom, color=C.GRID, width=1.0))
+    ticks = L.ticks()
+    L.draw_lanes(sc, res.schedule.num_ranks, ticks)
     for r in range(res.schedule.num_ranks):
         _rank_labels(sc, L, r)
         _compute_lane(sc, L, r)
-        _plain_lanes(sc, L, r)
+        L.draw_thin_lanes(sc, r, r, L.by_lane, lambda s: f"{s.kind} of {s.name} "
+                          f"{fmt_num(s.start)}-{fmt_num(s.end)}")
         _memory(sc, L, r)
-    _axis(sc, L, ticks)
+    L.draw_axis(sc, ticks, "time (units of the --cost inputs)")
     return sc
 
 
@@ -158,65 +138,51 @@ def _legend(sc: Scene, L: _Layout, x: float, y: float) -> None:
     sch = L.res.schedule
     kinds = {p.kind for r in range(sch.num_ranks) for p in sch.passes(r)}
     braided = any(s.braided for s in L.res.spans)
-    sw, sh, fs = 14.0, 11.0, 11.0
-
-    def label(text: str) -> None:
-        nonlocal x
-        sc.add(Text(x, y + sh - 1, text, size=fs, color=C.INK))
-        x += text_width(text, fs) + 16
-
+    leg = Legend(sc, x, y)
+    sw, sh = leg.SW, leg.SH
     for kind, key, name in ((Kind.F, "F", "F forward"), (Kind.B, "B", "B input grad"),
                             (Kind.W, "W", "W weight grad"), (Kind.BW, "B", "B+W full backward")):
         if kind not in kinds:
             continue
-        for ch in range(L.v):
-            fill = C.pass_color(key, ch, L.v)
-            sc.add(Rect(x, y, sw, sh, fill=fill))
+        for ch in range(L.v):  # one swatch per chunk shade
+            sc.add(Rect(leg.x, y, sw, sh, fill=C.pass_color(key, ch, L.v)))
             if kind is Kind.BW:
-                sc.add(Rect(x, y + sh * 0.65, sw, sh * 0.35, fill=C.pass_color("W", ch, L.v)))
-            x += sw + 1
-        x += 4
-        label(name)
+                sc.add(Rect(leg.x, y + sh * 0.65, sw, sh * 0.35,
+                            fill=C.pass_color("W", ch, L.v)))
+            leg.x += sw + 1
+        leg.x += 4
+        leg.label(name)
     if braided:
-        sc.add(Rect(x, y, sw / 2, sh, fill=C.pass_color("F", 0, 1)))
-        sc.add(Rect(x + sw / 2, y, sw / 2, sh, fill=C.pass_color("B", 0, 1)))
-        sc.add(Rect(x, y, sw, sh, stroke=C.FRAME_COLOR, stroke_width=1.4))
-        x += sw + 4
-        label("braided block (F mb | other mb)")
-    for kind in tp_kinds(L.by_lane, "tp"):
-        sc.add(Rect(x, y + 3, sw, sh - 6, fill=C.TP_COLORS[kind]))
-        x += sw + 4
-        label(C.TP_NAMES[kind])
+        sc.add(Rect(leg.x, y, sw / 2, sh, fill=C.pass_color("F", 0, 1)))
+        sc.add(Rect(leg.x + sw / 2, y, sw / 2, sh, fill=C.pass_color("B", 0, 1)))
+        leg.frame("braided block (F mb | other mb)")
+    leg.tp_kinds(tp_kinds(L.by_lane, "tp"))
     extra = [("send", C.SEND_COLOR, "send"),
              ("d2h", C.COPY_COLORS["D2H"], "offload D2H"),
              ("h2d", C.COPY_COLORS["H2D"], "reload H2D")]
     for lane, color, name in extra:
         if lane in L.lanes:
-            sc.add(Rect(x, y + 3, sw, sh - 6, fill=color))
-            x += sw + 4
-            label(name)
+            leg.swatch(color, name, thin=True)
     if "tp" in L.lanes:
-        sc.add(Rect(x, y, sw, sh, fill=C.tp_wait(C.KIND_BASE["F"])))
-        x += sw + 4
-        label("pale: pass waits on its all-reduce")
-    sc.add(Rect(x, y, sw, sh, fill=C.MEM_FILL, stroke=C.MEM_LINE, stroke_width=1.0))
-    x += sw + 4
-    label("activation memory (peak marked)")
+        leg.swatch(C.tp_wait(C.KIND_BASE["F"]), "pale: pass waits on its all-reduce")
+    sc.add(Rect(leg.x, y, sw, sh, fill=C.MEM_FILL, stroke=C.MEM_LINE, stroke_width=1.0))
+    leg.x += sw + 4
+    leg.label("activation memory (peak marked)")
     if L.v == 2:
-        label("dark = chunk 0, light = chunk 1")
+        leg.label("dark = chunk 0, light = chunk 1")
     elif L.v > 2:
-        label("darker = earlier chunk")
-    sc.width = max(sc.width, x + 12)
+        leg.label("darker = earlier chunk")
+    leg.close()
 
 
 def _rank_labels(sc: Scene, L: _Layout, r: int) -> None:
     y = L.lane_y(r, "compute")
-    sc.add(Text(_LEFT - 8, y + _LANE_H["compute"] / 2 + 4, f"rank {r}", size=12, bold=True,
+    sc.add(Text(LEFT - 8, y + _LANE_H["compute"] / 2 + 4, f"rank {r}", size=12, bold=True,
                 color=C.INK, anchor="end"))
     for ln in L.lanes[1:]:
-        sc.add(Text(_LEFT - 8, L.lane_y(r, ln) + _LANE_H[ln] - 0.5, _LANE_NAME[ln], size=8,
+        sc.add(Text(LEFT - 8, L.lane_y(r, ln) + _LANE_H[ln] - 0.5, _LANE_NAME[ln], size=8,
                     color=C.MUTED, anchor="end"))
-    sc.add(Text(_LEFT - 8, L.mem_y(r) + _MEM_H / 2 + 3, "memory", size=8, color=C.MUTED,
+    sc.add(Text(LEFT - 8, L.mem_y(r) + _MEM_H / 2 + 3, "memory", size=8, color=C.MUTED,
                 anchor="end"))
 
 
@@ -272,34 +238,6 @@ def _compute_lane(sc: Scene, L: _Layout, r: int) -> None:
         sc.add(Line(L.x(t_lo), y, L.x(t_lo), y + h, color="#ffffff", width=0.8))
 
 
-def _plain_lanes(sc: Scene, L: _Layout, r: int) -> None:
-    color = {"send": C.SEND_COLOR, "d2h": C.COPY_COLORS["D2H"], "h2d": C.COPY_COLORS["H2D"]}
-    for ln in L.lanes[1:]:
-        y = L.lane_y(r, ln)
-        for s in L.by_lane.get((r, ln), []):
-            x, w = L.x(s.start), max((s.end - s.start) * L.px, 0.6)
-            tip = f"{s.kind} of {s.name} {fmt_num(s.start)}-{fmt_num(s.end)}"
-            if ln == "tp":
-                tp_rect(sc, x, y, w, _LANE_H[ln], s.kind, tip)
-            else:
-                sc.add(Rect(x, y, w, _LANE_H[ln], fill=color[ln], title=tip))
-
-
-def tp_rect(sc: Scene, x: float, y: float, w: float, h: float, kind: str, tip: str) -> None:
-    """A TP-lane span coloured by its collective (an `RS+AG` span: RS above, AG below)."""
-    parts = C.tp_parts(kind)
-    for i, part in enumerate(parts):
-        sc.add(Rect(x, y + i * h / len(parts), w, h / len(parts), fill=C.TP_COLORS[part],
-                    title=tip))
-
-
-def tp_kinds(by_lane: dict[tuple[int, str], list[Span]], lane: str) -> list[str]:
-    """The collectives the TP lanes hold, in legend order (AR, RS, AG)."""
-    seen = {part for (_, ln), spans in by_lane.items() if ln == lane for s in spans
-            for part in C.tp_parts(s.kind)}
-    return [k for k in C.TP_COLORS if k in seen]
-
-
 def _memory(sc: Scene, L: _Layout, r: int) -> None:
     y0 = L.mem_y(r)
     base = y0 + _MEM_H
@@ -326,17 +264,7 @@ def _memory(sc: Scene, L: _Layout, r: int) -> None:
     px, py = L.x(hit), base - peak * scale
     sc.add(Poly(((px - 4, py - 6), (px + 4, py - 6), (px, py)), color=None, fill=C.PEAK_COLOR))
     text = f"peak {fmt_num(peak)} M_B"
-    right = px + 6 + text_width(text, 9) < _LEFT + L.plot_w
+    right = px + 6 + text_width(text, 9) < LEFT + L.plot_w
     # inside the strip, under the curve's top, so the curve never crosses the text
     sc.add(Text(px + 6 if right else px - 6, base - 4, text, size=9, color=C.PEAK_COLOR,
                 anchor="start" if right else "end", bold=True))
-
-
-def _axis(sc: Scene, L: _Layout, ticks: list[float]) -> None:
-    y = L.plot_bottom + 6
-    sc.add(Line(_LEFT, y, _LEFT + L.plot_w, y, color=C.INK, width=1.0))
-    for t in ticks:
-        sc.add(Line(L.x(t), y, L.x(t), y + 5, color=C.INK, width=1.0))
-        sc.add(Text(L.x(t), y + 17, fmt_num(t), size=10, color=C.INK, anchor="middle"))
-    sc.add(Text(_LEFT + L.plot_w / 2, y + 36, "time (units of the --cost inputs)", size=11,
-                color=C.MUTED, anchor="middle"))

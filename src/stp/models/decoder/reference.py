@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stp.models.decoder.init import init_full, parameter_specs
+from stp.models.decoder.init import ParamSpec, init_full, parameter_specs
+from stp.models.param_names import register_dotted
 from stp.shapes.decoder import IGNORE_INDEX, ModelConfig, RopeScaling
 
 __all__ = ["ReferenceModel", "build_reference", "rope_frequencies", "rotate"]
@@ -66,29 +67,27 @@ class ReferenceModel(nn.Module):
     """Llama / Qwen2-style decoder: embed, L x (x += attn(norm(x)); x += mlp(norm(x))),
     norm, head, mean cross-entropy over the targets that are not IGNORE_INDEX.
     A tied head is the embedding matrix itself (one parameter, `embed.weight`).
-    `tensors`: the full parameters by name (a checkpoint); default the seeded init."""
+    `tensors`: the full parameters by name (a checkpoint); default the seeded init.
+    `specs`: the parameters to make (a family built on the decoder: its own); default
+    the decoder's."""
 
     def __init__(
         self,
         config: ModelConfig,
         dtype: torch.dtype = torch.float32,
         tensors: dict[str, torch.Tensor] | None = None,
+        specs: list[ParamSpec] | None = None,
     ) -> None:
         super().__init__()
         self.config = config
-        self.specs = [s for s in parameter_specs(config) if s.tied_to is None]
+        if specs is None:
+            specs = parameter_specs(config)
+        self.specs = [s for s in specs if s.tied_to is None]
         if tensors is None:
             tensors = {s.name: init_full(config, s, dtype) for s in self.specs}
         self._params = {s.name: nn.Parameter(tensors[s.name].to(dtype)) for s in self.specs}
         for name, p in self._params.items():
-            # Same dotted names as the stages, via plain container modules.
-            *path, leaf = name.split(".")
-            module: nn.Module = self
-            for part in path:
-                if part not in module._modules:
-                    module.add_module(part, nn.Module())
-                module = module._modules[part]  # type: ignore[assignment]
-            module.register_parameter(leaf, p)
+            register_dotted(self, name, p)
         self.freqs = rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
 
     def shard_dim(self, name: str) -> int | None:

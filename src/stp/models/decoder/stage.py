@@ -21,69 +21,22 @@ from torch import nn
 from stp.models.decoder.chunk import LayerChunk
 from stp.models.decoder.doc_masks import DocumentMasks
 from stp.models.decoder.init import ParamSpec, ShardSlice, init_shard, parameter_specs, tp_slice
+from stp.models.decoder.stage_setup import (  # re-exported: stp.models names them
+    check_model,
+    check_tp,
+    set_recompute,
+)
 from stp.models.decoder.stage_shards import ShardSource, unshard
 from stp.models.decoder.units import AttentionUnit, EmbedUnit, LossUnit, MLPUnit, RopeCache, Unit
 from stp.models.documents import Documents
+from stp.models.param_names import register_dotted
 from stp.models.recompute import check_recompute
 from stp.models.tp.comm import AllReduce, launch_sum, make_allreduce
 from stp.models.tp.sequence import SequenceParallel, ToScatter, check_sequence
 from stp.schedule.placement import partition_layers
 from stp.shapes.decoder import IGNORE_INDEX, ModelConfig
 
-__all__ = ["ModelStage", "ShardSource", "build_stage", "check_tp", "set_recompute"]
-
-
-def check_tp(config: ModelConfig, tp_size: int, tp_rank: int) -> None:
-    """ValueError unless the heads and the MLP width split over tp_size ranks (the
-    vocabulary is padded to a multiple of tp_size; fewer kv heads than ranks are
-    replicated when tp_size is a multiple of num_kv_heads)."""
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
-    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank must be an int in [0, tp_size={tp_size}), got {tp_rank!r}")
-    for field in ("num_heads", "ffn_hidden"):
-        value = getattr(config, field)
-        if value % tp_size:
-            raise ValueError(f"{field}={value} must be divisible by tp_size={tp_size}")
-    kv = config.num_kv_heads
-    if kv % tp_size and tp_size % kv:
-        raise ValueError(
-            f"num_kv_heads={kv} must be divisible by tp_size={tp_size}, or divide it (each kv "
-            "head is then replicated on tp_size / num_kv_heads ranks)"
-        )
-
-
-def check_model(config: ModelConfig, tp: int, num_stages: int) -> None:
-    """ValueError unless the model splits into num_stages stages of tp shards."""
-    if config.num_layers < num_stages:
-        raise ValueError(
-            f"--layers {config.num_layers} is fewer than the schedule's {num_stages} stages; "
-            f"every stage needs a layer, so use at least {num_stages} layers"
-        )
-    check_tp(config, tp, 0)
-
-
-def set_recompute(units: Iterable[Unit], mode: str) -> str:
-    """Give every unit (and a layer chunk's layers) the recomputation mode `mode`
-    (stp.models.recompute; ValueError naming the modes for another)."""
-    check_recompute(mode)
-    for unit in units:
-        for part in (unit, *getattr(unit, "parts", ())):
-            part.recompute = mode
-    return mode
-
-
-def _register(root: nn.Module, name: str, param: nn.Parameter) -> None:
-    """Attach param at the dotted global name, creating plain container modules."""
-    *path, leaf = name.split(".")
-    module = root
-    for part in path:
-        child = module._modules.get(part)
-        if child is None:
-            child = nn.Module()
-            module.add_module(part, child)
-        module = child
-    module.register_parameter(leaf, param)
+__all__ = ["ModelStage", "ShardSource", "build_stage", "check_model", "check_tp", "set_recompute"]
 
 
 class ModelStage(nn.Module):
@@ -134,7 +87,7 @@ class ModelStage(nn.Module):
         self._shard_dims = {s.name: s.shard_dim for s in specs}
         self._slices = {s.name: tp_slice(config, s, tp_size, tp_rank) for s in specs}
         for spec in specs:
-            _register(self, spec.name, nn.Parameter(tensors[spec.name]))
+            register_dotted(self, spec.name, nn.Parameter(tensors[spec.name]))
         # A tuple, not a ModuleList: units reference the parameters registered above.
         self.units: tuple[Unit, ...] = tuple(self._make_units(dict(self.named_parameters())))
         # One TP rank: the sequence has one shard, so sequence parallelism is the identity.

@@ -20,10 +20,12 @@ import torch.distributed as dist
 from torch import nn
 
 from stp.models.decoder.init import ParamSpec, init_full, init_slice, parameter_specs, tp_slice
-from stp.models.decoder.stage import ModelStage, _register, check_tp, set_recompute
+from stp.models.decoder.stage import ModelStage, check_tp, set_recompute
 from stp.models.decoder.units import AttentionUnit, LossUnit, MLPUnit, RopeCache, Unit
 from stp.models.mllm.rows import check_mllm_sequence
-from stp.models.mllm.vision import InputUnit, MergerUnit, VisionAttentionUnit, VisionMLPUnit
+from stp.models.mllm.vision import MergerUnit, VisionAttentionUnit, VisionMLPUnit
+from stp.models.mllm.vision_input import InputUnit
+from stp.models.param_names import register_dotted
 from stp.models.recompute import check_recompute
 from stp.models.tp.comm import make_allreduce
 from stp.models.tp.sequence import SequenceParallel
@@ -127,7 +129,7 @@ class MLLMStage(ModelStage):
         self._shard_dims = {s.name: s.shard_dim for s in specs}
         self._slices = {s.name: tp_slice(cfg.decoder, s, tp_size, tp_rank) for s in specs}
         for spec in specs:
-            _register(self, spec.name, nn.Parameter(tensors[spec.name]))
+            register_dotted(self, spec.name, nn.Parameter(tensors[spec.name]))
         self.units: tuple[Unit, ...] = tuple(self._mllm_units(dict(self.named_parameters())))
         # sequence parallelism (stp.models.mllm.rows): the identity at one TP rank
         self.sequence_parallel = self.prepares_gathers = sequence_parallel and tp_size > 1

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from stp.models.decoder.init import init_full
-from stp.models.decoder.reference import ReferenceModel, rope_frequencies
+from stp.models.decoder.reference import ReferenceModel
 from stp.models.moe.init import moe_parameter_specs
 from stp.shapes.moe import MoEConfig
 
@@ -36,21 +34,7 @@ class MoEReference(ReferenceModel):
 
     def __init__(self, config: MoEConfig, dtype: torch.dtype = torch.float32,
                  tensors: dict[str, torch.Tensor] | None = None) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.specs = [s for s in moe_parameter_specs(config) if s.tied_to is None]
-        if tensors is None:
-            tensors = {s.name: init_full(config, s, dtype) for s in self.specs}
-        self._params = {s.name: nn.Parameter(tensors[s.name].to(dtype)) for s in self.specs}
-        for name, p in self._params.items():
-            *path, leaf = name.split(".")
-            module: nn.Module = self
-            for part in path:
-                if part not in module._modules:
-                    module.add_module(part, nn.Module())
-                module = module._modules[part]  # type: ignore[assignment]
-            module.register_parameter(leaf, p)
-        self.freqs = rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        super().__init__(config, dtype, tensors, moe_parameter_specs(config))
         self.router_logits: list[torch.Tensor] = []
         """Each MoE layer's router logits [b * s, E] of the last forward."""
 

@@ -65,9 +65,9 @@ from torch import nn
 
 from stp.train.step.in_flight import InFlight
 from stp.train.step.precision import Precision
-from stp.train.step.shard_layout import RowSplit, ShardLayout, row_box
+from stp.train.step.shard_layout import ShardLayout, row_box
 
-__all__ = ["DPGroup", "RowSplit", "ShardLayout", "ShardedPrecision", "row_box"]
+__all__ = ["DPGroup", "ShardedPrecision"]
 
 Collective = Callable[..., Any]
 """`run(action, peers, fn, *args, **kw)`: stp.train.step.grad_sync.collective on this rank."""

@@ -1,4 +1,5 @@
-"""Chrome / Perfetto trace JSON of a timeline (ui.perfetto.dev, chrome://tracing).
+"""The trace format: Chrome / Perfetto JSON of a timeline (ui.perfetto.dev,
+chrome://tracing), simulated or measured.
 
 One process per rank (`pid` = rank), one thread per lane (compute, tp, send,
 d2h, h2d), every action a complete event ("ph": "X") named like the action
@@ -8,8 +9,10 @@ A unit event's args name its layer and part: measured units by their name in
 the stage (`layers.3.moe.experts` -> layer 3, part `moe.experts`: an
 expert-parallel MoE layer runs four units, attention, route, experts and
 combine), simulated ones as the simulator cuts a layer (attention, MLP).
-The runtime writes measured runs in the same shape (same names, same args),
-so a simulated and a measured trace open side by side.
+The runtime (stp.runtime.trace) writes measured runs through the same functions
+(same names, same args), so a simulated and a measured trace open side by side;
+the format sits here, below both the runtime and stp.viz, because it is the
+shape of the simulator's `Span`s.
 
 Times: the simulator's time unit becomes `time_scale` microseconds (default
 1000, i.e. one unit shows as one millisecond).
@@ -20,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from stp.files import write_text_atomic
@@ -28,7 +31,7 @@ from stp.schedule.io import parse_action
 from stp.schedule.ir import passes_of
 from stp.sim.result import LANES, SimResult, Span
 
-__all__ = ["trace_events", "trace_json", "write_trace"]
+__all__ = ["trace_document", "trace_events", "trace_json", "write_trace", "write_trace_document"]
 
 _UNIT_PART = ("attention", "mlp")
 """The simulator's two units per layer, in order."""
@@ -133,11 +136,9 @@ def trace_json(res: SimResult, *, time_scale: float = 1000.0) -> dict[str, objec
     """The whole trace document of a simulation result."""
     sch = res.schedule
     names = {(r, i): str(a) for r, acts in enumerate(sch.actions) for i, a in enumerate(acts)}
-    return {
-        "traceEvents": trace_events(res.spans, memory=res.memory, action_names=names,
-                                    time_scale=time_scale),
-        "displayTimeUnit": "ms",
-        "otherData": {
+    return trace_document(
+        trace_events(res.spans, memory=res.memory, action_names=names, time_scale=time_scale),
+        {
             "source": "stp simulator",
             "schedule": sch.name,
             "pp": sch.num_ranks,
@@ -148,14 +149,26 @@ def trace_json(res: SimResult, *, time_scale: float = 1000.0) -> dict[str, objec
             "time_scale_us_per_unit": time_scale,
             "makespan": res.makespan,
         },
-    }
+    )
+
+
+def trace_document(events: list[dict[str, object]],
+                   other: Mapping[str, object]) -> dict[str, object]:
+    """A trace file's whole document: its events and, under `otherData`, what
+    produced them (`source`, the schedule, the time scale)."""
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": dict(other)}
+
+
+def write_trace_document(path: str | Path, doc: Mapping[str, object]) -> None:
+    """Write a trace document atomically; an unwritable path is one ValueError."""
+    try:
+        write_text_atomic(path, json.dumps(doc))
+    except OSError as e:
+        raise ValueError(f"cannot write {str(path)!r}: {e.strerror or e}") from None
 
 
 def write_trace(res: SimResult, path: str | Path, *, time_scale: float = 1000.0) -> None:
     """Write the trace of `res` to `path` (open it in ui.perfetto.dev)."""
     if not res.spans:
         raise ValueError("the simulation result has no spans; simulate with record_spans=True")
-    try:
-        write_text_atomic(path, json.dumps(trace_json(res, time_scale=time_scale)))
-    except OSError as e:
-        raise ValueError(f"cannot write {str(path)!r}: {e.strerror or e}") from None
+    write_trace_document(path, trace_json(res, time_scale=time_scale))

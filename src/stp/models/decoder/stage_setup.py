@@ -1,0 +1,54 @@
+"""What the decoder's stage builders (and those built on it: the multimodal and
+the MoE stages) run around a stage: the config checked against the TP split and
+the stage count, with one clear ValueError, and the recomputation mode handed
+to every unit."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from stp.models.decoder.units import Unit
+from stp.models.recompute import check_recompute
+from stp.shapes.decoder import ModelConfig
+
+__all__ = ["check_model", "check_tp", "set_recompute"]
+
+
+def check_tp(config: ModelConfig, tp_size: int, tp_rank: int) -> None:
+    """ValueError unless the heads and the MLP width split over tp_size ranks (the
+    vocabulary is padded to a multiple of tp_size; fewer kv heads than ranks are
+    replicated when tp_size is a multiple of num_kv_heads)."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be an int in [0, tp_size={tp_size}), got {tp_rank!r}")
+    for field in ("num_heads", "ffn_hidden"):
+        value = getattr(config, field)
+        if value % tp_size:
+            raise ValueError(f"{field}={value} must be divisible by tp_size={tp_size}")
+    kv = config.num_kv_heads
+    if kv % tp_size and tp_size % kv:
+        raise ValueError(
+            f"num_kv_heads={kv} must be divisible by tp_size={tp_size}, or divide it (each kv "
+            "head is then replicated on tp_size / num_kv_heads ranks)"
+        )
+
+
+def check_model(config: ModelConfig, tp: int, num_stages: int) -> None:
+    """ValueError unless the model splits into num_stages stages of tp shards."""
+    if config.num_layers < num_stages:
+        raise ValueError(
+            f"--layers {config.num_layers} is fewer than the schedule's {num_stages} stages; "
+            f"every stage needs a layer, so use at least {num_stages} layers"
+        )
+    check_tp(config, tp, 0)
+
+
+def set_recompute(units: Iterable[Unit], mode: str) -> str:
+    """Give every unit (and a layer chunk's layers) the recomputation mode `mode`
+    (stp.models.recompute; ValueError naming the modes for another)."""
+    check_recompute(mode)
+    for unit in units:
+        for part in (unit, *getattr(unit, "parts", ())):
+            part.recompute = mode
+    return mode
