@@ -21,7 +21,8 @@ from stp.runtime.mesh import ParallelDims
 from stp.schedule.offload import parse_policy
 from stp.train.checkpoint.sharded import check_resume, check_writable, complete_checkpoints
 from stp.train.run.config import TrainJob
-from stp.train.data.corpus import open_corpus, read_corpus
+from stp.train.data.corpus import read_corpus
+from stp.train.data.load import check_data
 from stp.train.families import family_of
 from stp.train.run.memory_check import check_memory
 from stp.train.run.precheck import check_mesh_flags
@@ -45,12 +46,7 @@ def check(job: TrainJob, world_size: int | None = None) -> Run:
     if job.trace is not None:
         check_output_file(job.trace, "--trace")
     if job.data is not None:
-        size = open_corpus(job.data).size  # ValueError if missing or too small; reads no data
-        if size < job.model.seq_len + 2:
-            raise ValueError(
-                f"data {job.data!r} holds {size} bytes, fewer than "
-                f"--seq-len + 2 = {job.model.seq_len + 2}"
-            )
+        check_data(job, run)
     if job.hardware is not None:
         check_hardware(job.hardware)
     _check_training(dataclasses.replace(job, lr=run.job.lr), run.config)  # --lr resolved

@@ -39,6 +39,9 @@ from stp.train.run.outlock import lock_error
 from stp.train.run.pretrained import copy_tokenizer
 from stp.train.run.resolve import Run
 from stp.train.checkpoint.resume import write_settings
+from stp.train.data.load import data_fingerprint, data_options
+from stp.train.data.prefetch import Prefetched
+from stp.train.data.record import write_data_record
 from stp.train.run.startup import Startup
 from stp.train.checkpoint.storage import StorageFault, cause_of
 from stp.train.step.trainer import Trainer, TrainerOptions
@@ -213,6 +216,8 @@ def run(resolved: Run,
     job, schedule = resolved.job, resolved.schedule
     if mesh.rank == 0:  # what a later --resume restores (stp.train.checkpoint.resume)
         write_settings(job, job.out_dir())
+        write_data_record(job.out_dir(), data_fingerprint(data_options(job), resolved.tokenizer),
+                          job.data)
     clock.at("workers")
     batches = resolved.family.batches(resolved)  # bytes, tokens, or images and captions
     evals, sharded = _eval_batches(resolved), None
@@ -233,6 +238,7 @@ def run(resolved: Run,
     peak = device_peak(mesh.device, job.dtype, job.hardware)
     tell = on_compile if job.compile and mesh.rank == 0 else None
     first_step = trainer.steps_done
+    batches = Prefetched(batches, first_step, job.steps)  # built ahead on a thread
     for step in range(first_step, job.steps):
         if tell is not None and step == first_step:
             tell(None)
@@ -267,6 +273,7 @@ def run(resolved: Run,
                                saved, trainer.last_figures or None, compile_s,
                                mfu_of(flops, elapsed, job.world_size, peak),
                                startup if len(losses) == 1 else None))
+    batches.close()
     trainer.finish_param_gather()  # the model after the last step (--overlap-param-gather)
     if job.trace is not None and losses:  # the last step, every rank
         trainer.write_trace(job.trace, {"braid": job.braid, "emulate": job.emulate,
