@@ -9,6 +9,7 @@ keyed by the tokenizer, the EOS id, the column and the data's bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -125,9 +126,8 @@ def _open_source(path: str, opts: DataOptions, tokenizer: Tokenizer | None,
                                             vocab or 1 << 31)
         return tokens, DataSummary(fmt, path, tokens.documents, tokens.size, skipped)
     if fmt == "chat":
-        raise ValueError(f"--data {path!r} is chat data (rows with 'messages'); stp trains "
-                         "on it through its chat template in a later version; give text, or "
-                         "--data-format jsonl to read its --data-column as text")
+        raise ValueError(f"--data {path!r} is chat data (rows with 'messages'): it trains "
+                         "alone, not in a mixture")
     tok = _need_tokenizer(path, "plain", tokenizer)
     corpus = open_corpus(path)
     stream = TokenStream(tokenize(path, tok.path, tok.eos))
@@ -157,6 +157,8 @@ def open_data(opts: DataOptions, tokenizer: Tokenizer | None, vocab: int | None,
             return OpenedData(TokenBatches(stream, seq_len, global_batch, seed),
                               [(1.0, DataSummary("text", "the Python standard library", None,
                                                  stream.size, 0))])
+        if detect_format(path, opts.format) == "chat":
+            return _open_chat(path, tokenizer, seq_len, global_batch, seed)
         source, summary = _open_source(path, opts, tokenizer, vocab)
         return OpenedData(TokenBatches(source, seq_len, global_batch, seed), [(1.0, summary)])
     opened = [_open_source(path, opts, tokenizer, vocab) for _, path in pairs]
@@ -165,6 +167,15 @@ def open_data(opts: DataOptions, tokenizer: Tokenizer | None, vocab: int | None,
     weights = [w for w, _ in pairs]
     return OpenedData(MixtureBatches(sources, weights, seq_len, global_batch, seed),
                       [(w, s) for w, (_, s) in zip(weights, opened, strict=True)])
+
+
+def _open_chat(path: str, tokenizer: Tokenizer | None, seq_len: int, global_batch: int,
+               seed: int) -> OpenedData:
+    from stp.train.data.chat import open_chat
+
+    tok = _need_tokenizer(path, "chat", tokenizer)
+    batches, summary, cut = open_chat(path, tok.path, seq_len, global_batch, seed)
+    return OpenedData(batches, [(1.0, dataclasses.replace(summary, cut=cut))])
 
 
 def _path_bytes(path: str) -> int:

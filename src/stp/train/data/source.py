@@ -24,12 +24,15 @@ class DataSummary:
     tokens: int
     skipped: int
     """Documents left out (empty or null texts, binary files)."""
+    cut: int | None = None
+    """Chat data: conversations longer than --seq-len + 1 tokens, cut at the end."""
 
     def line(self) -> str:
         docs = "unknown documents (no EOS id)" if self.documents is None else \
             f"{self.documents:,} documents"
+        cut = "" if self.cut is None else f", {self.cut:,} cut at --seq-len"
         return (f"{self.format} {self.path}: {docs}, {self.tokens:,} tokens, "
-                f"{self.skipped:,} skipped")
+                f"{self.skipped:,} skipped{cut}")
 
 
 class TokenSource(Protocol):
