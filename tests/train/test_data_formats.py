@@ -17,8 +17,8 @@ from stp.train.data.detect import detect_format, parse_mixture
 from stp.train.data.load import DataOptions, open_data
 from stp.train.data.megatron import MegatronTokens
 from stp.train.data.prepare import histogram, prepare
-from stp.train.data.tokens import Tokenizer, eos_id
 from stp.train.data.token_file import FlatTokens
+from stp.train.data.tokens import Tokenizer, eos_id
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from _hf import corpus_text, save_tokenizer  # noqa: E402

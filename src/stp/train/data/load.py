@@ -21,9 +21,8 @@ from stp.train.data.detect import detect_format, parse_mixture
 from stp.train.data.megatron import MegatronTokens, megatron_prefix
 from stp.train.data.mixture import MixtureBatches
 from stp.train.data.source import DataSummary
-from stp.train.data.tokens import (TokenBatches, Tokenizer, TokenStream, _cache_dir,
-                                   tokenize)
 from stp.train.data.token_file import FlatTokens
+from stp.train.data.tokens import TokenBatches, Tokenizer, TokenStream, _cache_dir, tokenize
 
 __all__ = ["DataOptions", "OpenedData", "check_data", "data_fingerprint", "data_options",
            "open_data"]

@@ -120,7 +120,7 @@ class MegatronWriter:
     def __init__(self, prefix: str | os.PathLike[str], dtype: type[np.integer]) -> None:
         self.prefix, self.dtype = Path(prefix), dtype
         self._tmp = Path(f"{prefix}.bin.{os.getpid()}.tmp")
-        self._bin = open(self._tmp, "wb")
+        self._bin = open(self._tmp, "wb")  # noqa: SIM115 (closed by finish)
         self.lengths: list[int] = []
 
     def add(self, ids: Iterable[int]) -> None:

@@ -271,9 +271,10 @@ class TrainJob:
     # data formats, mixtures and resume on changed data (stp.train.data)
     data_format: str | None = option(
         None, "read --data as this format instead of detecting it: megatron (PREFIX.idx + "
-        ".bin), tokens (a flat token file), jsonl, parquet, hf (a save_to_disk directory), "
-        "text (docs/data.md)", choices=("megatron", "tokens", "jsonl", "parquet", "hf",
-                                       "text"), metavar="FORMAT")
+        ".bin), tokens (a flat token file), jsonl, chat (JSONL conversations through the "
+        "tokenizer's chat template), parquet, hf (a save_to_disk directory), text "
+        "(docs/data.md)", choices=("megatron", "tokens", "jsonl", "chat", "parquet", "hf",
+                                   "text"), metavar="FORMAT")
     data_column: str = option("text", "the text column of JSONL / Parquet / save_to_disk "
                               "data", metavar="NAME")
     token_dtype: str = option("uint16", "id type of a flat token file: uint16 (nanoGPT's "
