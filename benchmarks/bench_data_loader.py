@@ -31,8 +31,27 @@ import stp.train.families.decoder as decoder  # noqa: E402
 import stp.train.run.loop as loop  # noqa: E402
 from stp.cli.main import main  # noqa: E402
 
-SHAPE = ["--pp", "1", "--layers", "2", "--hidden", "128", "--heads", "4", "--seq-len", "256",
+SHAPE = ["--pp", "1", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "256",
          "--microbatch-size", "4", "-m", "2", "--timeout", "600"]
+WAITS: list[float] = []
+"""Seconds each step waited for its batch (the fetch inside the timed step)."""
+
+
+def _timed(make: Any) -> Any:
+    class Timed:
+        def __init__(self, *a: Any) -> None:
+            self.inner = make(*a)
+
+        def batch(self, step: int) -> Any:
+            start = time.perf_counter()
+            got = self.inner.batch(step)
+            WAITS.append(time.perf_counter() - start)
+            return got
+
+        def close(self) -> None:
+            self.inner.close()
+
+    return Timed
 
 
 class _Prebuilt:
@@ -54,12 +73,12 @@ class _NoThread:
         pass
 
 
-def _run(way: str, flags: list[str], steps: int, capsys_out: Path) -> list[float]:
+def _run(way: str, flags: list[str], steps: int, capsys_out: Path) -> list[tuple[float, float]]:
     real_batches, real_prefetch = decoder.DecoderJob.batches, loop.Prefetched
     if way == "prebuilt":
         decoder.DecoderJob.batches = lambda self, run: _Prebuilt(real_batches(self, run), steps)
-    if way == "inline":
-        loop.Prefetched = _NoThread
+    loop.Prefetched = _timed(_NoThread if way in ("inline", "prebuilt") else real_prefetch)
+    WAITS.clear()
     try:
         out = capsys_out / f"{way}-{time.monotonic_ns()}.jsonl"
         with open(out, "w") as f:
@@ -69,9 +88,14 @@ def _run(way: str, flags: list[str], steps: int, capsys_out: Path) -> list[float
             finally:
                 sys.stdout = old
         rows = [json.loads(line) for line in out.read_text().splitlines()]
-        return [r["step_s"] for r in rows if "step_s" in r][1:]  # the first step warms up
+        steps_s = [r["step_s"] for r in rows if "step_s" in r]
+        return list(zip(steps_s[1:], WAITS[1:], strict=True))  # the first step warms up
     finally:
         decoder.DecoderJob.batches, loop.Prefetched = real_batches, real_prefetch
+
+
+def _prepared_tokens(tmp: Path) -> int:
+    return int(json.loads((tmp / "docs.hist.json").read_text())["tokens"])
 
 
 def main_(argv: list[str] | None = None) -> int:
@@ -90,15 +114,20 @@ def main_(argv: list[str] | None = None) -> int:
                  "--out", str(tmp / "docs")]) == 0
     prepare_s = time.perf_counter() - start
     ways = ("prebuilt", "loader", "inline")
-    times: dict[str, list[float]] = {w: [] for w in ways}
+    times: dict[str, list[tuple[float, float]]] = {w: [] for w in ways}
     for r in range(args.rounds):
         for way in ways:
             flags = [*SHAPE, "--data", str(tmp / "docs"), "--tokenizer", str(tmp),
                      "--out", str(tmp / f"out-{way}-{r}")]
             times[way] += _run(way, flags, args.steps, tmp)
-    med = {w: statistics.median(t) for w, t in times.items()}
-    result = {"prepare_s": prepare_s, "documents": len(docs),
-              "step_s_median": med, "steps_per_way": {w: len(t) for w, t in times.items()},
+    med = {w: statistics.median(s for s, _ in t) for w, t in times.items()}
+    wait = {w: statistics.median(x for _, x in t) for w, t in times.items()}
+    tokens = int(SHAPE[SHAPE.index("--seq-len") + 1]) * 8
+    result = {"prepare_s": prepare_s, "documents": len(docs), "tokens_per_step": tokens,
+              "tokenise_s_per_step": prepare_s * tokens / _prepared_tokens(tmp),
+              "step_s_median": med, "batch_wait_s_median": wait,
+              "wait_share_of_step": {w: wait[w] / med[w] for w in ways},
+              "steps_per_way": {w: len(t) for w, t in times.items()},
               "loader_vs_prebuilt": med["loader"] / med["prebuilt"] - 1,
               "inline_vs_prebuilt": med["inline"] / med["prebuilt"] - 1,
               "flags": SHAPE}

@@ -153,8 +153,9 @@ def open_data(opts: DataOptions, tokenizer: Tokenizer | None, vocab: int | None,
         if path is None:
             assert tokenizer is not None
             stream = TokenStream(tokenize(None, tokenizer.path, tokenizer.eos))
+            files = len(open_corpus(None).files)
             return OpenedData(TokenBatches(stream, seq_len, global_batch, seed),
-                              [(1.0, DataSummary("text", "the Python standard library", None,
+                              [(1.0, DataSummary("text", "the Python standard library", files,
                                                  stream.size, 0))])
         if detect_format(path, opts.format) == "chat":
             return _open_chat(path, tokenizer, seq_len, global_batch, seed)
