@@ -208,3 +208,27 @@ def test_the_length_histogram_bins_are_powers_of_two_inclusive():
     assert histogram([1, 2, 3, 4, 5, 8, 9]) == [
         {"upto": 1, "count": 1}, {"upto": 2, "count": 1}, {"upto": 4, "count": 2},
         {"upto": 8, "count": 2}, {"upto": 16, "count": 1}]
+
+
+def test_stp_data_prepare_reads_several_inputs_and_refuses_in_one_line(tmp_path, tok, capsys):
+    from stp.cli.main import main
+
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text(ROWS[0])
+    jsonl = write_jsonl(tmp_path / "d.jsonl", ROWS[1:])
+    out = tmp_path / "prepared"
+    assert main(["data", "prepare", str(tmp_path / "texts"), str(jsonl), "--tokenizer",
+                 str(tok.path), "--out", str(out)]) == 0
+    tokens = sum(len(i) for i in expected_ids(tok))
+    assert f"3 documents, {tokens} tokens, 0 skipped" in capsys.readouterr().out
+    assert MegatronTokens(out).read(0, tokens).tolist() == sum(expected_ids(tok), [])
+    for argv, line in (
+        ([str(out)], "is megatron data; stp data prepare takes text, JSONL"),
+        ([str(jsonl), "--workers", "0"], "--workers 0: give 1 to 1024"),
+        ([str(tmp_path / "missing.jsonl")], "does not exist"),
+        ([str(jsonl), "--data-column", "body"], "no column 'body'"),
+    ):
+        assert main(["data", "prepare", *argv, "--tokenizer", str(tok.path),
+                     "--out", str(tmp_path / "again")]) == 2
+        err = capsys.readouterr().err
+        assert line in err and len(err.strip().splitlines()) == 1, err

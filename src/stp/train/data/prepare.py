@@ -73,12 +73,12 @@ def encode_documents(texts: Iterable[str | None], tokenizer: Path, eos: int,
 
 def text_documents(path: str) -> Iterator[str]:
     """Each text file of `path` (a file or a directory, as `--data` text) as one document."""
-    from stp.train.data.corpus import open_corpus
+    from stp.train.data.corpus import _files_under  # hidden, cache and binary files skipped
 
-    corpus = open_corpus(path)
-    for file, n in zip(corpus.files, corpus.sizes, strict=True):
+    files, _ = _files_under(Path(path))
+    for file in files:
         with open(file, "rb") as f:
-            yield f.read(n).decode("utf-8", errors="replace")
+            yield f.read().decode("utf-8", errors="replace")
 
 
 def histogram(lengths: list[int]) -> list[dict[str, int]]:
