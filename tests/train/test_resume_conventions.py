@@ -100,8 +100,7 @@ def test_data_directories_skip_hidden_cache_and_binary_files(tmp_path, capfd):
     code, _, err = _train(capfd, *SHAPE, "--steps", "1", "--data", str(data),
                           "--out", str(tmp_path / "out"))
     assert code == 0, err
-    assert (f"data: 2 files, {corpus.size:,} bytes from {data}; skipped 4 (hidden, "
-            "__pycache__ or binary)") in err
+    assert (f"data: bytes {data}: 2 documents, {corpus.size:,} tokens, 4 skipped") in err
 
 
 def test_the_progress_line_clears_what_it_overwrites(capfd):

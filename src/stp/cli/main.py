@@ -28,6 +28,7 @@ SUBCOMMANDS = (
     "stp.cli.memory",
     "stp.cli.plan",
     "stp.cli.train",
+    "stp.cli.data",
     "stp.cli.bench",
 )
 

@@ -181,14 +181,10 @@ def _announce(resolved: Any, *, quiet: bool = False) -> bool:
                     f"above {resolved.resumed_step} to train on")
             return False
         lines.append(f"resuming from step {resolved.resumed_step} ({resolved.resumed})")
-    if job.data is not None:
-        from stp.train.data.corpus import open_corpus
+    if job.data is not None:  # format, documents, tokens, skipped (stp.train.data.load)
+        from stp.train.data.load import check_data
 
-        corpus = open_corpus(job.data)
-        skipped = (f"; skipped {corpus.skipped} (hidden, __pycache__ or binary)"
-                   if corpus.skipped else "")
-        lines.append(f"data: {len(corpus.files)} files, {corpus.size:,} bytes from "
-                     f"{job.data}{skipped}")
+        lines.append(check_data(job, resolved).line())
     if not quiet:
         for line in lines:
             say(line)

@@ -33,6 +33,7 @@ import torch
 
 from stp.files import read_json_object
 from stp.train.data.corpus import ByteBatches, Corpus, open_corpus
+from stp.train.data.source import TokenSource
 
 __all__ = ["TokenStream", "TokenBatches", "Tokenizer", "eos_id", "find_tokenizer",
            "make_batches", "run_tokenizer", "tokenize", "tokenizer_vocab"]
@@ -178,7 +179,8 @@ class TokenStream:
 class TokenBatches:
     """Packed sequences of `seq_len + 1` tokens; batch t is fixed by (seed, t)."""
 
-    stream: TokenStream
+    stream: TokenSource
+    """Token ids by position: a token cache, a Megatron dataset, a flat token file."""
     seq_len: int
     batch_size: int
     """Global batch: sequences per step over all DP replicas and microbatches."""
@@ -198,13 +200,15 @@ class TokenBatches:
             self._perms = {epoch: torch.randperm(self.sequences, generator=gen)}
         return int(self._perms[epoch][pos])
 
+    def sequence(self, i: int) -> torch.Tensor:
+        """The i-th packed sequence drawn (seq_len + 1 ids): epoch i // sequences."""
+        span = self.seq_len + 1
+        return self.stream.read(self._row(i) * span, span)
+
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, targets), each int64 [batch_size, seq_len]; targets shifted by one."""
-        span = self.seq_len + 1
         first = step * self.batch_size
-        rows = [self.stream.read(self._row(i) * span, span)
-                for i in range(first, first + self.batch_size)]
-        window = torch.stack(rows)
+        window = torch.stack([self.sequence(i) for i in range(first, first + self.batch_size)])
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 

@@ -14,6 +14,7 @@ from stp.shapes import ModelConfig
 from stp.train.run.config import TOY_SHAPE, TrainJob
 from stp.train.data.corpus import VOCAB_SIZE, ByteBatches, read_corpus
 from stp.train.run.pretrained import checkpoint_config
+from stp.train.data.load import data_options, open_data
 from stp.train.data.tokens import Tokenizer, make_batches, tokenizer_vocab
 
 __all__ = ["FAMILY", "DecoderJob", "decoder_config", "in_flag_words"]
@@ -79,8 +80,8 @@ class DecoderJob:
 
     def batches(self, run: Any) -> Any:
         job = run.job
-        return make_batches(job.data, run.tokenizer, job.model.seq_len, job.global_batch,
-                            job.seed)
+        return open_data(data_options(job), run.tokenizer, run.config.vocab_size,
+                         job.model.seq_len, job.global_batch, job.seed).batches
 
     def eval_batches(self, run: Any) -> Any | None:
         job = run.job

@@ -160,7 +160,9 @@ class TrainJob:
         None, "clip the global gradient norm (every stage, TP shard and DP replica) to X; "
         "default: no clipping, the norm is still reported", above=0)
     data: str | None = option(
-        None, "a text file or a directory (default: the Python standard library)",
+        None, "a text file or directory, a Megatron dataset PREFIX, a flat token file "
+        "*.bin, *.jsonl, *.parquet, a save_to_disk directory, or a mixture W1:PATH1,"
+        "W2:PATH2 (default: the Python standard library; docs/data.md)",
         metavar="PATH")
     model_name: str | None = option(
         None, "a randomly initialised model at a named shape: a preset (qwen2-12.1b, "
@@ -274,6 +276,23 @@ class TrainJob:
         "jsonl", "where the step figures go besides the terminal: jsonl (metrics.jsonl in "
         "--out, always written) or tensorboard (also TensorBoard event files in "
         "--out/tensorboard; pip install 'stp[log]')", choices=("jsonl", "tensorboard"))
+    # data formats, mixtures and resume on changed data (stp.train.data)
+    data_format: str | None = option(
+        None, "read --data as this format instead of detecting it: megatron (PREFIX.idx + "
+        ".bin), tokens (a flat token file), jsonl, chat (JSONL conversations through the "
+        "tokenizer's chat template), parquet, hf (a save_to_disk directory), text "
+        "(docs/data.md)", choices=("megatron", "tokens", "jsonl", "chat", "parquet", "hf",
+                                   "text"), metavar="FORMAT")
+    data_column: str = option("text", "the text column of JSONL / Parquet / save_to_disk "
+                              "data", metavar="NAME")
+    token_dtype: str = option("uint16", "id type of a flat token file: uint16 (nanoGPT's "
+                              "train.bin), uint32 for vocabularies over 65,535",
+                              choices=("uint16", "uint32"))
+    eos_id: int | None = option(None, "the id that separates documents in a flat token file "
+                                "(default: the tokenizer's EOS)", minimum=0, metavar="ID")
+    data_changed_ok: bool = option(
+        False, "with --resume: go on although --data is not the data the run trained on "
+        "(its batches then differ from the uninterrupted run's)")
 
     @property
     def world_size(self) -> int:

@@ -22,7 +22,8 @@ from stp.schedule.offload import parse_policy
 from stp.train.checkpoint.sharded import check_resume, check_writable, complete_checkpoints
 from stp.train.run.metrics import check_log
 from stp.train.run.config import TrainJob
-from stp.train.data.corpus import open_corpus, read_corpus
+from stp.train.data.corpus import read_corpus
+from stp.train.data.load import check_data
 from stp.train.families import family_of
 from stp.train.run.memory_check import check_memory
 from stp.train.run.precheck import check_mesh_flags
@@ -46,17 +47,12 @@ def check(job: TrainJob, world_size: int | None = None) -> Run:
     if job.trace is not None:
         check_output_file(job.trace, "--trace")
     if job.data is not None:
-        size = open_corpus(job.data).size  # ValueError if missing or too small; reads no data
-        if size < job.model.seq_len + 2:
-            raise ValueError(
-                f"data {job.data!r} holds {size} bytes, fewer than "
-                f"--seq-len + 2 = {job.model.seq_len + 2}"
-            )
+        check_data(job, run)
     if job.hardware is not None:
         check_hardware(job.hardware)
     check_log(job.log)
     if job.document_mask:
-        check_document_mask(job, run.tokenizer is not None)
+        check_document_mask(job, run.tokenizer is not None or job.eos_id is not None)
     _check_training(dataclasses.replace(job, lr=run.job.lr), run.config)  # --lr resolved
     if job.save_full is not None:  # after --out, which may be its directory, is made
         _check_save_full(job)
@@ -70,8 +66,8 @@ def check_document_mask(job: TrainJob, tokenised: bool) -> None:
     and mode that take the mask (one line naming what to drop otherwise)."""
     if not tokenised:
         raise ValueError("--document-mask needs tokenised data whose documents end in the "
-                         "EOS id: give --tokenizer PATH or --init-from a checkpoint with a "
-                         "tokenizer (byte-level data has no document ends)")
+                         "EOS id: give --tokenizer PATH, --init-from a checkpoint with a "
+                         "tokenizer, or --eos-id ID (byte-level data has no document ends)")
     refused = {"--compile": job.compile, "--emulate-compute": job.emulate is not None}
     for flag, given in refused.items():
         if given:

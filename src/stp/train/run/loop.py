@@ -39,6 +39,9 @@ from stp.train.run.metrics import MetricsLog
 from stp.train.run.outlock import lock_error
 from stp.train.run.pretrained import copy_tokenizer
 from stp.train.run.resolve import Run
+from stp.train.data.load import data_fingerprint, data_options
+from stp.train.data.prefetch import Prefetched
+from stp.train.data.record import write_data_record
 from stp.train.run.startup import Startup
 from stp.train.step.finite import SkipCounter
 from stp.train.step.lr import LRSchedule, adamw
@@ -183,6 +186,16 @@ def _shared_out(run: Run) -> Run:
     return dataclasses.replace(run, job=dataclasses.replace(run.job, out=box[0]))
 
 
+def _document_eos(run: Run) -> int | None:
+    """--document-mask's end-of-sequence id: --eos-id, else the tokenizer's."""
+    job = run.job
+    if not job.document_mask:
+        return None
+    if job.eos_id is not None:
+        return job.eos_id
+    return None if run.tokenizer is None else run.tokenizer.eos
+
+
 def _options(run: Run) -> TrainerOptions:
     job = run.job
     return TrainerOptions(
@@ -197,7 +210,7 @@ def _options(run: Run) -> TrainerOptions:
         overlap_param_gather=job.overlap_param_gather,
         recompute=job.recompute,
         compile=job.compile,
-        document_eos=run.tokenizer.eos if job.document_mask and run.tokenizer else None,
+        document_eos=_document_eos(run),
     )
 
 
@@ -215,6 +228,8 @@ def run(resolved: Run,
     job, schedule = resolved.job, resolved.schedule
     if mesh.rank == 0:  # what a later --resume restores (stp.train.checkpoint.resume)
         write_settings(job, job.out_dir())
+        write_data_record(job.out_dir(), data_fingerprint(data_options(job), resolved.tokenizer),
+                          job.data)
     clock.at("workers")
     batches = resolved.family.batches(resolved)  # bytes, tokens, or images and captions
     evals, sharded = _eval_batches(resolved), None
@@ -237,6 +252,7 @@ def run(resolved: Run,
     first_step = trainer.steps_done
     metrics = (MetricsLog(job.out_dir(), resumed_at=first_step,
                           tensorboard=job.log == "tensorboard") if mesh.rank == 0 else None)
+    batches = Prefetched(batches, first_step, job.steps)  # built ahead on a thread
     for step in range(first_step, job.steps):
         if tell is not None and step == first_step:
             tell(None)
@@ -274,6 +290,7 @@ def run(resolved: Run,
             metrics.write(report)
             if on_step is not None:
                 on_step(report)
+    batches.close()
     if metrics is not None:
         metrics.close()
     trainer.finish_param_gather()  # the model after the last step (--overlap-param-gather)

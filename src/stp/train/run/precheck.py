@@ -17,6 +17,7 @@ from pathlib import Path
 
 from stp.shapes import ModelConfig
 from stp.train.run.config import DTYPES, TOY_SHAPE, TrainJob
+from stp.train.data.detect import detect_format, parse_mixture
 from stp.train.families import EARLY_TP_CHECKS
 
 __all__ = ["check_data_path", "check_mesh_flags", "precheck"]
@@ -39,9 +40,11 @@ def check_mesh_flags(job: TrainJob) -> None:
 def precheck(job: TrainJob) -> None:
     """ValueError (one line, naming the flag) for a mistake the flags alone show."""
     check_mesh_flags(job)
-    for path in (job.data, job.eval_data):
-        if path is not None:
-            check_data_path(path)
+    if job.data is not None:  # each source of a mixture exists and fits --data-format
+        for _, path in parse_mixture(job.data):
+            detect_format(path, job.data_format)
+    if job.eval_data is not None:
+        check_data_path(job.eval_data)
     if job.init_from is not None and not Path(job.init_from).is_dir():
         # stp.models.hf.checkpoint's words, which the full checks give
         raise ValueError(f"checkpoint directory {str(job.init_from)!r} does not exist")

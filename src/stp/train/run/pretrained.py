@@ -116,7 +116,9 @@ def check_pretrained(job: Any, config: ModelConfig, found: Tokenizer | None) -> 
     if vocab > config.vocab_size:
         raise ValueError(f"tokenizer {str(found.path)!r} has {vocab} tokens, more than the "
                          f"model's vocab_size={config.vocab_size}")
-    for data in [job.data] + ([job.eval_data] if job.eval_data is not None else []):
+    # a --data given is opened in its own format by stp.train.data.load.check_data
+    texts = [None] if job.data is None else []
+    for data in texts + ([job.eval_data] if job.eval_data is not None else []):
         stream = TokenStream(tokenize(data, found.path, found.eos))
         TokenBatches(stream, job.model.seq_len, job.global_batch)  # ValueError: too short
 

@@ -32,6 +32,8 @@ from stp.train.run.config import TrainJob, default_lr
 from stp.train.families import TrainFamily, family_named, family_of
 from stp.train.checkpoint.resume import restore_settings, run_dir_of
 from stp.train.run.schedules import job_schedule
+from stp.train.data.load import data_fingerprint, data_options
+from stp.train.data.record import check_data_unchanged
 from stp.train.data.tokens import Tokenizer, run_tokenizer
 
 __all__ = ["AUTO_HARDWARE", "Run", "resolve"]
@@ -102,6 +104,9 @@ def resolve(job: TrainJob, config: Any = None) -> Run:
     family = family_named(job.arch)
     family.check_flags(job)
     tokenizer = run_tokenizer(job.tokenizer, job.init_from)
+    if resumed is not None:  # other data would give other batches
+        check_data_unchanged(run_dir_of(resumed), data_fingerprint(data_options(job), tokenizer),
+                             job.data, job.data_changed_ok)
     if config is None:
         config = _config(job, family, tokenizer)
     # an --init-from checkpoint's config.json decides the family (a Mixtral is an MoE)
