@@ -103,14 +103,10 @@ def check_plan(job: TrainJob, world_size: int | None = None, config: Any = None)
 
 def _check_expert_parallel(job: TrainJob, run: Run) -> None:
     """--ep > 1: a model with experts that split over the EP ranks (the family's)."""
-    check_ep = getattr(run.family.model, "check_ep", None)
-    if check_ep is None:
-        raise ValueError(f"--ep {job.ep}: expert parallelism needs a mixture-of-experts "
-                         "model (--arch moe, or a Qwen2-MoE / Mixtral --init-from); use --ep 1")
+    run.family.model.check_ep(run.config, job.ep)
     if job.emulate is not None:
         raise ValueError("--emulate-compute stages have no experts to dispatch; drop --ep "
                          "or --emulate-compute")
-    check_ep(run.config, job.ep)
 
 
 def _check_sequence_parallel(job: TrainJob) -> None:
