@@ -120,7 +120,7 @@ def bound_memory(request: PlanRequest, cfg: Config) -> float:
     states = (4 if f.sixteen_bit else 0) + 2 * max(4, width)  # masters + moments a weight
     fewest = min(_experts_per_rank(spec, cfg.schedule, cfg.mesh.pp, cfg.chunks))
     unsplit = fewest * states * (ep / dp - 1 / dp) if f.shard_optimizer else 0.0
-    a2a = 2 * 2 * spec.sequence * spec.micro_batch * spec.hidden * width * spec.top_k
+    a2a = 2 * 2 * spec.sequence * spec.micro_batch * spec.hidden * width * spec.top_k  # type: ignore[attr-defined]  # a mixture of experts' spec: only MoE models are bounded here
     return bound + unsplit + a2a
 
 

@@ -363,9 +363,9 @@ class Executor:
         st = self.stages[p.stage]
         if p.kind is Kind.F:
             if st.is_last:
-                self._losses[p.mb] = out  # type: ignore[assignment]
+                self._losses[p.mb] = out  # type: ignore[assignment]  # the last stage's forward output is its loss
             else:
-                self._give(Message.output_of(p), out)  # type: ignore[arg-type]
+                self._give(Message.output_of(p), out)  # type: ignore[arg-type]  # a forward's output on other stages is a tensor
         elif not st.is_first:
             assert out is not None, f"stage {p.stage} returned no input gradient"
             self._give(Message.output_of(p), out)

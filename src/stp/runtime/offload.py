@@ -112,7 +112,7 @@ def graph_saved(roots: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """Every tensor autograd saved in the graphs behind `roots` (documented:
     built-in nodes expose them as `_saved_*` attributes)."""
     seen: set[Any] = set()
-    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    stack: list[Any] = [t.grad_fn for t in roots if t.grad_fn is not None]  # autograd nodes
     out: list[torch.Tensor] = []
     while stack:
         node = stack.pop()

@@ -36,7 +36,12 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from stp.runtime.stage_api import full_shape, shard_slice, ties_head_to_embedding
+from stp.runtime.stage_api import (
+    TrainableStage,
+    full_shape,
+    shard_slice,
+    ties_head_to_embedding,
+)
 
 __all__ = ["Box", "box_of", "norm_key", "BoxSavePlanner", "BoxLoadPlanner"]
 
@@ -61,7 +66,7 @@ class Box:
         return local.narrow(self.dim, 0, self.length)
 
 
-def box_of(stage: Any, name: str, local: torch.Tensor, tp: int, tp_rank: int) -> Box:
+def box_of(stage: TrainableStage, name: str, local: torch.Tensor, tp: int, tp_rank: int) -> Box:
     """The box of `local`, this rank's tensor of parameter `name` of `stage`.
 
     Read from the stage's `shard_slice(name)` and full shape (`specs`) when it
@@ -83,7 +88,7 @@ def box_of(stage: Any, name: str, local: torch.Tensor, tp: int, tp_rank: int) ->
     return Box(torch.Size(full), torch.Size(offsets), dim, length)
 
 
-def norm_key(stage: Any, name: str, box: Box) -> tuple[str, tuple[int, ...]]:
+def norm_key(stage: TrainableStage, name: str, box: Box) -> tuple[str, tuple[int, ...]]:
     """What identifies a gradient for the global norm: equal keys on two ranks hold
     equal gradients, counted once. A tied head (`tie_embeddings`: its gradient is
     summed with the embedding's, so both hold the same) shares the embedding's key."""

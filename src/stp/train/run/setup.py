@@ -79,7 +79,8 @@ def stage_builder(model: Any, opts: TrainerOptions, num_stages: int, tp: int,
         family.model.check(model, tp, num_stages)
         family.model.check_ep(model, ep)
         weights = None if source is None else load_clock.timed(source.read)
-        sp = {"sequence_parallel": True} if opts.sequence_parallel and tp > 1 else {}
+        sp: dict[str, Any] = ({"sequence_parallel": True} if opts.sequence_parallel and tp > 1
+                              else {})
         if opts.recompute != "none":
             sp["recompute"] = opts.recompute
         builder = family.model.stage_builder(model, num_stages, partition=opts.partition,

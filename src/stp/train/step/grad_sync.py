@@ -349,7 +349,7 @@ class GradSync:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
 
-        return InFlight(work, lambda: self.collective(action, peers, work.wait), then,
+        return InFlight(work, lambda: self.collective(action, peers, work.wait), then,  # type: ignore[union-attr]  # InFlight waits only for a work it has
                         launched, keep=() if grads is None else (flat,))
 
     def grad_norm(self) -> float:

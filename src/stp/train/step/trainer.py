@@ -374,7 +374,7 @@ class Trainer:
         names (what full_state_dict returns), stage by stage: no rank holds more than
         its shards and one full tensor (stp.train.checkpoint.save_full). Collective."""
         config = self.model_config
-        meta = {} if not is_dataclass(config) else {
+        meta = {} if not is_dataclass(config) or isinstance(config, type) else {
             "stp_model_config": json.dumps(asdict(config), sort_keys=True, default=str)}
         self.finish_param_gather()
         write_full(path, self.stages, self.mesh, self.parts.sync.collective, meta)
@@ -396,5 +396,5 @@ class Trainer:
         self.finish_param_gather()
         if self.family.model.hf_refusal is not None:
             raise ValueError(self.family.model.hf_refusal)
-        save_stages(directory, self.stages, self.mesh, self.model_config, source=self.source,
-                    max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)
+        save_stages(os.fspath(directory), self.stages, self.mesh, self.model_config,
+                    source=self.source, max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)
