@@ -288,3 +288,25 @@ def test_the_pricing_exceptions_still_hold_a_probe():
     """PRICING_PENDING names only files that still need it: a cleaned file leaves it."""
     clean = [rel for rel in sorted(PRICING_PENDING) if not _probes(SRC / rel)]
     assert clean == []
+
+
+def _format_imports(path: Path) -> list[str]:
+    """Imports of the Hugging Face checkpoint format (stp.models.hf) in a file."""
+    return [f"{path.name}:{line}: {module}" for line, module in _imports(path)
+            if module == "stp.models.hf" or module.startswith("stp.models.hf.")]
+
+
+def test_the_checkpoint_format_sits_above_the_families():
+    """stp.models.hf reads the families' parameter specs; a family never imports it."""
+    bad = []
+    for package in ("decoder", "moe", "mllm"):
+        for path in sorted((SRC / "models" / package).rglob("*.py")):
+            bad += _format_imports(path)
+    assert bad == []
+
+
+def test_the_format_check_sees_an_import(tmp_path):
+    """Negative control: the import the families had."""
+    src = tmp_path / "family.py"
+    src.write_text("from stp.models.hf.save import save_stages\nimport stp.models.hformat\n")
+    assert [b.split(": ")[1] for b in _format_imports(src)] == ["stp.models.hf.save"]
