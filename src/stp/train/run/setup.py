@@ -76,8 +76,8 @@ def stage_builder(model: Any, opts: TrainerOptions, num_stages: int, tp: int,
     if family is None:
         refuse_ep(ep)  # a stage builder of the user's own has no experts stp could place
     else:
-        family.model.check(model, tp, num_stages)
         family.model.check_ep(model, ep)
+        family.model.check(model, tp, num_stages)
         weights = None if source is None else load_clock.timed(source.read)
         sp: dict[str, Any] = ({"sequence_parallel": True} if opts.sequence_parallel and tp > 1
                               else {})
