@@ -125,23 +125,17 @@ def _on_off(flag: bool) -> str:
 
 def _model_text(config: Any, parameters: int, job: Any) -> str:
     """The model as it ran: family, layers x width, parameters, an MoE's experts and
-    its ep, a multimodal model's vision encoder (the family's account of its config:
-    no family's class is named above the models)."""
+    its ep, a multimodal model's vision encoder (the family's words for it)."""
     from stp.cli.memory import format_count
-    from stp.costmodel.families import config_facts
+    from stp.train.families import family_of
 
     if job.emulate is not None:
         return f"model emulated compute ({job.emulate} ms)"
-    facts = config_facts(config)  # the family's own account (stp.costmodel.families)
-    vision, decoder, experts = facts.vision, facts.decoder, facts.experts
-    text = f"model {facts.family} "
-    if vision is not None:
-        text += (f"vision {vision.num_layers}x{vision.hidden} ({vision.image_size}-px images, "
-                 f"patch {vision.patch_size}, merge {vision.merge}) + decoder ")
-    text += f"{decoder.num_layers}x{decoder.hidden} ({format_count(parameters)} params)"
-    if experts:
-        text += f", moe {experts} experts top-{facts.top_k} ep{job.ep}"
-    return text
+    family = family_of(config)
+    if family is None:
+        raise ValueError(f"no model family builds a {type(config).__name__}")
+    words = family.model.describe(config, params=format_count(parameters), ep=job.ep)
+    return f"model {family.name} {words}"
 
 
 def ran_line(s: Any, config: Any) -> str:

@@ -77,6 +77,7 @@ from stp.models.compile_pieces import (
 from stp.models.decoder.kernels import Kernels
 from stp.models.tp.layers import vocab_ce_grad, vocab_ce_stats
 from stp.models.tp.wgrad import GradTaps, WGradEntry
+from stp.runtime.stage_api import stage_units
 
 __all__ = ["CompileStats", "CompiledKernels", "compile_stats", "compile_stages",
            "compiled_kernels"]
@@ -240,8 +241,8 @@ def compile_stages(stages: Mapping[int, Any] | Iterable[Any]) -> int:
     units (a stage builder of the user's own: it compiles itself)."""
     kernels, count = compiled_kernels(), 0
     for stage in (stages.values() if isinstance(stages, Mapping) else stages):
-        units = getattr(stage, "units", None)
-        if units is None:
+        units = stage_units(stage)
+        if not units:
             raise ValueError(f"compile=True: stage {type(stage).__name__} has no stp units to "
                              "compile; a stage builder of your own compiles its own stages")
         for unit in units:

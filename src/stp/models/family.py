@@ -13,6 +13,11 @@ A family has two halves:
   search and the pure CLI commands may import) and the cost model's spec for it
   (`cost_spec`, a `stp.costmodel` object);
 - torch: its stages and its single-process reference, in `stp.models.<family>`.
+
+What only some families offer (expert parallelism, a Hugging Face layout) is in
+the protocol too, with the default that stands for its absence; a family class
+names `ModelFamily` as its base to take those defaults, so a reader sees here
+everything a family may be asked.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["ModelFamily", "StageBuilder", "check_text_batch"]
+__all__ = ["ModelFamily", "StageBuilder", "check_text_batch", "refuse_ep"]
 
 StageBuilder = Callable[..., Any]
 """`builder(stage, num_stages, *, tp_group, tp_size, tp_rank, device, dtype)` -> a
@@ -37,6 +42,9 @@ class ModelFamily(Protocol):
     """The family's name, as `stp train --arch` spells it."""
     config_type: type
     """Its config dataclass (in stp.shapes); a config of this exact type belongs to it."""
+    hf_refusal: str | None = None
+    """Why its model has no Hugging Face layout (one line); None: stp.models.hf
+    reads and writes it."""
 
     def check(self, config: Any, tp: int, num_stages: int) -> None:
         """ValueError (one line) unless `config` splits into `num_stages` pipeline
@@ -81,10 +89,27 @@ class ModelFamily(Protocol):
         """What sums the gradients of parameters held in more than one place (a tied
         embedding and head, replicated kv heads); None when nothing is shared."""
 
-    def save_hf(self, directory: Any, stages: Mapping[int, Any], mesh: Any, config: Any, *,
-                source: Any, max_shard_bytes: int) -> None:
-        """Write the model as a Hugging Face checkpoint (collective); ValueError (one
-        line) for a family that has no Hugging Face layout."""
+    def check_ep(self, config: Any, ep: int) -> None:
+        """ValueError (one line) unless `config`'s experts split over `ep` expert-parallel
+        ranks. The default, a model without experts: only ep 1."""
+        refuse_ep(ep)
+
+    def describe(self, config: Any, *, params: str, ep: int) -> str:
+        """The model in a few words for a run's summary (`params`: its parameter count,
+        written out); the default: layers x width."""
+        return f"{self.num_layers(config)}x{self.hidden(config)} ({params} params)"
+
+    def builder_on_mesh(self, builder: StageBuilder, mesh: Any) -> StageBuilder:
+        """`builder` given what it needs of the mesh beyond its TP group (a mixture of
+        experts: its expert-parallel group). The default: nothing more."""
+        return builder
+
+
+def refuse_ep(ep: int) -> None:
+    """ValueError for ep > 1 on a model without experts (the message every such model gives)."""
+    if ep != 1:
+        raise ValueError(f"--ep {ep}: expert parallelism needs a mixture-of-experts model "
+                         "(--arch moe, or a Qwen2-MoE / Mixtral --init-from); use --ep 1")
 
 
 def check_text_batch(tokens: torch.Tensor, targets: torch.Tensor) -> None:

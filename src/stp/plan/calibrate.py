@@ -31,6 +31,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.measured import MAX_TRACE_BYTES, measured_stage_costs
@@ -48,7 +49,7 @@ class Fit:
         self.achieved: list[float] = []
 
     def apply(self, base: HardwareSpec) -> HardwareSpec:
-        kw: dict[str, float] = {}
+        kw: dict[str, Any] = {}  # replace() takes each field's own type
         if self.tp_latency:
             kw["tp_latency"] = statistics.median(self.tp_latency)
         if self.pp_latency:
@@ -88,7 +89,7 @@ def fit_traces(paths: Sequence[str], flops: Sequence[float] | None = None) -> Fi
                 fit.tp_latency.append(st.ar / calls / (2 * (tp - 1)) / 1e3)
             # A pass's measured time includes the all-reduces it waited for
             # (nothing hides them in an unbraided schedule): compute is the rest.
-            busy = max(st.f + st.b + st.w - st.ar - st.ar_b, 0.5 * (st.f + st.b + st.w))
+            busy = max(st.f + st.b + st.w - st.ar - (st.ar_b or 0.0), 0.5 * (st.f + st.b + st.w))
             if flops is not None and i < len(flops) and busy > 0:
                 fit.achieved.append(flops[i] / (busy / 1e3))
     if not (fit.tp_latency or fit.pp_latency or fit.achieved):

@@ -188,9 +188,9 @@ def plan_json(result: PlanResult, schedule_dir: str | None = None) -> dict[str, 
 
 def format_table(result: PlanResult) -> list[str]:
     """The top plans, one line each, then their flags and the comparison."""
-    header = ("#", "pp", "tp", "dp", "schedule", "v", "b", "m", "levers", "step s",
+    header: tuple[str, ...] = ("#", "pp", "tp", "dp", "schedule", "v", "b", "m", "levers", "step s",
               "tok/s/GPU", "MFU", "peak", "rank")
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for i, p in enumerate(result.plans, 1):
         c, f, fig = p.config, p.config.features, _figures(p, result)
         levers = ",".join(x for x in (

@@ -200,7 +200,7 @@ def levers_for(request: PlanRequest, mesh: Mesh) -> list[tuple[str, Features]]:
             kw.pop("sequence_parallel", None)
         if not request.allow_offload and "offload" in kw:
             continue
-        feats = Features(dtype=request.dtype, **kw)  # type: ignore[arg-type]
+        feats = Features(dtype=request.dtype, **kw)  # type: ignore[arg-type]  # the levers' values each have their field's type
         if feats not in seen:
             seen.add(feats)
             out.append((name, feats))

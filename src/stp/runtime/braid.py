@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from stp.runtime.stage_api import UnitStage
+from stp.runtime.stage_api import UnitStage, prepares_gathers, take_gathers
 from stp.schedule.ir import Action, Kind, Pass, passes_of
 from stp.schedule.lower import Message
 from stp.sim.units import Item, UnitKind, braid_counts, sequential_order
@@ -148,8 +148,7 @@ def _advance_points(order: Sequence[Item], chains: Sequence[_Chain]
             continue
         j = last.get(it.chain)
         last[it.chain] = k
-        if j is not None and k - j >= 3 and getattr(chains[it.chain].stage,
-                                                    "prepares_gathers", False):
+        if j is not None and k - j >= 3 and prepares_gathers(chains[it.chain].stage):
             out.setdefault(j + 1, []).append((it.chain, k))
     return out
 
@@ -308,10 +307,7 @@ class UnitRunner:
 
     def _gathers(self, ch: _Chain, u: int) -> None:
         """The all-gathers unit u waited for: timed and traced."""
-        take = getattr(ch.stage, "take_gathers", None)
-        if take is None:
-            return
-        for start, end, exposed in take():
+        for start, end, exposed in take_gathers(ch.stage):
             self.stats.gather_s += exposed
             if self.recorder is not None:
                 self.recorder.gather(ch.p, ch.stage, u, start, end, *self._where)

@@ -72,7 +72,7 @@ from stp.runtime.braid import UnitRunner
 from stp.runtime.errors import RankError, wrap
 from stp.runtime.offload import ActivationOffloader
 from stp.runtime.p2p import P2P, Transfer
-from stp.runtime.stage_api import PipelineStage, as_unit_stage
+from stp.runtime.stage_api import PipelineStage, as_unit_stage, weights_in_backward
 from stp.runtime.trace import Recorder
 from stp.schedule.ir import Action, Kind, Pass, passes_of
 from stp.schedule.lower import Comm, LoweredSchedule, Message
@@ -178,9 +178,8 @@ class Executor:
         self.sends_deferred = 0
         """Sends posted after their batch, their all-reduce held (all runs so far)."""
         for s, st in self.stages.items():  # e.g. stp.models.decoder.stage.ModelStage
-            tell = getattr(st, "weights_in_backward", None)
-            if callable(tell):
-                tell(p.mb for p in sch.passes(pp_rank) if p.stage == s and p.kind is Kind.BW)
+            weights_in_backward(
+                st, (p.mb for p in sch.passes(pp_rank) if p.stage == s and p.kind is Kind.BW))
         self.runner = UnitRunner(
             {s: as_unit_stage(st) for s, st in self.stages.items()}, braid=opts.braid,
             take=self._input, give=self._output, targets=lambda mb: self._targets[mb],
@@ -364,9 +363,9 @@ class Executor:
         st = self.stages[p.stage]
         if p.kind is Kind.F:
             if st.is_last:
-                self._losses[p.mb] = out  # type: ignore[assignment]
+                self._losses[p.mb] = out  # type: ignore[assignment]  # the last stage's forward output is its loss
             else:
-                self._give(Message.output_of(p), out)  # type: ignore[arg-type]
+                self._give(Message.output_of(p), out)  # type: ignore[arg-type]  # a forward's output on other stages is a tensor
         elif not st.is_first:
             assert out is not None, f"stage {p.stage} returned no input gradient"
             self._give(Message.output_of(p), out)

@@ -223,7 +223,7 @@ class _Interrupts:
 
     def __exit__(self, *exc: object) -> None:
         for sig, old in self._old.items():
-            signal.signal(sig, old)  # type: ignore[arg-type]
+            signal.signal(sig, old)  # type: ignore[arg-type]  # signal.getsignal's None (not set from Python) is restored as is
 
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}

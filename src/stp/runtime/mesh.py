@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -184,7 +184,7 @@ class Mesh:
         rank = dist.get_rank()
         coord = dims.coord_of(rank)
         backend = str(dist.get_backend())
-        kw = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+        kw: dict[str, Any] = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
         mine: dict[str, dist.ProcessGroup] = {}
         ranks: dict[str, list[int]] = {}
         for axis in ("pp", "tp", "dp"):

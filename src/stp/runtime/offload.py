@@ -56,6 +56,7 @@ from stp.runtime.offload_copy import (
     HostCopier,
     byte_view,
 )
+from stp.runtime.stage_api import kept_tensors, shared_tensors
 from stp.schedule.ir import Action, Kind, Pass, Schedule
 from stp.schedule.offload import OffloadPlan
 from stp.sim.costs import Costs, MemCosts, OffloadCosts
@@ -111,7 +112,7 @@ def graph_saved(roots: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """Every tensor autograd saved in the graphs behind `roots` (documented:
     built-in nodes expose them as `_saved_*` attributes)."""
     seen: set[Any] = set()
-    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    stack: list[Any] = [t.grad_fn for t in roots if t.grad_fn is not None]  # autograd nodes
     out: list[torch.Tensor] = []
     while stack:
         node = stack.pop()
@@ -180,7 +181,7 @@ class ActivationOffloader:
         poison: bool = False,
     ) -> None:
         for s, st in stages.items():
-            if not callable(getattr(st, "kept_tensors", None)):
+            if kept_tensors(st) is None:
                 raise ValueError(
                     f"stage {s} ({type(st).__name__}) has no kept_tensors(mb); activation "
                     "offload and memory accounting need it (stp.models.ModelStage has it)"
@@ -309,11 +310,7 @@ class ActivationOffloader:
 
     def _shared_ids(self, stage: int) -> set[int]:
         """Storages every microbatch of `stage` uses: parameters, shared tables."""
-        st = self.stages[stage]
-        shared = list(st.parameters()) if callable(getattr(st, "parameters", None)) else []
-        if callable(getattr(st, "shared_tensors", None)):
-            shared += list(st.shared_tensors())
-        return {id(t.untyped_storage()) for t in shared}
+        return {id(t.untyped_storage()) for t in shared_tensors(self.stages[stage])}
 
     def _collect(
         self, tensors: Iterable[torch.Tensor], skip: set[int]

@@ -83,7 +83,7 @@ class HostCopier:
         return host, _DONE
 
     def to_device(self, dst: torch.UntypedStorage, host: HostBuffer) -> CopyEvent:
-        dst.copy_(host)
+        dst.copy_(host)  # type: ignore[type-var]  # a host buffer is an UntypedStorage here
         return _DONE
 
     def wait(self, event: CopyEvent) -> None:
@@ -124,7 +124,7 @@ class CudaCopier:
         return event
 
     def wait(self, event: CopyEvent) -> None:
-        torch.cuda.current_stream(self.device).wait_event(event)  # type: ignore[arg-type]
+        torch.cuda.current_stream(self.device).wait_event(event)  # type: ignore[arg-type]  # a CUDA copier's events are torch.cuda.Events
 
     def synchronize(self, event: CopyEvent) -> None:
-        event.synchronize()  # type: ignore[attr-defined]
+        event.synchronize()  # type: ignore[attr-defined]  # a CUDA copier's events are torch.cuda.Events

@@ -61,6 +61,8 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
+from stp.files import write_text_atomic
+from stp.runtime.stage_api import UnitStage
 from stp.schedule.ir import Pass, Schedule
 from stp.schedule.lower import Message
 from stp.sim.result import Span
@@ -77,7 +79,8 @@ class Watched:
     __slots__ = ("launched", "done_at")
 
     def __init__(self, launched: float) -> None:
-        self.launched, self.done_at = launched, None
+        self.launched = launched
+        self.done_at: float | None = None
 
     def done(self, now: float) -> None:
         """Seen complete at `now` (the earliest sighting wins)."""
@@ -137,7 +140,7 @@ class Recorder:
         self._spans, self._gathers, self._ars, self._xfers = [], [], [], []
         self._dp = []
 
-    def _unit_index(self, stage: Any, u: int) -> tuple[int | None, str | None]:
+    def _unit_index(self, stage: UnitStage, u: int) -> tuple[int | None, str | None]:
         """(index of unit u among the stage's transformer units, its name), (None,
         None) for the embedding and loss units. The name labels the span: layers
         differ in their units (an MoE layer under expert parallelism has four)."""
@@ -152,13 +155,13 @@ class Recorder:
             self._layer_index[id(stage)] = table
         return table[u]
 
-    def unit(self, p: Pass, kind: str, stage: Any, u: int, start: float, end: float,
+    def unit(self, p: Pass, kind: str, stage: UnitStage, u: int, start: float, end: float,
              index: int, braided: bool) -> None:
         unit, label = self._unit_index(stage, u)
         self._spans.append(Span(self.rank, "compute", start, end, str(p), kind, p.stage, p.mb,
                                 self.chunk_of[p.stage], unit, index, braided, label))
 
-    def allreduce(self, ar: Any, p: Pass, stage: Any, u: int, index: int, braided: bool,
+    def allreduce(self, ar: Any, p: Pass, stage: UnitStage, u: int, index: int, braided: bool,
                   kind: str = "AR") -> None:
         """Watch all-reduce `ar` (stp.runtime.braid) of unit u of pass p; `kind` "RS":
         the reduce-scatter that replaces it under sequence parallelism."""
@@ -178,7 +181,7 @@ class Recorder:
             watched.done(launched)
         return watched
 
-    def gather(self, p: Pass, stage: Any, u: int, start: float, end: float, index: int,
+    def gather(self, p: Pass, stage: UnitStage, u: int, start: float, end: float, index: int,
                braided: bool) -> None:
         """An all-gather unit u of pass p ran and waited for on the compute stream
         (sequence parallelism: the start of a TP region, stp.models.tp.sequence)."""

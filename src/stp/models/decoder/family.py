@@ -15,8 +15,7 @@ from stp.models.decoder.init import count_parameters, parameter_specs
 from stp.models.decoder.reference import build_reference
 from stp.models.decoder.shared_grads import SharedGrads
 from stp.models.decoder.stage import build_stage, check_model
-from stp.models.family import StageBuilder, check_text_batch
-from stp.models.hf.save import save_stages
+from stp.models.family import ModelFamily, StageBuilder, check_text_batch
 from stp.models.recompute import check_recompute
 from stp.schedule.placement import partition_layers
 from stp.shapes.decoder import ModelConfig
@@ -24,7 +23,7 @@ from stp.shapes.decoder import ModelConfig
 __all__ = ["DECODER", "DecoderFamily"]
 
 
-class DecoderFamily:
+class DecoderFamily(ModelFamily):
     name = "decoder"
     config_type = ModelConfig
 
@@ -66,11 +65,6 @@ class DecoderFamily:
     def shared_grads(self, config: ModelConfig, stages: Mapping[int, Any], schedule: Any,
                      mesh: Any) -> SharedGrads:
         return SharedGrads.on_mesh(config, stages, schedule, mesh)
-
-    def save_hf(self, directory: Any, stages: Mapping[int, Any], mesh: Any,
-                config: ModelConfig, *, source: Any, max_shard_bytes: int) -> None:
-        save_stages(directory, stages, mesh, config, source=source,
-                    max_shard_bytes=max_shard_bytes)
 
 
 DECODER = DecoderFamily()

@@ -31,6 +31,7 @@ from stp.models.hf.moe_config import moe_config_to_hf
 from stp.models.hf.names import hf_name
 from stp.models.hf.stream import Entry as Tensor
 from stp.models.hf.stream import create, header, write_at
+from stp.runtime.stage_api import expert_names
 from stp.shapes.decoder import ModelConfig
 from stp.shapes.moe import MoEConfig
 
@@ -184,7 +185,7 @@ def save_stages(
     # the first DP replica of each tensor writes it (an EP rank's experts: the first
     # replica of its expert-data-parallel group)
     named = [(n, p) for s in sorted(stages) for n, p in stages[s].named_parameters()
-             if mesh.first_replica(n in getattr(stages[s], "expert_names", ()))]
+             if mesh.first_replica(n in expert_names(stages[s]))]
     shapes = {n: stages[s].specs[n].shape for s in stages for n in stages[s].specs}
     tied = {"head.weight"} if config.tie_embeddings else set()
     mine = _chunk(_entries(named, shapes, tied, layout_of(config)), max_shard_bytes)

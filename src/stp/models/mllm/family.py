@@ -13,7 +13,7 @@ from stp.costmodel.mllm.configs import mllm_spec_from_config
 from stp.costmodel.mllm.spec import MLLMSpec
 from stp.models.decoder.init import count_parameters
 from stp.models.decoder.shared_grads import SharedGrads
-from stp.models.family import StageBuilder
+from stp.models.family import ModelFamily, StageBuilder
 from stp.models.mllm.reference import build_mllm_reference
 from stp.models.mllm.stage import build_mllm_stage, check_mllm, mllm_specs
 from stp.models.recompute import check_recompute
@@ -23,9 +23,11 @@ from stp.shapes.mllm import MLLMConfig
 __all__ = ["MLLM", "MLLMFamily"]
 
 
-class MLLMFamily:
+class MLLMFamily(ModelFamily):
     name = "mllm"
     config_type = MLLMConfig
+    hf_refusal = ("the multimodal model cannot be saved as a Hugging Face checkpoint: stp's "
+                  "vision encoder and merger have no Hugging Face layout")
 
     def check(self, config: MLLMConfig, tp: int, num_stages: int) -> None:
         check_mllm(config, tp, num_stages)
@@ -71,16 +73,17 @@ class MLLMFamily:
         return mllm_spec_from_config(config, seq_len=sequence, microbatch_size=micro_batch,
                                      tp=tp)
 
+    def describe(self, config: MLLMConfig, *, params: str, ep: int) -> str:
+        vis, dec = config.vision, config.decoder
+        return (f"vision {vis.num_layers}x{vis.hidden} ({vis.image_size}-px images, patch "
+                f"{vis.patch_size}, merge {vis.merge}) + decoder {dec.num_layers}x{dec.hidden} "
+                f"({params} params)")
+
     def shared_grads(self, config: MLLMConfig, stages: Mapping[int, Any], schedule: Any,
                      mesh: Any) -> SharedGrads:
         # the decoder's: kv heads replicated when fewer than TP ranks (the encoder has
         # as many kv heads as heads, and the multimodal model never ties its embedding)
         return SharedGrads.on_mesh(config.decoder, stages, schedule, mesh)
-
-    def save_hf(self, directory: Any, stages: Mapping[int, Any], mesh: Any,
-                config: MLLMConfig, *, source: Any, max_shard_bytes: int) -> None:
-        raise ValueError("the multimodal model cannot be saved as a Hugging Face checkpoint: "
-                         "stp's vision encoder and merger have no Hugging Face layout")
 
 
 MLLM = MLLMFamily()

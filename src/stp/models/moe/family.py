@@ -23,8 +23,8 @@ from stp.costmodel.decoder.spec import ModelSpec
 from stp.models.decoder.init import count_parameters
 from stp.models.decoder.shared_grads import SharedGrads
 from stp.models.decoder.stage import check_model
-from stp.models.family import StageBuilder, check_text_batch
-from stp.models.hf.save import save_stages
+from stp.models.family import ModelFamily, StageBuilder, check_text_batch
+from stp.models.moe.dispatch import ExpertGroup
 from stp.models.moe.init import moe_parameter_specs
 from stp.models.moe.reference import build_moe_reference
 from stp.models.moe.stage import build_moe_stage, check_moe_tp
@@ -37,7 +37,7 @@ _TP_PARTIAL = (".moe.router.weight", ".moe.shared_gate.weight")
 """Replicated parameters whose gradient each TP rank holds a part of."""
 
 
-class MoEFamily:
+class MoEFamily(ModelFamily):
     name = "moe"
     config_type = MoEConfig
 
@@ -95,10 +95,15 @@ class MoEFamily:
                                 if n.endswith(_TP_PARTIAL)]
         return shared
 
-    def save_hf(self, directory: Any, stages: Mapping[int, Any], mesh: Any,
-                config: MoEConfig, *, source: Any, max_shard_bytes: int) -> None:
-        save_stages(directory, stages, mesh, config, source=source,
-                    max_shard_bytes=max_shard_bytes)
+    def describe(self, config: MoEConfig, *, params: str, ep: int) -> str:
+        return (f"{config.num_layers}x{config.hidden} ({params} params), moe "
+                f"{config.num_experts} experts top-{config.top_k} ep{ep}")
+
+    def builder_on_mesh(self, builder: StageBuilder, mesh: Any) -> StageBuilder:
+        if mesh.dims.ep == 1:
+            return builder
+        return functools.partial(builder, expert_group=ExpertGroup(mesh.ep_group, mesh.dims.ep,
+                                                                   mesh.ep_rank))
 
 
 MOE = MoEFamily()

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from stp.runtime.mesh import Mesh
+from stp.runtime.stage_api import expert_names, unshard
 
 __all__ = ["gather_full_state"]
 
@@ -32,8 +33,7 @@ def _local_full(stages: Mapping[int, Any], mesh: Mesh, collective: Callable[...,
                 parts = [torch.empty_like(t) for _ in range(tp)]
                 collective("state gather", f"a rank in {mesh.describe_group('tp')}",
                            dist.all_gather, parts, t.contiguous(), group=mesh.tp_group)
-                unshard = getattr(st, "unshard", None)  # padding, replicated kv heads
-                t = unshard(name, parts) if unshard else torch.cat(parts, dim=dim)
+                t = unshard(st, name, parts, dim)  # padding, replicated kv heads
             local[name] = t.cpu().clone()
     return local
 
@@ -44,7 +44,7 @@ def gather_full_state(stages: Mapping[int, Any], mesh: Mesh, collective: Callabl
     by name; None elsewhere. `collective(action, peers, fn, *args, **kw)` runs a
     collective with errors named (stp.train.step.grad_sync.collective)."""
     local = _local_full(stages, mesh, collective, grads)
-    experts = {n for st in stages.values() for n in getattr(st, "expert_names", ())}
+    experts = {n for st in stages.values() for n in expert_names(st)}
     payload = {n: t for n, t in local.items()
                if mesh.coord.tp == 0 and mesh.first_replica(n in experts)}
     out: list[Any] | None = [None] * mesh.dims.world_size if mesh.rank == 0 else None

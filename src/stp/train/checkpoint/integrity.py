@@ -121,14 +121,15 @@ def _problem(path: Path) -> str | None:
     except DamagedCheckpoint as e:
         return str(e)
     if files is not None:
-        for name, e in files.items():
+        for name, entry in files.items():
             f = path / name
             if not f.is_file():
                 return f"{f} is missing"
             size = f.stat().st_size
-            if size != e["size"]:
-                return f"{f} holds {size} bytes, {e['size']} were written (truncated or damaged)"
-            if file_digest(f) != e["sha256"]:
+            if size != entry["size"]:
+                return (f"{f} holds {size} bytes, {entry['size']} were written (truncated or "
+                        "damaged)")
+            if file_digest(f) != entry["sha256"]:
                 return f"{f} does not match its checksum in {MANIFEST} (damaged)"
     try:
         md = read_metadata(path)

@@ -137,9 +137,9 @@ class SafeReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         md = read_metadata(self.path, kwargs.get("rank"))
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id  # as FileSystemReader does
+        meta = md.storage_meta or StorageMeta()
+        meta.load_id = self.load_id  # as FileSystemReader does
+        md.storage_meta = meta
         return md
 
 

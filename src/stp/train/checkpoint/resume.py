@@ -76,7 +76,8 @@ def restore_settings(job: TrainJob, run_dir: Path) -> TrainJob:
         changes[field] = _merge(field, getattr(job, field), getattr(defaults, field),
                                 saved.get(field), path)
     for name, cls in _NESTED.items():
-        kept = saved.get(name) if isinstance(saved.get(name), dict) else {}
+        nested = saved.get(name)
+        kept = nested if isinstance(nested, dict) else {}
         given, default = getattr(job, name), cls()
         values = {f.name: _merge(f.name, getattr(given, f.name), getattr(default, f.name),
                                  kept.get(f.name, getattr(given, f.name)), path)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from stp.models.hf.stream import Entry, create, header, write_at
 from stp.runtime.mesh import Mesh
+from stp.runtime.stage_api import TrainableStage, expert_names, full_shape, unshard
 from stp.train.checkpoint.storage import StorageFault, cause_of
 
 __all__ = ["full_layout", "write_full"]
@@ -45,13 +46,13 @@ Collective = Callable[..., Any]
 """`collective(action, peers, fn, *args, **kw)` (stp.train.step.grad_sync.collective)."""
 
 
-def _full_shape(stage: Any, name: str, param: torch.Tensor, tp: int) -> tuple[int, ...]:
+def _full_shape(stage: TrainableStage, name: str, param: torch.Tensor, tp: int) -> tuple[int, ...]:
     dim = stage.shard_dim(name)
     if tp == 1 or dim is None:
         return tuple(param.shape)
-    specs = getattr(stage, "specs", None)  # a user's stage builder may have none
-    if specs is not None and name in specs:
-        return tuple(specs[name].shape)
+    full = full_shape(stage, name)  # a user's stage builder may give none
+    if full is not None:
+        return full
     return tuple(n * tp if d == dim else n for d, n in enumerate(param.shape))
 
 
@@ -60,7 +61,7 @@ def _written(stages: Mapping[int, Any], mesh: Mesh) -> list[tuple[Any, str, torc
     them on DP replica 0, and with expert parallelism each EP rank's experts on the
     first replica of its expert-data-parallel group."""
     return [(st, name, p) for st in stages.values() for name, p in st.named_parameters()
-            if mesh.first_replica(name in getattr(st, "expert_names", ()))]
+            if mesh.first_replica(name in expert_names(st))]
 
 
 def full_layout(stages: Mapping[int, Any], mesh: Mesh,
@@ -76,21 +77,20 @@ def full_layout(stages: Mapping[int, Any], mesh: Mesh,
     return [merged[n] for n in sorted(merged)]
 
 
-def _full_tensor(stage: Any, name: str, param: torch.Tensor, mesh: Mesh,
+def _full_tensor(stage: TrainableStage, name: str, param: torch.Tensor, mesh: Mesh,
                  collective: Collective) -> torch.Tensor | None:
     """The full parameter on TP rank 0, on the CPU (None on the other TP ranks)."""
     t = param.detach().contiguous()
     tp = mesh.dims.tp
-    if tp == 1 or stage.shard_dim(name) is None:
+    dim = stage.shard_dim(name)
+    if tp == 1 or dim is None:
         return t.cpu() if mesh.coord.tp == 0 else None
     parts = [torch.empty_like(t) for _ in range(tp)] if mesh.coord.tp == 0 else None
     collective("full-model write", f"a rank in {mesh.describe_group('tp')}", dist.gather,
                t, parts, dst=mesh.ranks["tp"][0], group=mesh.tp_group)
     if parts is None:
         return None
-    unshard = getattr(stage, "unshard", None)
-    full = unshard(name, parts) if unshard else torch.cat(parts, dim=stage.shard_dim(name))
-    return full.cpu()
+    return unshard(stage, name, parts, dim).cpu()
 
 
 def _write_stages(tmp: Path, stages: Mapping[int, Any], mesh: Mesh, collective: Collective,

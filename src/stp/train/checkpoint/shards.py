@@ -36,6 +36,13 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from stp.runtime.stage_api import (
+    TrainableStage,
+    full_shape,
+    shard_slice,
+    ties_head_to_embedding,
+)
+
 __all__ = ["Box", "box_of", "norm_key", "BoxSavePlanner", "BoxLoadPlanner"]
 
 
@@ -59,13 +66,13 @@ class Box:
         return local.narrow(self.dim, 0, self.length)
 
 
-def box_of(stage: Any, name: str, local: torch.Tensor, tp: int, tp_rank: int) -> Box:
+def box_of(stage: TrainableStage, name: str, local: torch.Tensor, tp: int, tp_rank: int) -> Box:
     """The box of `local`, this rank's tensor of parameter `name` of `stage`.
 
     Read from the stage's `shard_slice(name)` and full shape (`specs`) when it
     has them; otherwise the shard dim is cut into tp equal parts."""
     zeros = torch.Size([0] * local.dim())
-    where = stage.shard_slice(name) if hasattr(stage, "shard_slice") else None
+    where = shard_slice(stage, name)
     dim = where.dim if where is not None else stage.shard_dim(name)
     if dim is None or (where is None and tp == 1):
         return Box(local.size(), zeros)
@@ -75,19 +82,17 @@ def box_of(stage: Any, name: str, local: torch.Tensor, tp: int, tp_rank: int) ->
         full[dim] *= tp
     else:
         start, length = where.start, where.stop - where.start
-        specs = getattr(stage, "specs", None)
-        full = list(specs[name].shape) if specs is not None else list(local.shape)
+        full = list(full_shape(stage, name) or local.shape)
     offsets = list(zeros)
     offsets[dim] = start
     return Box(torch.Size(full), torch.Size(offsets), dim, length)
 
 
-def norm_key(stage: Any, name: str, box: Box) -> tuple[str, tuple[int, ...]]:
+def norm_key(stage: TrainableStage, name: str, box: Box) -> tuple[str, tuple[int, ...]]:
     """What identifies a gradient for the global norm: equal keys on two ranks hold
     equal gradients, counted once. A tied head (`tie_embeddings`: its gradient is
     summed with the embedding's, so both hold the same) shares the embedding's key."""
-    config = getattr(stage, "config", None)
-    if name == "head.weight" and getattr(config, "tie_embeddings", False):
+    if name == "head.weight" and ties_head_to_embedding(stage):
         name = "embed.weight"
     return name, tuple(box.offsets)
 

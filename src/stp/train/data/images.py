@@ -195,12 +195,12 @@ class ImageFolder:
         object.__setattr__(self, "_pairs", read_captions(Path(self.path)))
 
     def __len__(self) -> int:
-        return len(self._pairs)  # type: ignore[attr-defined]
+        return len(self._pairs)  # type: ignore[attr-defined]  # set in __post_init__ of this frozen dataclass
 
     def sample(self, index: int) -> tuple[np.ndarray, str]:
-        name, caption = self._pairs[index % len(self)]  # type: ignore[attr-defined]
-        with Image.open(Path(self.path) / name) as im:
-            im = im.convert("RGB").resize((self.image_size, self.image_size))
+        name, caption = self._pairs[index % len(self)]  # type: ignore[attr-defined]  # set in __post_init__ of this frozen dataclass
+        with Image.open(Path(self.path) / name) as stored:
+            im = stored.convert("RGB").resize((self.image_size, self.image_size))
             return np.asarray(im, dtype=np.uint8), caption
 
 
@@ -247,7 +247,7 @@ class CaptionBatches:
             rng = random.Random(self.seed * 7_919 + step)
             picks = [rng.randrange(n) for _ in range(b)]
         rows = [self._row(i) for i in picks]
-        return tuple(torch.stack([r[i] for r in rows]) for i in range(3))  # type: ignore[return-value]
+        return tuple(torch.stack([r[i] for r in rows]) for i in range(3))  # type: ignore[return-value]  # three stacks: the generator's length is not typed
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Global batch `step`: its samples are a function of (seed, step)."""

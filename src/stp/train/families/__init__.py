@@ -9,39 +9,35 @@ they ask `family_named(job.arch)` or `family_of(config)`.
 
 Adding a family: a package `stp.models.<name>` (and its config in
 `stp.shapes`), a module `stp.train.families.<name>` with `FAMILY`, and one
-line in `MODULES` below.
-
-The registry names modules rather than importing them so that
-`stp.train.run.config` (the flags, no torch) can list the `--arch` choices without
-loading a model.
+line in `MODULES` (stp.train.families.registry, which names modules rather than
+importing them so that the flags can list the `--arch` choices without loading a
+model).
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
+
+from stp.train.families.registry import EARLY_TP_CHECKS, MODULES
 
 if TYPE_CHECKING:
     from stp.models.family import ModelFamily
+    from stp.train.data.tokens import Tokenizer
+    from stp.train.run.config import TrainJob
 
-__all__ = ["EARLY_TP_CHECKS", "MODULES", "TrainFamily", "family_named", "family_of"]
+__all__ = ["EARLY_TP_CHECKS", "MODULES", "RunInputs", "TrainFamily", "family_named",
+           "family_of"]
 
-MODULES: Mapping[str, str] = {
-    "decoder": "stp.train.families.decoder",
-    "mllm": "stp.train.families.mllm",
-    "moe": "stp.train.families.moe",
-}
-"""`--arch` name -> the module whose `FAMILY` it is, one line per family."""
+class RunInputs(Protocol):
+    """What a family reads of a resolved run for its data (stp.train.run.resolve.Run)."""
 
-EARLY_TP_CHECKS: Mapping[str, tuple[str, ...]] = {
-    "decoder": ("heads", "kv_heads", "ffn"),
-    "moe": ("heads", "kv_heads"),
-}
-"""What of a family's split over --tp `stp.train.run.precheck` may check from the flags
-alone, before the family (and torch) loads: its decoder's heads and kv heads, and
-the decoder's dense MLP width (an MoE's experts have their own widths; the
-multimodal model's encoder its own heads). A family left out is checked only in full."""
+    @property
+    def job(self) -> TrainJob: ...
+    @property
+    def config(self) -> Any: ...
+    @property
+    def tokenizer(self) -> Tokenizer | None: ...
 
 
 class TrainFamily(Protocol):
@@ -50,20 +46,20 @@ class TrainFamily(Protocol):
     name: str
     model: ModelFamily
 
-    def check_flags(self, job: Any) -> None:
+    def check_flags(self, job: TrainJob) -> None:
         """ValueError naming a flag this family does not take (before anything is read)."""
 
-    def config(self, job: Any, tokenizer: Any) -> Any:
+    def config(self, job: TrainJob, tokenizer: Tokenizer | None) -> Any:
         """The model the job's flags (or its --init-from checkpoint) describe."""
 
-    def check_run(self, job: Any, config: Any, schedule: Any) -> None:
+    def check_run(self, job: TrainJob, config: Any, schedule: Any) -> None:
         """ValueError unless `config` fits the job's mesh and `schedule` (and the
         family's own inputs, e.g. an image folder, are readable)."""
 
-    def batches(self, run: Any) -> Any:
+    def batches(self, run: RunInputs) -> Any:
         """The run's global batches: `.batch(step)` -> (inputs, targets)."""
 
-    def eval_batches(self, run: Any) -> Any | None:
+    def eval_batches(self, run: RunInputs) -> Any | None:
         """The held-out batches of --eval-every, in order; None: nothing to evaluate."""
 
 
@@ -71,10 +67,10 @@ def family_named(arch: str) -> TrainFamily:
     """The family `--arch arch` names; ValueError listing the names for another."""
     if arch not in MODULES:
         raise ValueError(f"--arch {arch!r}: choose one of {', '.join(MODULES)}")
-    return importlib.import_module(MODULES[arch]).FAMILY  # type: ignore[no-any-return]
+    return importlib.import_module(MODULES[arch]).FAMILY
 
 
-def family_of(config: Any) -> TrainFamily | None:
+def family_of(config: object) -> TrainFamily | None:
     """The family whose config `config` is (its exact class); None for anything else
     (a stage builder)."""
     for name in MODULES:

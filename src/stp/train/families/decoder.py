@@ -11,11 +11,12 @@ from typing import Any
 from stp.models.decoder.family import DECODER
 from stp.schedule import Schedule
 from stp.shapes import ModelConfig
-from stp.train.run.config import TOY_SHAPE, TrainJob
 from stp.train.data.corpus import VOCAB_SIZE, ByteBatches, read_corpus
-from stp.train.run.pretrained import checkpoint_config
 from stp.train.data.load import data_options, open_data
 from stp.train.data.tokens import Tokenizer, make_batches, tokenizer_vocab
+from stp.train.families import RunInputs
+from stp.train.run.config import TOY_SHAPE, TrainJob
+from stp.train.run.pretrained import checkpoint_config
 
 __all__ = ["FAMILY", "DecoderJob", "decoder_config", "in_flag_words"]
 
@@ -78,12 +79,12 @@ class DecoderJob:
                              f"--seq-len {job.model.seq_len} is not divisible by --tp {job.tp} "
                              "(stp refuses rather than pads)")
 
-    def batches(self, run: Any) -> Any:
+    def batches(self, run: RunInputs) -> Any:
         job = run.job
         return open_data(data_options(job), run.tokenizer, run.config.vocab_size,
                          job.model.seq_len, job.global_batch, job.seed).batches
 
-    def eval_batches(self, run: Any) -> Any | None:
+    def eval_batches(self, run: RunInputs) -> Any | None:
         job = run.job
         if job.eval_data is None:
             return None

@@ -24,9 +24,10 @@ from stp.models.mllm.family import MLLM
 from stp.models.mllm.rows import check_mllm_sequence
 from stp.schedule import Schedule
 from stp.shapes import MLLMConfig, ModelConfig, VisionConfig
-from stp.train.run.config import TrainJob
-from stp.train.families.decoder import decoder_config
 from stp.train.data.images import CaptionBatches, ImageFolder, ShapeImages, check_folder
+from stp.train.families import RunInputs
+from stp.train.families.decoder import decoder_config
+from stp.train.run.config import TrainJob
 
 __all__ = ["FAMILY", "MLLMJob", "check_auto_fits", "mllm_config", "mllm_batches",
            "mllm_eval_batches"]
@@ -97,10 +98,10 @@ class MLLMJob:
             check_folder(job.images, "--images")  # every image decoded before workers start
         _check_eval(job)
 
-    def batches(self, run: Any) -> CaptionBatches:
+    def batches(self, run: RunInputs) -> CaptionBatches:
         return mllm_batches(run.job, run.config)
 
-    def eval_batches(self, run: Any) -> CaptionBatches | None:
+    def eval_batches(self, run: RunInputs) -> CaptionBatches | None:
         return mllm_eval_batches(run.job, run.config) if run.job.eval_every else None
 
 

@@ -14,11 +14,12 @@ from stp.models.moe.family import MOE
 from stp.schedule import Schedule
 from stp.shapes.decoder import default_ffn_hidden
 from stp.shapes.moe import MoEConfig
-from stp.train.run.config import TrainJob
+from stp.train.data.tokens import Tokenizer
+from stp.train.families import RunInputs
 from stp.train.families.decoder import FAMILY as DECODER_JOB
 from stp.train.families.decoder import decoder_config, in_flag_words
+from stp.train.run.config import TrainJob
 from stp.train.run.pretrained import checkpoint_config
-from stp.train.data.tokens import Tokenizer
 
 __all__ = ["FAMILY", "MoEJob", "moe_config"]
 
@@ -80,10 +81,10 @@ class MoEJob:
         except ValueError as e:
             raise _in_flags(e) from None
 
-    def batches(self, run: Any) -> Any:
+    def batches(self, run: RunInputs) -> Any:
         return DECODER_JOB.batches(run)
 
-    def eval_batches(self, run: Any) -> Any | None:
+    def eval_batches(self, run: RunInputs) -> Any | None:
         return DECODER_JOB.eval_batches(run)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from stp.costmodel.decoder.spec import RECOMPUTE_MODES
-from stp.train.families import MODULES as FAMILY_MODULES
+from stp.train.families.registry import MODULES as FAMILY_MODULES
 
 __all__ = ["ARCHS", "DEFAULT_LR", "DTYPES", "LR_SCHEDULES", "TOY_SHAPE", "MoEShape", "ModelShape",
            "TrainJob", "VisionShape", "default_lr", "option"]

@@ -80,10 +80,10 @@ def _check_save_full(job: TrainJob) -> None:
     if job.emulate is not None:
         raise ValueError("--emulate-compute stages hold no model to save; drop --save-full "
                          "or --emulate-compute")
-    check_output_file(job.save_full, "--save-full")  # type: ignore[arg-type]
+    check_output_file(str(job.save_full), "--save-full")  # called with --save-full given
 
 
-def check_plan(job: TrainJob, world_size: int | None = None, config: Any = None) -> Run:
+def check_plan(job: TrainJob, world_size: int | None = None, config: object = None) -> Run:
     """The checks that read no data and write nothing (the mesh, the dtype, the
     resolved run, offload, emulation, sequence parallelism), and the run;
     `stp memory` prices a train command line after these. `config`: the model's,
@@ -117,14 +117,10 @@ def check_plan(job: TrainJob, world_size: int | None = None, config: Any = None)
 
 def _check_expert_parallel(job: TrainJob, run: Run) -> None:
     """--ep > 1: a model with experts that split over the EP ranks (the family's)."""
-    check_ep = getattr(run.family.model, "check_ep", None)
-    if check_ep is None:
-        raise ValueError(f"--ep {job.ep}: expert parallelism needs a mixture-of-experts "
-                         "model (--arch moe, or a Qwen2-MoE / Mixtral --init-from); use --ep 1")
+    run.family.model.check_ep(run.config, job.ep)
     if job.emulate is not None:
         raise ValueError("--emulate-compute stages have no experts to dispatch; drop --ep "
                          "or --emulate-compute")
-    check_ep(run.config, job.ep)
 
 
 def _check_sequence_parallel(job: TrainJob) -> None:
@@ -155,7 +151,7 @@ def check_output_file(path: str, flag: str) -> None:
 
 def _check_training(job: TrainJob, config: Any) -> None:
     """Learning-rate schedule, evaluation, resume and --out (created, written to)."""
-    if job.lr_schedule != "constant" and job.min_lr > job.lr:
+    if job.lr_schedule != "constant" and job.lr is not None and job.min_lr > job.lr:
         raise ValueError(f"--min-lr {job.min_lr:g} is above --lr {job.lr:g}; give --min-lr <= --lr")
     if job.eval_data is not None and len(read_corpus(job.eval_data)) < job.model.seq_len + 2:
         raise ValueError(f"--eval-data {job.eval_data!r} is shorter than --seq-len + 2 bytes")

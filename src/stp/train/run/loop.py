@@ -179,7 +179,7 @@ def _shared_out(run: Run) -> Run:
     box = [str(run.job.out_dir()) if dist.get_rank() == 0 else None]  # the default creates it
     dist.broadcast_object_list(box, src=0)
     if in_torchrun():  # under torchrun rank 0 locks --out (stp's launcher did already)
-        error = [lock_error(box[0]) if dist.get_rank() == 0 else None]
+        error = [lock_error(str(box[0])) if dist.get_rank() == 0 else None]  # rank 0's --out
         dist.broadcast_object_list(error, src=0)
         if error[0]:
             raise ValueError(error[0])
@@ -234,14 +234,20 @@ def run(resolved: Run,
     batches = resolved.family.batches(resolved)  # bytes, tokens, or images and captions
     evals, sharded = _eval_batches(resolved), None
     clock.at("data")
-    args = (resolved.stage_model(), adamw(job.lr, weight_decay=job.weight_decay), schedule)
-    kw = {"mesh": mesh, "options": _options(resolved), "init_from": job.init_from}
-    trainer = (Trainer.resume(job.resume, *args, allow_unverified=job.allow_unverified, **kw)
-               if job.resume else Trainer(*args, **kw))
+    if job.lr is None:  # resolve() fills in the family's default
+        raise AssertionError("a resolved run has its --lr")
+    model, optimizer = resolved.stage_model(), adamw(job.lr, weight_decay=job.weight_decay)
+    options = _options(resolved)
+    trainer = (Trainer.resume(job.resume, model, optimizer, schedule, mesh=mesh, options=options,
+                              init_from=job.init_from, allow_unverified=job.allow_unverified)
+               if job.resume else
+               Trainer(model, optimizer, schedule, mesh=mesh, options=options,
+                       init_from=job.init_from))
     clock.at("build")
     startup: dict[str, float] | None = None
     tokens_per_step = job.global_batch * job.model.seq_len
-    losses, times = [], []
+    losses: list[float] = []
+    times: list[float] = []
     peaks: list[int] | None = None
     copies: list[int] | None = None  # what the DP reductions' copies added to them
     skips = SkipCounter(job.max_skipped_steps)  # a run that trains nothing stops

@@ -12,17 +12,16 @@ and the MFU is None (`null` in --json).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from stp.costmodel.families import model_flops
 from stp.costmodel.peaks import Peak, run_peak
+from stp.train.run.resolve import Run
 
 __all__ = ["mfu", "step_flops", "device_peak", "unknown_peak_line"]
 
 
-def step_flops(run: Any) -> float | None:
+def step_flops(run: Run) -> float | None:
     """Model FLOPs of one optimizer step of `run` (stp.train.run.resolve.Run) over the
     whole mesh: every microbatch of every DP replica; None for emulated compute."""
     job = run.job

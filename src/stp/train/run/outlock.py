@@ -24,7 +24,8 @@ import contextlib
 import fcntl
 import os
 from pathlib import Path
-from typing import Any
+
+from stp.train.run.config import TrainJob
 
 __all__ = ["LOCK_FILE", "OutInUse", "existing_out", "hold_out", "lock_error", "release_all"]
 
@@ -67,7 +68,7 @@ def hold_out(directory: str | os.PathLike[str], flag: str = "--out") -> None:
     _held[key] = fd
 
 
-def existing_out(job: Any) -> str | None:
+def existing_out(job: TrainJob) -> str | None:
     """The directory `job` will write that exists already: --out, or without it the run
     directory of the checkpoint --resume continues; None for a new one (or no
     checkpoint to resume: the checks say so)."""
@@ -75,8 +76,8 @@ def existing_out(job: Any) -> str | None:
         return job.out if os.path.isdir(job.out) else None
     if job.resume is None:
         return None
-    from stp.train.checkpoint.sharded import latest
     from stp.train.checkpoint.resume import run_dir_of
+    from stp.train.checkpoint.sharded import latest
 
     try:
         return str(run_dir_of(latest(job.resume)))

@@ -84,7 +84,7 @@ def _check_config_file(path: str, doc: dict[str, Any], name: str) -> None:
         return
     model = doc.get("model")
     want = model.get("sha256") if isinstance(model, dict) else None
-    if not isinstance(want, str) or model.get("config") != name:  # type: ignore[union-attr]
+    if not isinstance(want, str) or model.get("config") != name:  # type: ignore[union-attr]  # `want` is a str only when `model` is a dict
         raise ValueError(f"--plan {path}: its `model` object does not name {name!r} with "
                          "its sha256; re-plan with `stp plan --out`")
     try:

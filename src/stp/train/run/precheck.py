@@ -18,7 +18,7 @@ from pathlib import Path
 from stp.shapes import ModelConfig
 from stp.train.run.config import DTYPES, TOY_SHAPE, TrainJob
 from stp.train.data.detect import detect_format, parse_mixture
-from stp.train.families import EARLY_TP_CHECKS
+from stp.train.families.registry import EARLY_TP_CHECKS
 
 __all__ = ["check_data_path", "check_mesh_flags", "precheck"]
 
@@ -75,7 +75,8 @@ def _check_heads(job: TrainJob) -> None:
         return  # the full checks name it, in the flags' words
     if "heads" in checks and heads % job.tp:
         raise ValueError(f"--heads {heads} must be divisible by --tp {job.tp}")
-    if "ffn" in checks and config.ffn_hidden % job.tp:
+    ffn = config.ffn_hidden or 0  # resolved by ModelConfig: never None here
+    if "ffn" in checks and ffn % job.tp:
         raise ValueError(f"the MLP width (from --hidden) {config.ffn_hidden} must be divisible "
                          f"by --tp {job.tp}")
     if "kv_heads" in checks and kv % job.tp and job.tp % kv:

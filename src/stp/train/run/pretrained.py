@@ -12,10 +12,8 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 from stp.shapes import ModelConfig
-from stp.train.run.config import ModelShape
 from stp.train.data.tokens import (
     TokenBatches,
     Tokenizer,
@@ -24,6 +22,7 @@ from stp.train.data.tokens import (
     tokenize,
     tokenizer_vocab,
 )
+from stp.train.run.config import ModelShape, TrainJob
 
 __all__ = ["checkpoint_config", "check_pretrained", "config_json_config", "copy_tokenizer"]
 
@@ -77,8 +76,8 @@ def _agreeing(config: ModelConfig, init_from: str, shape: ModelShape) -> ModelCo
     return config
 
 
-def _check_save_dir(job: Any) -> None:
-    out = Path(job.save_hf)
+def _check_save_dir(job: TrainJob, save_hf: str) -> None:
+    out = Path(save_hf)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--save-hf {job.save_hf!r} is a file; give a directory")
     if job.init_from is not None and out.resolve() == Path(job.init_from).resolve():
@@ -91,7 +90,7 @@ def _check_save_dir(job: Any) -> None:
         raise ValueError(f"--save-hf {job.save_hf!r}: cannot write in {str(parent)!r}")
 
 
-def check_pretrained(job: Any, config: ModelConfig, found: Tokenizer | None) -> None:
+def check_pretrained(job: TrainJob, config: ModelConfig, found: Tokenizer | None) -> None:
     """The checks of --init-from, --save-hf and --tokenizer (`found`: the run's
     tokenizer) before any worker starts; tokenises --data (and --eval-data) into the
     cache the workers then read."""
@@ -100,7 +99,7 @@ def check_pretrained(job: Any, config: ModelConfig, found: Tokenizer | None) -> 
         raise ValueError("--emulate-compute does not compute: drop --init-from or "
                          "--emulate-compute")
     if job.save_hf is not None:
-        _check_save_dir(job)
+        _check_save_dir(job, job.save_hf)
     if job.init_from is not None:  # NaN/inf weights: one line now, before any worker starts
         from stp.models.hf import HFCheckpoint
         from stp.train.step.finite import scan_hf

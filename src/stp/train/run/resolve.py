@@ -84,7 +84,7 @@ class Run:
                                                  self.built_partition)]
 
 
-def resolve(job: TrainJob, config: Any = None) -> Run:
+def resolve(job: TrainJob, config: object = None) -> Run:
     """The run `job` describes; ValueError (one line, naming the flag) for a schedule,
     model, partition, tokenizer or checkpoint to resume that does not fit.
     `config`: the model's config when the caller has read it already (`stp
@@ -147,7 +147,7 @@ def _config(job: TrainJob, family: TrainFamily, tokenizer: Tokenizer | None) -> 
     return config
 
 
-def _partition(job: TrainJob, family: TrainFamily, config: Any,
+def _partition(job: TrainJob, family: TrainFamily, config: object,
                schedule: Schedule) -> tuple[int, ...] | None:
     """The layers of each global stage `--partition` asks for (None: even)."""
     if job.partition is None:
@@ -162,7 +162,7 @@ def _partition(job: TrainJob, family: TrainFamily, config: Any,
     return _auto(job, family, config, schedule)
 
 
-def _auto(job: TrainJob, family: TrainFamily, config: Any,
+def _auto(job: TrainJob, family: TrainFamily, config: object,
           schedule: Schedule) -> tuple[int, ...]:
     from stp.costmodel import HARDWARE, derive
     from stp.costmodel.stages import layered_costs

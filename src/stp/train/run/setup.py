@@ -27,23 +27,23 @@ from torch import nn
 
 from stp.models.compile import compile_stages
 from stp.models.hf import HFCheckpoint, agreeing_config
-from stp.models.moe.dispatch import ExpertGroup
+from stp.models.family import refuse_ep
 from stp.runtime.executor import Executor
 from stp.runtime.launch import in_torchrun, init_distributed
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.runtime.offload import ActivationOffloader, runtime_plan
 from stp.runtime.p2p import P2P
-from stp.runtime.stage_api import PipelineStage
+from stp.runtime.stage_api import PipelineStage, expert_names, stage_units
 from stp.runtime.trace import Recorder
 from stp.schedule import Schedule, registry, validate
 from stp.schedule.lower import lower
 from stp.train.families import family_of
-from stp.train.step.grad_sync import GradSync, collective
-from stp.train.step.param_gather import ParamGather
 from stp.train.run.parts import Parts, TrainerOptions
-from stp.train.step.precision import Precision
 from stp.train.run.schedules import is_schedule_file, load_schedule_file
 from stp.train.run.startup import load_clock
+from stp.train.step.grad_sync import GradSync, collective
+from stp.train.step.param_gather import ParamGather
+from stp.train.step.precision import Precision
 from stp.train.step.zero import DPGroup, ShardedPrecision
 
 __all__ = ["TrainerOptions", "StageBuilder", "Parts", "build", "resolve_schedule",
@@ -73,16 +73,14 @@ def stage_builder(model: Any, opts: TrainerOptions, num_stages: int, tp: int,
     """(stage builder, boundary width) for a model family's config (its weights read
     from `source`, an HFCheckpoint, when given) or a builder."""
     family = family_of(model)
-    check_ep = None if family is None else getattr(family.model, "check_ep", None)
-    if ep > 1 and check_ep is None:
-        raise ValueError(f"--ep {ep}: expert parallelism needs a mixture-of-experts model "
-                         "(--arch moe, or a Qwen2-MoE / Mixtral --init-from); use --ep 1")
-    if family is not None:
+    if family is None:
+        refuse_ep(ep)  # a stage builder of the user's own has no experts stp could place
+    else:
+        family.model.check_ep(model, ep)
         family.model.check(model, tp, num_stages)
-        if check_ep is not None:
-            check_ep(model, ep)
         weights = None if source is None else load_clock.timed(source.read)
-        sp = {"sequence_parallel": True} if opts.sequence_parallel and tp > 1 else {}
+        sp: dict[str, Any] = ({"sequence_parallel": True} if opts.sequence_parallel and tp > 1
+                              else {})
         if opts.recompute != "none":
             sp["recompute"] = opts.recompute
         builder = family.model.stage_builder(model, num_stages, partition=opts.partition,
@@ -139,15 +137,17 @@ def build(
     builder, hidden = stage_builder(model, opts, schedule.num_stages, dims.tp, source, dims.ep)
     mesh = mesh or world_mesh(dims, opts)
     device = mesh.device if opts.device is None else torch.device(opts.device)
+    family = family_of(model)
+    if family is not None:
+        builder = family.model.builder_on_mesh(builder, mesh)
     stages = _stages(builder, schedule, mesh, device, opts.dtype)
     if opts.compile:
         compile_stages(stages)
-    family = family_of(model)
     model_config = None if family is None else model
     shared = None if family is None else family.model.shared_grads(model, stages, schedule, mesh)
     named = [(n, p) for st in stages.values() for n, p in st.named_parameters()]
-    units = [u for st in stages.values() for u in getattr(st, "units", ())]
-    experts = [n for st in stages.values() for n in getattr(st, "expert_names", ())]
+    units = [u for st in stages.values() for u in stage_units(st)]
+    experts = [n for st in stages.values() for n in expert_names(st)]
     precision = _precision(named, units, mesh, opts.shard_optimizer, experts)
     holds_loss = schedule.stage_to_rank[-1] == mesh.coord.pp
     sync = GradSync(mesh, precision, stages, shared=shared, holds_loss=holds_loss,
@@ -206,11 +206,9 @@ def _stages(builder: StageBuilder, schedule: Schedule, mesh: Mesh, device: torch
     """The stages of `schedule` this rank's pipeline rank holds, checked to be
     PipelineStages (the executor's contract)."""
     c = mesh.coord
-    experts = {} if mesh.dims.ep == 1 else {
-        "expert_group": ExpertGroup(mesh.ep_group, mesh.dims.ep, mesh.ep_rank)}
     stages = {
         s: builder(s, schedule.num_stages, tp_group=mesh.tp_group, tp_size=mesh.dims.tp,
-                   tp_rank=c.tp, device=device, dtype=dtype, **experts)
+                   tp_rank=c.tp, device=device, dtype=dtype)
         for s in schedule.stages_of(c.pp)
     }
     for st in stages.values():

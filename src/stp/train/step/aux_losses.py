@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stp.runtime.stage_api import offers_aux
 from stp.train.step.grad_sync import WORLD
 
 __all__ = ["AuxLosses"]
@@ -43,7 +44,7 @@ class AuxLosses:
            device: torch.device) -> AuxLosses | None:
         """For stages that report auxiliary terms (every rank of a run decides alike:
         its stages are all of one family)."""
-        if not stages or not all(hasattr(st, "take_aux") for st in stages.values()):
+        if not stages or not all(offers_aux(st) for st in stages.values()):
             return None
         some = next(iter(stages.values()))
         layers = len(some.config.moe_layers)

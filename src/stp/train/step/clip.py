@@ -27,6 +27,7 @@ holds a non-finite gradient; every rank sees it and skips the update.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,10 +50,10 @@ def counted_mask(
     world) collects every rank's keys; None in a world of one."""
     owner: dict[Hashable, int] = {}
     if gather is not None:
-        every: list[object] = [None] * dist.get_world_size()
+        every: list[Any] = [None] * dist.get_world_size()  # (rank, keys) of each rank
         gather(every, (rank, list(keys)))
         for item in every:
-            holder, held = item  # type: ignore[misc]
+            holder, held = item
             for key in held:
                 owner[key] = min(owner.get(key, holder), holder)
     seen: set[Hashable] = set()

@@ -16,6 +16,7 @@ import torch
 
 from stp.models import valid_token_ratio
 from stp.runtime.executor import Executor
+from stp.runtime.stage_api import reset
 from stp.schedule import Schedule
 from stp.schedule.ir import Kind, passes_of
 from stp.schedule.lower import lower
@@ -64,9 +65,7 @@ class Evaluator:
                                            boundary_shape=parts.boundary_shape(tgts[0]))
         finally:
             for st in parts.stages.values():
-                reset = getattr(st, "reset", None)
-                if reset is not None:
-                    reset()
+                reset(st)
         # the mean over the valid (not ignored) targets, summed as a step's loss is
         return parts.sync.world_loss(losses, m, valid_token_ratio(targets),
                                      action="eval loss all-reduce")

@@ -78,10 +78,11 @@ import torch.distributed as dist
 
 from stp.runtime.errors import RankError, wrap
 from stp.runtime.mesh import Mesh
+from stp.runtime.stage_api import expert_names
+from stp.train.checkpoint.shards import box_of, norm_key
 from stp.train.step.clip import counted_mask, global_norm
 from stp.train.step.in_flight import InFlight
 from stp.train.step.precision import Precision
-from stp.train.checkpoint.shards import box_of, norm_key
 from stp.train.step.zero import ShardedPrecision
 
 __all__ = ["GradSync", "SharedSum", "collective", "WORLD"]
@@ -126,7 +127,7 @@ class GradSync:
         self.holds_loss, self.device = holds_loss, device
         self.collective = functools.partial(collective, mesh)
         """`collective(action, peers, fn, *args, **kw)` on this rank (module function)."""
-        experts = {n for st in stages.values() for n in getattr(st, "expert_names", ())}
+        experts = {n for st in stages.values() for n in expert_names(st)}
         self.expert_index = [i for i, n in enumerate(precision.names) if n in experts]
         """Which of the precision's parameters are experts held by this EP rank only."""
         self.counted = self._norm_mask(stages)
@@ -348,7 +349,7 @@ class GradSync:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
 
-        return InFlight(work, lambda: self.collective(action, peers, work.wait), then,
+        return InFlight(work, lambda: self.collective(action, peers, work.wait), then,  # type: ignore[union-attr]  # InFlight waits only for a work it has
                         launched, keep=() if grads is None else (flat,))
 
     def grad_norm(self) -> float:

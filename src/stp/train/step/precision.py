@@ -86,7 +86,7 @@ class Precision:
 
     def _main_grad(self, i: int) -> torch.Tensor:
         """The fp32 buffer parameter i's weight gradients are summed into (mixed)."""
-        return self.params[i].grad  # type: ignore[return-value]
+        return self.params[i].grad  # type: ignore[return-value]  # a master's .grad is its fp32 buffer, set up front
 
     @torch.no_grad()
     def group_main_grads(self, groups: Iterable[Sequence[int]]) -> list[torch.Tensor]:
@@ -106,7 +106,7 @@ class Precision:
             offset = 0
             for m in masters:
                 view = flat[offset : offset + m.numel()].view_as(m)
-                view.copy_(m.grad)  # type: ignore[arg-type]
+                view.copy_(m.grad)  # type: ignore[arg-type]  # the masters' .grad are set up front
                 m.grad, offset = view, offset + m.numel()
             buffers.append(flat)
         return buffers
@@ -148,7 +148,7 @@ class Precision:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        return [p.grad for p in self.params]  # type: ignore[misc]
+        return [p.grad for p in self.params]  # type: ignore[misc]  # the masters' .grad are set up front
 
     def full_grads(self, indices: Iterable[int] | None = None) -> list[torch.Tensor]:
         """The whole gradient of each model parameter (its main grad when mixed), in
@@ -176,7 +176,7 @@ class Precision:
     def copy_to_model(self) -> None:
         """Round the masters into the model (mixed; nothing to do when pure)."""
         if self.mixed:
-            torch._foreach_copy_(self.model, self.params)
+            torch._foreach_copy_(self.model, self.params)  # type: ignore[arg-type]  # list[Parameter] is a list of Tensors; the stub's list is invariant
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stp.models.family import check_text_batch
-from stp.models.hf import DEFAULT_SHARD_BYTES, HFCheckpoint
+from stp.models.hf import DEFAULT_SHARD_BYTES, HFCheckpoint, save_stages
 from stp.models.tp.layers import valid_token_ratio
 from stp.runtime.executor import Executor
 from stp.runtime.mesh import Mesh, ParallelDims
@@ -376,7 +376,7 @@ class Trainer:
         names (what full_state_dict returns), stage by stage: no rank holds more than
         its shards and one full tensor (stp.train.checkpoint.save_full). Collective."""
         config = self.model_config
-        meta = {} if not is_dataclass(config) else {
+        meta = {} if not is_dataclass(config) or isinstance(config, type) else {
             "stp_model_config": json.dumps(asdict(config), sort_keys=True, default=str)}
         self.finish_param_gather()
         write_full(path, self.stages, self.mesh, self.parts.sync.collective, meta)
@@ -396,6 +396,7 @@ class Trainer:
         if self.family is None:
             raise ValueError("save_hf needs a Trainer built from a ModelConfig or init_from")
         self.finish_param_gather()
-        self.family.model.save_hf(directory, self.stages, self.mesh, self.model_config,
-                                  source=self.source,
-                                  max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)
+        if self.family.model.hf_refusal is not None:
+            raise ValueError(self.family.model.hf_refusal)
+        save_stages(os.fspath(directory), self.stages, self.mesh, self.model_config,
+                    source=self.source, max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)

@@ -249,7 +249,7 @@ class ShardedPrecision(Precision):
         for i in wanted:
             if self.model[i].grad is None:
                 self.model[i].grad = torch.zeros_like(self.model[i])
-        return [self.model[i].grad for i in wanted]  # type: ignore[misc]
+        return [self.model[i].grad for i in wanted]  # type: ignore[misc]  # each .grad was just made a tensor
 
     def _whole_main_grad(self, i: int) -> torch.Tensor:
         """Parameter i's whole main grad: a copy gathered from its chunks when packed."""
@@ -263,7 +263,7 @@ class ShardedPrecision(Precision):
     def grads(self) -> list[torch.Tensor]:
         """This rank's shard of each gradient (after `reduce_scatter`: the DP mean)."""
         self._with_grads(self.params)  # an optimizer's zero_grad may have dropped them
-        return [p.grad for p in self.params]  # type: ignore[misc]
+        return [p.grad for p in self.params]  # type: ignore[misc]  # the masters' .grad are set before this is read
 
     def norm_keys(self, keys: list[Any]) -> list[Any]:
         """Each key with the rows of this rank's shard: two ranks hold the same shard
