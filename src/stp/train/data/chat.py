@@ -49,9 +49,9 @@ class ChatTemplate:
             raise ValueError(f"{side}: no chat_template (a string) to render chat data with")
         self.tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json))
         self.tok.chat_template = template
+        named = config.get("pad_token")
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else \
-            self.tok.convert_tokens_to_ids(config.get("pad_token")) \
-            if isinstance(config.get("pad_token"), str) else None
+            self.tok.convert_tokens_to_ids(named) if isinstance(named, str) else None
         self.pad = pad if isinstance(pad, int) and pad >= 0 else 0
 
     def _ids(self, messages: list[dict[str, str]], prompt: bool = False) -> list[int]:

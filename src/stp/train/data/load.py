@@ -137,7 +137,8 @@ def open_data(opts: DataOptions, tokenizer: Tokenizer | None, vocab: int | None,
               seq_len: int, global_batch: int, seed: int) -> OpenedData:
     """The run's batches and summaries; ValueError (one line naming the file) for data
     that cannot be read as its format says."""
-    pairs = parse_mixture(opts.data) if opts.data is not None else [(1.0, None)]
+    pairs: list[tuple[float, str | None]] = (
+        list(parse_mixture(opts.data)) if opts.data is not None else [(1.0, None)])
     if len(pairs) == 1:
         path = pairs[0][1]
         if tokenizer is None and (path is None or detect_format(path, opts.format) == "text"):
@@ -161,7 +162,7 @@ def open_data(opts: DataOptions, tokenizer: Tokenizer | None, vocab: int | None,
             return _open_chat(path, tokenizer, seq_len, global_batch, seed)
         source, summary = _open_source(path, opts, tokenizer, vocab)
         return OpenedData(TokenBatches(source, seq_len, global_batch, seed), [(1.0, summary)])
-    opened = [_open_source(path, opts, tokenizer, vocab) for _, path in pairs]
+    opened = [_open_source(str(path), opts, tokenizer, vocab) for _, path in pairs]
     sources = [TokenBatches(src, seq_len, global_batch, MixtureBatches.source_seed(seed, i))
                for i, (src, _) in enumerate(opened)]
     weights = [w for w, _ in pairs]
@@ -208,5 +209,6 @@ def data_fingerprint(opts: DataOptions, tokenizer: Tokenizer | None) -> str:
 def check_data(job: Any, run: Any) -> OpenedData:
     """`job`'s data opened as its workers will open it (record formats tokenised into
     the cache now, once): ValueError naming the file for data that cannot train."""
-    return open_data(data_options(job), run.tokenizer, getattr(run.config, "vocab_size", None),
+    # --data is a text family's (--arch mllm refuses it): its config has a vocabulary
+    return open_data(data_options(job), run.tokenizer, run.config.vocab_size,
                      job.model.seq_len, job.global_batch, job.seed)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import struct
+from typing import Any
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -70,7 +71,7 @@ class MegatronTokens:
         return DataSummary("megatron", what, self.documents, self.size, 0)
 
 
-def _read_index(idx: Path, bin_bytes: int) -> tuple[type[np.integer], np.ndarray, int]:
+def _read_index(idx: Path, bin_bytes: int) -> tuple[Any, np.ndarray, int]:  # Any: a numpy scalar type
     """(token type, sequence lengths, documents) of a checked `.idx`; ValueError naming
     it for anything that is not a whole, consistent MMIDIDX version 1 index."""
     size = idx.stat().st_size

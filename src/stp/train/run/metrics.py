@@ -28,21 +28,35 @@ _SCALARS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_s", "m
 
 
 class StepFigures(Protocol):
-    """What a row is made of (stp.train.run.loop.StepReport)."""
+    """What a row is made of (stp.train.run.loop.StepReport, a frozen dataclass:
+    read-only members)."""
 
-    step: int
-    loss: float
-    tokens_per_s: float
-    step_time_s: float
-    resident_activation_bytes: list[int] | None
-    grad_norm: float | None
-    lr: float | None
-    skipped: bool
-    eval_loss: float | None
-    figures: dict[str, float] | None
-    compile_s: float | None
-    mfu: float | None
-    startup: dict[str, float] | None
+    @property
+    def step(self) -> int: ...
+    @property
+    def loss(self) -> float: ...
+    @property
+    def tokens_per_s(self) -> float: ...
+    @property
+    def step_time_s(self) -> float: ...
+    @property
+    def resident_activation_bytes(self) -> list[int] | None: ...
+    @property
+    def grad_norm(self) -> float | None: ...
+    @property
+    def lr(self) -> float | None: ...
+    @property
+    def skipped(self) -> bool: ...
+    @property
+    def eval_loss(self) -> float | None: ...
+    @property
+    def figures(self) -> dict[str, float] | None: ...
+    @property
+    def compile_s(self) -> float | None: ...
+    @property
+    def mfu(self) -> float | None: ...
+    @property
+    def startup(self) -> dict[str, float] | None: ...
 
 
 def step_row(r: StepFigures) -> dict[str, Any]:
