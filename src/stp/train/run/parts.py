@@ -26,8 +26,8 @@ from stp.runtime.mesh import Mesh, ParallelDims
 from stp.runtime.offload import ActivationOffloader
 from stp.schedule import Schedule
 from stp.train.families import TrainFamily
-from stp.train.step.grad_sync import GradSync
 from stp.train.step.gc_pause import StepGC
+from stp.train.step.grad_sync import GradSync
 from stp.train.step.lr import LRSchedule
 from stp.train.step.param_gather import ParamGather
 from stp.train.step.precision import Precision
