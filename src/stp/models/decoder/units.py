@@ -50,7 +50,8 @@ class EmbedUnit(Unit):
     No input gradient (token ids), so its backward has nothing to reduce. The row of
     `pad_token_id` gets no gradient (torch.nn.Embedding's padding_idx).
     `whole_vocab` (one TP rank): the weight holds every token's row, so the lookup
-    needs no ownership mask and B keeps the ids alone (the stage has checked them)."""
+    needs no ownership mask and B keeps the ids alone (the stage has checked them;
+    the pad row's gradient is zeroed instead of masked out)."""
 
     def __init__(
         self, weight: torch.Tensor, vocab_start: int, pad_token_id: int | None = None,
@@ -66,7 +67,7 @@ class EmbedUnit(Unit):
         self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
     ) -> torch.Tensor:
         st = self._enter(mb, None, "F-partial")
-        if self.whole_vocab and self.pad_token_id is None:
+        if self.whole_vocab:
             st.saved["ids"] = x
             return self._handoff(self.w.detach()[x])
         partial, owned, local = vocab_embedding_partial(x, self.w.detach(), self.vocab_start)
@@ -86,6 +87,8 @@ class EmbedUnit(Unit):
         grad = gather.wait() if gather is not None else self._gathered(grad)
         if "ids" in st.saved:  # every token's row is here (whole_vocab)
             ids = st.saved.pop("ids")
+            if self.pad_token_id is not None:  # adds 0 to the pad row: it stays untrained
+                grad = grad.masked_fill((ids == self.pad_token_id).unsqueeze(-1), 0.0)
             st.sink.append(EmbedGrad(self.w, ids.reshape(-1), grad.reshape(-1, grad.shape[-1])))
             return None
         owned, local = st.saved.pop("owned"), st.saved.pop("local")

@@ -208,8 +208,9 @@ def vocab_ce_finish(
     """From the reduced statistics: (loss, global logsumexp [b, s]). The loss is the
     sum of the token losses over the number of positions; a target equal to
     IGNORE_INDEX adds nothing (without any it is the mean over tokens)."""
-    # the logsumexp of one rank's row is that row, bit for bit (exp(0) = 1, log(1) = 0)
-    lse = stats[0] if stats.shape[0] == 2 else _logsumexp(stats[:-1], 0)
+    # the logsumexp of one rank's row is that row, bit for bit (exp(0) = 1, log(1) = 0);
+    # copied: B keeps lse, and a view would keep the target row's storage with it
+    lse = stats[0].clone() if stats.shape[0] == 2 else _logsumexp(stats[:-1], 0)
     token_loss = lse - stats[-1]
     if targets is not None:
         token_loss = torch.where(targets != IGNORE_INDEX, token_loss, 0.0)
