@@ -20,10 +20,11 @@ sequence parallelism, else 1):
                         R = w (2h + 4h/sp) + 8h/sp at t > 1 (two graphs, and the two
                         partial outputs at full width)
     B to W, per layer   w (2h/sp + 2h/t + 2h + 3f/t + 2kd) + 2 (4 + w) h / sp
-    embedding           9 (token ids, mask) + y h at t = 1, y = 4 (float32) or 6
-                        (bfloat16) with W inside B, 12 or 6 with W deferred (the
-                        first layer's input is the embedding's output);
-                        9 at t > 1;  W: (8 + w h) / t
+    embedding           y h at t = 1 (B keeps the token ids, the stage's input
+                        itself), y = 4 (float32) or 6 (bfloat16) with W inside B,
+                        12 or 6 with W deferred (the first layer's input is the
+                        embedding's output); 9 (local ids, ownership mask) at
+                        t > 1;  W: (8 + w h) / t
     loss head           w (3h + V) + 8 + x h at t = 1, x = 4 (float32) or 12
                         (bfloat16) with W inside B, 12 or 8 with W deferred;
                         w (2h + V/t) + 4h/sp + 4 + 4/sp at t > 1;
@@ -54,7 +55,8 @@ scores to drop). Full recomputation (stp.models.recompute), per token:
                         input once per stage: exact for one layer, an upper
                         bound for more), 2 w h / sp at t > 1 (each of a
                         layer's two units keeps its input)
-    embedding           9 (token ids, mask: the first layer's graph is rebuilt)
+    embedding           9 (local ids, mask: the first layer's graph is rebuilt) at
+                        t > 1, 0 at t = 1 (the ids are the stage's input)
     loss head           w h / sp + 4 (its input rows, the float32 log-sum-exp)
     B to W              as without recomputation, per layer and at the ends:
                         B rebuilds a unit's graph and walks it as the forward
@@ -124,8 +126,8 @@ def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False, *,
     layer_b += copies * (3 * w * h + 8) + spec.routing_bytes + spec.kept_extra(w, t,
                                                                               native_weights)
     layer_w += copies * 2 * w * h
-    if one_graph:  # bytes per h counted beside the ids and mask, and in the loss head
-        first_b = 9 + _measured({(4, True): 4, (4, False): 12, (2, True): 6, (2, False): 6},
+    if one_graph:  # bytes per h in the embedding (its ids are the input) and the loss head
+        first_b = _measured({(4, True): 4, (4, False): 12, (2, True): 6, (2, False): 6},
                                 w, native_weights) * h
         extra = _measured({(4, True): 4, (4, False): 12, (2, True): 12, (2, False): 8},
                           w, native_weights)
@@ -135,7 +137,7 @@ def stp_kept(spec: ModelSpec, dtype_bytes: int, native_weights: bool = False, *,
         last_b = w * (2 * h + v / t) + 4 * h / sp + 4 + 4 / sp
     if spec.recompute == "full":  # B-to-W as without it (module doc)
         layer_b = w * h / sp * (1 if one_graph else 2)
-        first_b, last_b = 9.0, w * h / sp + 4
+        first_b, last_b = 0.0 if one_graph else 9.0, w * h / sp + 4
     first_w = (8 + w * h) / t
     last_w = w * (h + v / t) + (4 + w) * h / sp
     return Kept(*(x * tokens for x in (layer_b, layer_w, first_b, first_w, last_b, last_w)))

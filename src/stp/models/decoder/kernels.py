@@ -91,9 +91,10 @@ class Kernels:
         return vocab_ce_stats(logits, targets, vocab_start, tp_size, tp_rank, vocab_valid)
 
     def ce_grad(self, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
-                vocab_start: int, grad_loss: torch.Tensor,
+                vocab_start: int | None, grad_loss: torch.Tensor,
                 vocab_valid: int | None) -> torch.Tensor:
-        """stp.models.tp.layers.vocab_ce_grad (logits detached)."""
+        """stp.models.tp.layers.vocab_ce_grad (logits detached; vocab_start None: the
+        whole vocabulary, one TP rank)."""
         return vocab_ce_grad(logits, targets, lse, vocab_start, grad_loss, vocab_valid)
 
 

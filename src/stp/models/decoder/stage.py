@@ -106,7 +106,8 @@ class ModelStage(nn.Module):
         units: list[Unit] = []
         layers: list[AttentionUnit | MLPUnit] = []
         if self.is_first:
-            units.append(EmbedUnit(p["embed.weight"], vocab_start, config.pad_token_id))
+            units.append(EmbedUnit(p["embed.weight"], vocab_start, config.pad_token_id,
+                                   whole_vocab=tp_size == 1))
         rope = RopeCache(config.head_dim, config.rope_theta, config.rope_scaling)
         for i in self.layer_ids:
             a, m = f"layers.{i}.attn", f"layers.{i}.mlp"

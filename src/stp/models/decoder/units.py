@@ -49,20 +49,28 @@ __all__ = ["Unit", "EmbedUnit", "AttentionUnit", "MLPUnit", "LossUnit", "RopeCac
 class EmbedUnit(Unit):
     """Vocab-parallel embedding (stage 0): partial rows, all-reduce, identity finish.
     No input gradient (token ids), so its backward has nothing to reduce. The row of
-    `pad_token_id` gets no gradient (torch.nn.Embedding's padding_idx)."""
+    `pad_token_id` gets no gradient (torch.nn.Embedding's padding_idx).
+    `whole_vocab` (one TP rank): the weight holds every token's row, so the lookup
+    needs no ownership mask and B keeps the ids alone (the stage has checked them;
+    the pad row's gradient is zeroed instead of masked out)."""
 
     def __init__(
-        self, weight: torch.Tensor, vocab_start: int, pad_token_id: int | None = None
+        self, weight: torch.Tensor, vocab_start: int, pad_token_id: int | None = None,
+        *, whole_vocab: bool = False,
     ) -> None:
         super().__init__("embed")
         self.w = weight
         self.vocab_start = vocab_start
         self.pad_token_id = pad_token_id
+        self.whole_vocab = whole_vocab and vocab_start == 0
 
     def forward_partial(
         self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
     ) -> torch.Tensor:
         st = self._enter(mb, None, "F-partial")
+        if self.whole_vocab:
+            st.saved["ids"] = x
+            return self._handoff(self.w.detach()[x])
         partial, owned, local = vocab_embedding_partial(x, self.w.detach(), self.vocab_start)
         if self.pad_token_id is not None:
             owned = owned & (x != self.pad_token_id)  # looked up, never trained
@@ -75,10 +83,16 @@ class EmbedUnit(Unit):
 
     def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
         st = self._enter(mb, "F", "B-partial")
-        owned, local = st.saved.pop("owned"), st.saved.pop("local")
         gather = st.saved.pop("grad_gather", None)  # prepare_backward ran
         # SP: the dual of the forward's reduce-scatter
         grad = gather.wait() if gather is not None else self._gathered(grad)
+        if "ids" in st.saved:  # every token's row is here (whole_vocab)
+            ids = st.saved.pop("ids")
+            if self.pad_token_id is not None:  # adds 0 to the pad row: it stays untrained
+                grad = grad.masked_fill((ids == self.pad_token_id).unsqueeze(-1), 0.0)
+            st.sink.append(EmbedGrad(self.w, ids.reshape(-1), grad.reshape(-1, grad.shape[-1])))
+            return None
+        owned, local = st.saved.pop("owned"), st.saved.pop("local")
         st.sink.append(EmbedGrad(self.w, local[owned], grad[owned]))
         return None
 
@@ -470,9 +484,9 @@ class LossUnit(Unit):
             h, sink = _norm_graph(self, st, mb, st.saved.pop("x"))
             self._logits(st, h if self.one_graph else self._gathered(h.detach()), sink)
         logits = st.saved.pop("logits")
-        grad_logits = self.kernels.ce_grad(
-            logits.detach(), st.saved.pop("targets"), st.saved.pop("lse"), self.vocab_start, grad,
-            self.vocab_valid,
+        grad_logits = self.kernels.ce_grad(  # vocab_start None: the whole vocabulary
+            logits.detach(), st.saved.pop("targets"), st.saved.pop("lse"),
+            None if self.tp_size == 1 else self.vocab_start, grad, self.vocab_valid,
         )
         if self.one_graph:
             st.saved["grad"] = self._input_grad(st, logits, st.saved.pop("x_in"), grad_logits)

@@ -67,7 +67,8 @@ class MoEStage(ModelStage):
         one_graph = tp_size == 1  # no all-reduce between a unit's norm and its body
         units: list[Unit] = []
         if self.is_first:
-            units.append(EmbedUnit(p["embed.weight"], tp_rank * vocab_part, c.pad_token_id))
+            units.append(EmbedUnit(p["embed.weight"], tp_rank * vocab_part, c.pad_token_id,
+                                   whole_vocab=one_graph))
         rope = RopeCache(c.head_dim, c.rope_theta, c.rope_scaling)
         for i in self.layer_ids:
             a = f"layers.{i}.attn"

@@ -85,6 +85,14 @@ def linear(
     return _LinearFn.apply(x, weight, sink, bias)
 
 
+def _logsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """torch.logsumexp(x, dim) for finite maxima, the same sum in the same order (torch
+    also shifts by the max), in half the aten ops: torch's adds an inf guard on the max
+    around it. A max of +-inf gives NaN or +-inf here as there."""
+    m = x.amax(dim, keepdim=True)
+    return (x - m).exp().sum(dim).log() + m.squeeze(dim)
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     # Norm statistics and softmax in at least float32 (bf16 / fp16 lose the mean square).
     return torch.promote_types(dtype, torch.float32)
@@ -167,10 +175,14 @@ def vocab_ce_stats(
     max-shift of Megatron's max all-reduce, done after one sum all-reduce
     instead of before a second one. `vocab_valid`: this rank's real columns
     (the rest is vocabulary padding, left out). Returns [tp + 1, b, s] in
-    float32 or wider."""
+    float32 or wider. With one rank (tp_size 1) the row of an ignored target holds
+    some logit instead of 0: `vocab_ce_finish` leaves those tokens out either way."""
     lf = _valid_columns(logits.to(_compute_dtype(logits.dtype)), vocab_valid)
+    if tp_size == 1:  # every target is this rank's: no ownership masks, no zero rows
+        picked = lf.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return torch.stack((_logsumexp(lf, -1), picked))
     stats = lf.new_zeros((tp_size + 1, *targets.shape))
-    stats[tp_rank] = torch.logsumexp(lf, dim=-1)
+    stats[tp_rank] = _logsumexp(lf, -1)
     local = targets - vocab_start
     owned = (local >= 0) & (local < logits.shape[-1])
     picked = lf.gather(-1, torch.where(owned, local, 0).unsqueeze(-1)).squeeze(-1)
@@ -196,7 +208,9 @@ def vocab_ce_finish(
     """From the reduced statistics: (loss, global logsumexp [b, s]). The loss is the
     sum of the token losses over the number of positions; a target equal to
     IGNORE_INDEX adds nothing (without any it is the mean over tokens)."""
-    lse = torch.logsumexp(stats[:-1], dim=0)
+    # the logsumexp of one rank's row is that row, bit for bit (exp(0) = 1, log(1) = 0);
+    # copied: B keeps lse, and a view would keep the target row's storage with it
+    lse = stats[0].clone() if stats.shape[0] == 2 else _logsumexp(stats[:-1], 0)
     token_loss = lse - stats[-1]
     if targets is not None:
         token_loss = torch.where(targets != IGNORE_INDEX, token_loss, 0.0)
@@ -207,19 +221,23 @@ def vocab_ce_grad(
     logits: torch.Tensor,
     targets: torch.Tensor,
     lse: torch.Tensor,
-    vocab_start: int,
+    vocab_start: int | None,
     grad_loss: torch.Tensor,
     vocab_valid: int | None = None,
 ) -> torch.Tensor:
     """d(loss)/d(local logits) * grad_loss = (softmax - onehot) * grad_loss / n for a
     valid target, 0 for an ignored one, with softmax = exp(logits - global lse): no
-    collective needed."""
+    collective needed. `vocab_start` None: this rank holds the whole vocabulary (one
+    TP rank), so every valid target is its own."""
     lf = _valid_columns(logits.to(_compute_dtype(logits.dtype)), vocab_valid)
     grad = torch.exp(lf - lse.unsqueeze(-1))
-    local = targets - vocab_start
-    owned = (local >= 0) & (local < logits.shape[-1])
-    rows = torch.where(owned, local, 0).unsqueeze(-1)
-    grad.scatter_add_(-1, rows, -owned.to(grad.dtype).unsqueeze(-1))
+    if vocab_start is None:  # an ignored target's row takes the -1 too: zeroed below
+        grad.scatter_(-1, targets.clamp(min=0).unsqueeze(-1), -1.0, reduce="add")
+    else:
+        local = targets - vocab_start
+        owned = (local >= 0) & (local < logits.shape[-1])
+        rows = torch.where(owned, local, 0).unsqueeze(-1)
+        grad.scatter_add_(-1, rows, -owned.to(grad.dtype).unsqueeze(-1))
     grad.masked_fill_((targets == IGNORE_INDEX).unsqueeze(-1), 0.0)
     grad.mul_(grad_loss.to(grad.dtype) / targets.numel())
     return grad.to(logits.dtype)

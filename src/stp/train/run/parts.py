@@ -26,6 +26,7 @@ from stp.runtime.mesh import Mesh, ParallelDims
 from stp.runtime.offload import ActivationOffloader
 from stp.schedule import Schedule
 from stp.train.families import TrainFamily
+from stp.train.step.gc_pause import StepGC
 from stp.train.step.grad_sync import GradSync
 from stp.train.step.lr import LRSchedule
 from stp.train.step.param_gather import ParamGather
@@ -89,8 +90,13 @@ class TrainerOptions:
     after the optimizer step and wait for it only before the stage's first forward
     of the next step (stp.train.step.param_gather); False: gathered at once, exposed."""
 
+    gc_every: int = 50
+    """Python's garbage collector is off during a step and collects (generations 0
+    and 1) before every gc_every-th step (stp.train.step.gc_pause)."""
+
     def __post_init__(self) -> None:
         check_recompute(self.recompute)
+        StepGC(self.gc_every)  # ValueError naming a bad value
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be True or False, got {self.compile!r}")
         if not isinstance(self.overlap_param_gather, bool):

@@ -71,6 +71,7 @@ from stp.train.step.documents import mask_documents
 from stp.train.data.corpus import split_batch
 from stp.train.families import TrainFamily
 from stp.train.checkpoint.gather import gather_full_state
+from stp.train.step.gc_pause import StepGC, gc_paused
 from stp.train.step.grad_sync import WORLD
 from stp.train.step.lr import make_scheduler
 from stp.train.run.parts import Parts, TrainerOptions
@@ -139,6 +140,7 @@ class Trainer:
             iter(data) if data is not None else None
         )
         self.steps_done = 0
+        self.step_gc = StepGC(opts.gc_every)
 
     # -- what was built (stp.train.run.setup.build), read through the Trainer --------------
 
@@ -268,6 +270,7 @@ class Trainer:
 
     # -- one iteration ------------------------------------------------------------
 
+    @gc_paused
     def step(self, batch: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
         """Run one iteration on the global batch (tokens, targets) [B, s] and
         step the optimizer; B must split into dp x m equal microbatches.
