@@ -46,6 +46,14 @@ from typing import Any
 
 import torch
 
+from stp.models.compile_chunk import (
+    ATTN,
+    MLP,
+    ChunkFn,
+    chunk_backward,
+    chunk_backward_w,
+    chunk_forward,
+)
 from stp.models.compile_pieces import (
     AttnOutFn,
     MLPFn,
@@ -147,6 +155,9 @@ class CompiledKernels(Kernels):
         self.norm_mlp_backward = _Compiled(norm_mlp_backward)
         self.norm_qkv_rope_backward_w = _Compiled(norm_qkv_rope_backward_w)
         self.norm_mlp_backward_w = _Compiled(norm_mlp_backward_w)
+        self.chunk_forward = _Compiled(chunk_forward)
+        self.chunk_backward = _Compiled(chunk_backward)
+        self.chunk_backward_w = _Compiled(chunk_backward_w)
         self._ce_stats = _Compiled(vocab_ce_stats)
         self._ce_grad = _Compiled(vocab_ce_grad)
 
@@ -213,6 +224,17 @@ class CompiledKernels(Kernels):
             return self.norm_mlp_forward(x, norm_w, eps, w1, w3, w2)[0]
         return NormMLPFn.apply(x, norm_w, eps, w1, w3, w2, entries(sink), self)
 
+    def layers(self, parts: tuple[Any, ...], x: torch.Tensor,
+               sink: GradTaps | None) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = chunk_spec(parts, x) if fusable(sink) else None
+        if chunk is None:
+            return super().layers(parts, x, sink)
+        spec, params = chunk
+        if not _needs_graph(x, *params):  # full recomputation's forward, eval: same graph
+            out = self.chunk_forward(x, params, spec, False)
+            return out[0], out[1]
+        return ChunkFn.apply(x, spec, entries(sink), self, *params)
+
     def ce_stats(self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
                  tp_size: int, tp_rank: int, vocab_valid: int | None) -> torch.Tensor:
         return self._ce_stats(logits, targets, vocab_start, tp_size, tp_rank, vocab_valid)
@@ -250,3 +272,30 @@ def compile_stages(stages: Mapping[int, Any] | Iterable[Any]) -> int:
                     part.kernels = kernels
                     count += 1
     return count
+
+
+def chunk_spec(parts: tuple[Any, ...], x: torch.Tensor) -> tuple[tuple, tuple] | None:
+    """(spec, parameters) of a layer chunk's one-graph form (stp.models.compile_chunk),
+    or None where the chunk keeps the pieces: a GPU (the graph names the CPU flash
+    kernel), selective recomputation (it replaces the attention core), sequence
+    parallelism, or a unit of another kind."""
+    from stp.models.decoder.units import AttentionUnit, MLPUnit
+
+    if x.device.type != "cpu":
+        return None
+    spec: list[tuple] = []
+    params: list[torch.Tensor | None] = []
+    for part in parts:
+        if part.recompute == "selective" or part.seq is not None:
+            return None
+        if type(part) is AttentionUnit:
+            cos, sin = part.rope.get(x.shape[1], x.device, x.dtype)
+            spec.append((ATTN, part.eps, part.head_dim))
+            params += [part.norm_w, part.wq, part.wk, part.wv, part.wo, part.bq, part.bk,
+                       part.bv, cos, sin]
+        elif type(part) is MLPUnit:
+            spec.append((MLP, part.eps, 0))
+            params += [part.norm_w, part.w1, part.w3, part.w2]
+        else:
+            return None
+    return tuple(spec), tuple(params)

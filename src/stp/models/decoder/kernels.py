@@ -85,6 +85,15 @@ class Kernels:
         """RMSNorm then `mlp`: an MLP unit's branch at one TP rank."""
         return self.mlp(self.norm(x, norm_w, eps, sink), w1, w3, w2, sink)
 
+    def layers(self, parts: tuple, x: torch.Tensor,
+               sink: GradTaps | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer chunk's units at one TP rank (stp.models.decoder.chunk): (the stream
+        before the last residual add, the last unit's branch)."""
+        h = x
+        for part in parts[:-1]:
+            h = h + part.branch(h, sink)
+        return h, parts[-1].branch(h, sink)
+
     def ce_stats(self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
                  tp_size: int, tp_rank: int, vocab_valid: int | None) -> torch.Tensor:
         """stp.models.tp.layers.vocab_ce_stats (logits detached)."""
