@@ -122,11 +122,13 @@ def test_compiled_units_really_run_compiled_kernels() -> None:
     _, compiled = _stages(False, "none")
     tokens, targets = _inputs()
     compiled.forward(0, tokens[0], targets[0])
-    # the q/k/v projections with the rotation, the output projection and the whole
-    # MLP are one piece each (one node in B's graph, not one per op)
+    # an attention unit's body (projections, rotation, attention core, output
+    # projection) and the whole MLP are one piece each (one node in B's graph, not
+    # one per op)
     nodes = _graph_nodes(compiled, 0)
-    assert {"QKVRopeFnBackward", "AttnOutFnBackward", "MLPFnBackward",
-            "NormFnBackward"} <= nodes, nodes
+    assert {"AttentionFnBackward", "MLPFnBackward", "NormFnBackward"} <= nodes, nodes
+    assert not {"QKVRopeFnBackward", "AttnOutFnBackward",
+                "ScaledDotProductFlashAttentionForCpuBackward0"} & nodes, nodes
     compiled.backward_input(0, None, 0.5)
     compiled.backward_weight(0)
     compiled.zero_grad()

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from stp.models.compile_attention import AttentionFn, attention_backward, attention_forward
 from stp.models.compile_chunk import (
     ATTN,
     MLP,
@@ -155,6 +156,8 @@ class CompiledKernels(Kernels):
         self.norm_mlp_backward = _Compiled(norm_mlp_backward)
         self.norm_qkv_rope_backward_w = _Compiled(norm_qkv_rope_backward_w)
         self.norm_mlp_backward_w = _Compiled(norm_mlp_backward_w)
+        self.attention_forward = _Compiled(attention_forward)
+        self.attention_backward = _Compiled(attention_backward)
         self.chunk_forward = _Compiled(chunk_forward)
         self.chunk_backward = _Compiled(chunk_backward)
         self.chunk_backward_w = _Compiled(chunk_backward_w)
@@ -194,6 +197,18 @@ class CompiledKernels(Kernels):
         if not fusable(sink) or not _needs_graph(o, wo):
             return super().attn_out(o, wo, sink)
         return AttnOutFn.apply(o, wo, entries(sink))
+
+    def attention(self, h: torch.Tensor,
+                  weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor], wo: torch.Tensor,
+                  biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+                  cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                  sink: list[WGradEntry] | GradTaps | None, recompute: str) -> torch.Tensor:
+        if not fusable(sink) or recompute == "selective" or h.device.type != "cpu":
+            return super().attention(h, weights, wo, biases, cos, sin, head_dim, sink, recompute)
+        if not _needs_graph(h, *weights, wo, *biases):
+            return self.attention_forward(h, *weights, wo, *biases, cos, sin, head_dim)[0]
+        return AttentionFn.apply(h, *weights, wo, *biases, cos, sin, head_dim, entries(sink),
+                                 self)
 
     def mlp(self, h: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
             sink: list[WGradEntry] | GradTaps | None) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from stp.models.decoder.rope import apply_rope
+from stp.models.recompute import attention_core
 from stp.models.tp.layers import linear, rms_norm, vocab_ce_grad, vocab_ce_stats
 from stp.models.tp.wgrad import GradTaps, WGradEntry
 
@@ -64,6 +65,16 @@ class Kernels:
         [b, s, hidden], a partial sum over TP."""
         b, _, s, _ = o.shape
         return linear(o.transpose(1, 2).reshape(b, s, -1), wo, sink)
+
+    def attention(self, h: torch.Tensor,
+                  weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor], wo: torch.Tensor,
+                  biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+                  cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                  sink: list[WGradEntry] | GradTaps | None, recompute: str) -> torch.Tensor:
+        """An attention unit's body: `qkv_rope`, the attention core, `attn_out`."""
+        q, k, v = self.qkv_rope(h, weights, biases, cos, sin, head_dim, sink)
+        o = attention_core(q, k, v, causal=True, gqa=True, recompute=recompute)
+        return self.attn_out(o, wo, sink)
 
     def mlp(self, h: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
             sink: list[WGradEntry] | GradTaps | None) -> torch.Tensor:

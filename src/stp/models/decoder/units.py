@@ -290,9 +290,9 @@ class AttentionUnit(_ResidualUnit):
 
     def _body(self, h: torch.Tensor, sink: list[WGradEntry] | None) -> torch.Tensor:
         cos, sin = self.rope.get(h.shape[1], h.device, h.dtype)
-        q, k, v = self.kernels.qkv_rope(h, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv),
-                                        cos, sin, self.head_dim, sink)  # [b, nq|nkv, s, hd]
-        return self._attend(q, k, v, sink)
+        return self.kernels.attention(h, (self.wq, self.wk, self.wv), self.wo,
+                                      (self.bq, self.bk, self.bv), cos, sin, self.head_dim,
+                                      sink, self.recompute)  # [b, s, h], partial over TP
 
     def branch(self, x: torch.Tensor, sink: GradTaps | None) -> torch.Tensor:
         cos, sin = self.rope.get(x.shape[1], x.device, x.dtype)
