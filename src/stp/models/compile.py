@@ -257,7 +257,10 @@ class CompiledKernels(Kernels):
     def ce_grad(self, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
                 vocab_start: int, grad_loss: torch.Tensor,
                 vocab_valid: int | None) -> torch.Tensor:
-        return self._ce_grad(logits, targets, lse, vocab_start, grad_loss, vocab_valid)
+        # one element, not 0-dim: TorchDynamo reads a 0-dim float tensor's value in its
+        # guard (a NaN check: a host sync per call); the broadcast gives the same values
+        return self._ce_grad(logits, targets, lse, vocab_start, grad_loss.reshape(1),
+                             vocab_valid)
 
 
 def _needs_graph(*tensors: torch.Tensor | None) -> bool:

@@ -54,9 +54,9 @@ class AttentionFn(torch.autograd.Function):
                 wo: torch.Tensor, bq: torch.Tensor | None, bk: torch.Tensor | None,
                 bv: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
                 sink: list[WGradEntry] | None, kernels: Any):
-        out, q, k, v, o, lse, o2 = kernels.attention_forward(
-            h.detach(), wq.detach(), wk.detach(), wv.detach(), wo.detach(),
-            *(None if b is None else b.detach() for b in (bq, bk, bv)), cos, sin, head_dim)
+        # not detached: a Function's forward runs without grad already
+        out, q, k, v, o, lse, o2 = kernels.attention_forward(h, wq, wk, wv, wo, bq, bk, bv, cos,
+                                                             sin, head_dim)
         ctx.save_for_backward(h, q, k, v, o, lse, o2, wq, wk, wv, wo, cos, sin)
         ctx.biases, ctx.sink, ctx.kernels = (bq, bk, bv), sink, kernels
         return out

@@ -187,8 +187,9 @@ class ChunkFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: tuple, sink: list[WGradEntry] | None,
                 kernels: Any, *params: torch.Tensor | None):
-        plain = tuple(None if t is None else t.detach() for t in params)
-        out = kernels.chunk_forward(x.detach(), plain, spec, sink is None)
+        # not detached: a Function's forward runs without grad already, and the same
+        # graph serves a forward without one (one detach per tensor and call saved)
+        out = kernels.chunk_forward(x, params, spec, sink is None)
         h, last = out[0], out[1]
         ctx.n_kept = len(out) - 2 - (len(spec) if sink is None else 0)
         ctx.param_slots = tuple(i for i, t in enumerate(params) if t is not None)
