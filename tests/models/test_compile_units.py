@@ -158,3 +158,23 @@ def test_a_stage_without_units_and_a_non_bool_are_refused_in_one_line() -> None:
         compile_stages([object()])
     with pytest.raises(ValueError, match=r"^compile must be True or False, got 'yes'$"):
         TrainerOptions(compile="yes")
+
+
+def test_the_compiled_loss_gradient_reads_no_tensor_on_the_host(monkeypatch) -> None:
+    # the loss gradient arrives as a 0-dim float tensor; TorchDynamo guards such a
+    # tensor by value (an .item() per call, a device sync on a GPU) unless the
+    # compiled kernel gets it as one element
+    from stp.models.compile import compiled_kernels
+
+    kernels = compiled_kernels()
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 8, 32, generator=gen)
+    targets = torch.randint(0, 32, (2, 8), generator=gen)
+    lse = torch.logsumexp(logits, -1)
+    want = kernels.ce_grad(logits, targets, lse, 0, torch.tensor(0.5, dtype=torch.float64), 32)
+    reads = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(t) or item(t))
+    got = kernels.ce_grad(logits, targets, lse, 0, torch.tensor(0.5, dtype=torch.float64), 32)
+    assert reads == []
+    assert torch.equal(got, want) and got.shape == logits.shape
