@@ -1,6 +1,9 @@
-"""`stp train --compile`: the pieces of a unit between its all-reduce, its attention
-core and its deferred weight gradients compiled with torch.compile
-(TorchInductor), the split backward left as it is.
+"""`stp train --compile`: stp's units compiled with torch.compile (TorchInductor) in
+graphs of stp's own cut, the split backward left as it is. On the CPU, at one TP
+rank a stage's layers are one forward graph and one B graph per microbatch
+(stp.models.compile_chunk), and with more TP ranks an attention unit's body is
+one graph each way (stp.models.compile_attention); where those do not apply (a
+GPU, selective recomputation, sequence parallelism) the smaller pieces below.
 
 Granularity (docs/compile.md says why): RMSNorm; the q, k, v projections with
 the rotation of q and k; the whole SwiGLU MLP (w1, w3, the gate, w2); the
