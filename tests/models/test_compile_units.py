@@ -122,19 +122,25 @@ def test_compiled_units_really_run_compiled_kernels() -> None:
     _, compiled = _stages(False, "none")
     tokens, targets = _inputs()
     compiled.forward(0, tokens[0], targets[0])
-    # the q/k/v projections with the rotation, the output projection and the whole
-    # MLP are one piece each (one node in B's graph, not one per op)
+    # an attention unit's body (projections, rotation, attention core, output
+    # projection) and the whole MLP are one piece each (one node in B's graph, not
+    # one per op)
     nodes = _graph_nodes(compiled, 0)
-    assert {"QKVRopeFnBackward", "AttnOutFnBackward", "MLPFnBackward",
-            "NormFnBackward"} <= nodes, nodes
+    assert {"AttentionFnBackward", "MLPFnBackward", "NormFnBackward"} <= nodes, nodes
+    assert not {"QKVRopeFnBackward", "AttnOutFnBackward",
+                "ScaledDotProductFlashAttentionForCpuBackward0"} & nodes, nodes
     compiled.backward_input(0, None, 0.5)
     compiled.backward_weight(0)
     compiled.zero_grad()
-    # at one TP rank a layer's branches run as one graph: the norm joins each piece
+    # at one TP rank the stage's layers are one compiled graph each way: one node in
+    # B's graph, the attention core inside it
     _, chunk = _stages(True, "none")
     chunk.forward(0, tokens[0], targets[0])
     nodes = _graph_nodes(chunk, 0)
-    assert {"NormQKVRopeFnBackward", "AttnOutFnBackward", "NormMLPFnBackward"} <= nodes, nodes
+    assert "ChunkFnBackward" in nodes, nodes
+    pieces = {"NormQKVRopeFnBackward", "AttnOutFnBackward", "NormMLPFnBackward",
+              "ScaledDotProductFlashAttentionForCpuBackward0"}
+    assert not pieces & nodes, nodes
     chunk.backward_input(0, None, 0.5)
     chunk.backward_weight(0)
     chunk.zero_grad()
@@ -152,3 +158,23 @@ def test_a_stage_without_units_and_a_non_bool_are_refused_in_one_line() -> None:
         compile_stages([object()])
     with pytest.raises(ValueError, match=r"^compile must be True or False, got 'yes'$"):
         TrainerOptions(compile="yes")
+
+
+def test_the_compiled_loss_gradient_reads_no_tensor_on_the_host(monkeypatch) -> None:
+    # the loss gradient arrives as a 0-dim float tensor; TorchDynamo guards such a
+    # tensor by value (an .item() per call, a device sync on a GPU) unless the
+    # compiled kernel gets it as one element
+    from stp.models.compile import compiled_kernels
+
+    kernels = compiled_kernels()
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 8, 32, generator=gen)
+    targets = torch.randint(0, 32, (2, 8), generator=gen)
+    lse = torch.logsumexp(logits, -1)
+    want = kernels.ce_grad(logits, targets, lse, 0, torch.tensor(0.5, dtype=torch.float64), 32)
+    reads = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(t) or item(t))
+    got = kernels.ce_grad(logits, targets, lse, 0, torch.tensor(0.5, dtype=torch.float64), 32)
+    assert reads == []
+    assert torch.equal(got, want) and got.shape == logits.shape

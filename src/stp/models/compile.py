@@ -1,6 +1,9 @@
-"""`stp train --compile`: the pieces of a unit between its all-reduce, its attention
-core and its deferred weight gradients compiled with torch.compile
-(TorchInductor), the split backward left as it is.
+"""`stp train --compile`: stp's units compiled with torch.compile (TorchInductor) in
+graphs of stp's own cut, the split backward left as it is. On the CPU, at one TP
+rank a stage's layers are one forward graph and one B graph per microbatch
+(stp.models.compile_chunk), and with more TP ranks an attention unit's body is
+one graph each way (stp.models.compile_attention); where those do not apply (a
+GPU, selective recomputation, sequence parallelism) the smaller pieces below.
 
 Granularity (docs/compile.md says why): RMSNorm; the q, k, v projections with
 the rotation of q and k; the whole SwiGLU MLP (w1, w3, the gate, w2); the
@@ -46,6 +49,15 @@ from typing import Any
 
 import torch
 
+from stp.models.compile_attention import AttentionFn, attention_backward, attention_forward
+from stp.models.compile_chunk import (
+    ATTN,
+    MLP,
+    ChunkFn,
+    chunk_backward,
+    chunk_backward_w,
+    chunk_forward,
+)
 from stp.models.compile_pieces import (
     AttnOutFn,
     MLPFn,
@@ -148,6 +160,11 @@ class CompiledKernels(Kernels):
         self.norm_mlp_backward = _Compiled(norm_mlp_backward)
         self.norm_qkv_rope_backward_w = _Compiled(norm_qkv_rope_backward_w)
         self.norm_mlp_backward_w = _Compiled(norm_mlp_backward_w)
+        self.attention_forward = _Compiled(attention_forward)
+        self.attention_backward = _Compiled(attention_backward)
+        self.chunk_forward = _Compiled(chunk_forward)
+        self.chunk_backward = _Compiled(chunk_backward)
+        self.chunk_backward_w = _Compiled(chunk_backward_w)
         self._ce_stats = _Compiled(vocab_ce_stats)
         self._ce_grad = _Compiled(vocab_ce_grad)
 
@@ -185,6 +202,21 @@ class CompiledKernels(Kernels):
             return super().attn_out(o, wo, sink)
         return AttnOutFn.apply(o, wo, entries(sink))
 
+    def attention(self, h: torch.Tensor,
+                  weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor], wo: torch.Tensor,
+                  biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+                  cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                  sink: list[WGradEntry] | GradTaps | None, recompute: str,
+                  mask: torch.Tensor | None = None) -> torch.Tensor:
+        if (not fusable(sink) or recompute == "selective" or h.device.type != "cpu"
+                or mask is not None):  # the graph's kernel is the causal one
+            return super().attention(h, weights, wo, biases, cos, sin, head_dim, sink,
+                                     recompute, mask)
+        if not _needs_graph(h, *weights, wo, *biases):
+            return self.attention_forward(h, *weights, wo, *biases, cos, sin, head_dim)[0]
+        return AttentionFn.apply(h, *weights, wo, *biases, cos, sin, head_dim, entries(sink),
+                                 self)
+
     def mlp(self, h: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
             sink: list[WGradEntry] | GradTaps | None) -> torch.Tensor:
         if not fusable(sink):
@@ -214,6 +246,17 @@ class CompiledKernels(Kernels):
             return self.norm_mlp_forward(x, norm_w, eps, w1, w3, w2)[0]
         return NormMLPFn.apply(x, norm_w, eps, w1, w3, w2, entries(sink), self)
 
+    def layers(self, parts: tuple[Any, ...], x: torch.Tensor,
+               sink: GradTaps | None) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = chunk_spec(parts, x) if fusable(sink) else None
+        if chunk is None:
+            return super().layers(parts, x, sink)
+        spec, params = chunk
+        if not _needs_graph(x, *params):  # full recomputation's forward, eval: same graph
+            out = self.chunk_forward(x, params, spec, False)
+            return out[0], out[1]
+        return ChunkFn.apply(x, spec, entries(sink), self, *params)
+
     def ce_stats(self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
                  tp_size: int, tp_rank: int, vocab_valid: int | None) -> torch.Tensor:
         return self._ce_stats(logits, targets, vocab_start, tp_size, tp_rank, vocab_valid)
@@ -221,7 +264,10 @@ class CompiledKernels(Kernels):
     def ce_grad(self, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
                 vocab_start: int, grad_loss: torch.Tensor,
                 vocab_valid: int | None) -> torch.Tensor:
-        return self._ce_grad(logits, targets, lse, vocab_start, grad_loss, vocab_valid)
+        # one element, not 0-dim: TorchDynamo reads a 0-dim float tensor's value in its
+        # guard (a NaN check: a host sync per call); the broadcast gives the same values
+        return self._ce_grad(logits, targets, lse, vocab_start, grad_loss.reshape(1),
+                             vocab_valid)
 
 
 def _needs_graph(*tensors: torch.Tensor | None) -> bool:
@@ -251,3 +297,30 @@ def compile_stages(stages: Mapping[int, Any] | Iterable[Any]) -> int:
                     part.kernels = kernels
                     count += 1
     return count
+
+
+def chunk_spec(parts: tuple[Any, ...], x: torch.Tensor) -> tuple[tuple, tuple] | None:
+    """(spec, parameters) of a layer chunk's one-graph form (stp.models.compile_chunk),
+    or None where the chunk keeps the pieces: a GPU (the graph names the CPU flash
+    kernel), selective recomputation (it replaces the attention core), sequence
+    parallelism, or a unit of another kind."""
+    from stp.models.decoder.units import AttentionUnit, MLPUnit
+
+    if x.device.type != "cpu":
+        return None
+    spec: list[tuple] = []
+    params: list[torch.Tensor | None] = []
+    for part in parts:
+        if part.recompute == "selective" or part.seq is not None:
+            return None
+        if type(part) is AttentionUnit:
+            cos, sin = part.rope.get(x.shape[1], x.device, x.dtype)
+            spec.append((ATTN, part.eps, part.head_dim))
+            params += [part.norm_w, part.wq, part.wk, part.wv, part.wo, part.bq, part.bk,
+                       part.bv, cos, sin]
+        elif type(part) is MLPUnit:
+            spec.append((MLP, part.eps, 0))
+            params += [part.norm_w, part.w1, part.w3, part.w2]
+        else:
+            return None
+    return tuple(spec), tuple(params)

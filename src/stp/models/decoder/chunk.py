@@ -65,10 +65,7 @@ class LayerChunk(Unit):
 
     def _layers(self, x: torch.Tensor, sink: GradTaps | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the stream before the last residual add, the last unit's branch)."""
-        h = x
-        for part in self.parts[:-1]:
-            h = h + part.branch(h, sink)
-        return h, self.parts[-1].branch(h, sink)
+        return self.parts[0].kernels.layers(self.parts, x, sink)  # compiled: one graph
 
     def _graph(self, st: _MbState, mb: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layers from x with their graph, kept for B (the forward, or with full

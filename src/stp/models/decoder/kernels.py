@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from stp.models.decoder.rope import apply_rope
+from stp.models.recompute import attention_core
 from stp.models.tp.layers import linear, rms_norm, vocab_ce_grad, vocab_ce_stats
 from stp.models.tp.wgrad import GradTaps, WGradEntry
 
@@ -65,6 +66,18 @@ class Kernels:
         b, _, s, _ = o.shape
         return linear(o.transpose(1, 2).reshape(b, s, -1), wo, sink)
 
+    def attention(self, h: torch.Tensor,
+                  weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor], wo: torch.Tensor,
+                  biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+                  cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                  sink: list[WGradEntry] | GradTaps | None, recompute: str,
+                  mask: torch.Tensor | None = None) -> torch.Tensor:
+        """An attention unit's body: `qkv_rope`, the attention core, `attn_out`; `mask`:
+        document masking's, in place of the causal rule (stp.models.documents)."""
+        q, k, v = self.qkv_rope(h, weights, biases, cos, sin, head_dim, sink)
+        o = attention_core(q, k, v, causal=True, gqa=True, recompute=recompute, mask=mask)
+        return self.attn_out(o, wo, sink)
+
     def mlp(self, h: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
             sink: list[WGradEntry] | GradTaps | None) -> torch.Tensor:
         """w2(silu(w1 h) * w3 h): the SwiGLU MLP, [b, s, hidden] -> [b, s, hidden]."""
@@ -84,6 +97,15 @@ class Kernels:
                  w3: torch.Tensor, w2: torch.Tensor, sink: GradTaps | None) -> torch.Tensor:
         """RMSNorm then `mlp`: an MLP unit's branch at one TP rank."""
         return self.mlp(self.norm(x, norm_w, eps, sink), w1, w3, w2, sink)
+
+    def layers(self, parts: tuple, x: torch.Tensor,
+               sink: GradTaps | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer chunk's units at one TP rank (stp.models.decoder.chunk): (the stream
+        before the last residual add, the last unit's branch)."""
+        h = x
+        for part in parts[:-1]:
+            h = h + part.branch(h, sink)
+        return h, parts[-1].branch(h, sink)
 
     def ce_stats(self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
                  tp_size: int, tp_rank: int, vocab_valid: int | None) -> torch.Tensor:

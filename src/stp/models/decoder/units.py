@@ -321,9 +321,9 @@ class AttentionUnit(_ResidualUnit):
 
     def _body(self, h: torch.Tensor, sink: list[WGradEntry] | None) -> torch.Tensor:
         cos, sin, mask = self._tables(h)
-        q, k, v = self.kernels.qkv_rope(h, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv),
-                                        cos, sin, self.head_dim, sink)  # [b, nq|nkv, s, hd]
-        return self._attend(q, k, v, sink, mask)
+        return self.kernels.attention(h, (self.wq, self.wk, self.wv), self.wo,
+                                      (self.bq, self.bk, self.bv), cos, sin, self.head_dim,
+                                      sink, self.recompute, mask)  # [b, s, h], partial over TP
 
     def branch(self, x: torch.Tensor, sink: GradTaps | None) -> torch.Tensor:
         cos, sin, mask = self._tables(x)
