@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  the first optimizer step imports it: tens of seconds on a
+# loaded machine, paid by every mutant's test process unless mutmut's forkserver has it
 import torch.distributed as dist
 from torch import nn
 
