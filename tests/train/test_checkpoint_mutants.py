@@ -16,8 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  the first optimizer step imports it: tens of seconds on a
-# loaded machine, paid by every mutant's test process unless mutmut's forkserver has it
+import torch._dynamo  # noqa: F401  imported by the first optimizer step: 40 s a mutant here
 import torch.distributed as dist
 from torch import nn
 
@@ -59,7 +58,8 @@ def _trainer(dtype: torch.dtype, seed: int):  # noqa: ANN202
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     parts = SimpleNamespace(
         stages={0: _Stage(params)}, precision=prec,
-        dims=SimpleNamespace(pp=1, tp=1, dp=1), mesh=SimpleNamespace(rank=0, coord=SimpleNamespace(tp=0)),
+        dims=SimpleNamespace(pp=1, tp=1, dp=1),
+        mesh=SimpleNamespace(rank=0, coord=SimpleNamespace(tp=0)),
         schedule=SimpleNamespace(name="1f1b"), options=SimpleNamespace(dtype=dtype),
         model_config=None, named_parameters=lambda: list(params.items()))
     return parts, opt, sched
@@ -190,7 +190,10 @@ def test_optimizer_state_keys_and_targets() -> None:
     """Kills: _optim_keys splitting the name wrong or taking non-optim keys, a state
     target not zero where the box holds padding, a scalar state given a tensor."""
     from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata, TensorProperties, TensorStorageMetadata)
+        BytesStorageMetadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     from stp.train.checkpoint.shards import Box
 

@@ -143,7 +143,8 @@ def test_the_loss_is_a_float64_sum_in_order(monkeypatch) -> None:
     """Kills: the microbatch losses summed in their own dtype (float16 here, whose
     sum of 2048 and 1 is 2048), or the total made float32."""
     sync, fake, _, _ = _setup(monkeypatch)
-    losses = {0: torch.tensor(2048.0, dtype=torch.float16), 1: torch.tensor(1.0, dtype=torch.float16)}
+    half = torch.float16
+    losses = {0: torch.tensor(2048.0, dtype=half), 1: torch.tensor(1.0, dtype=half)}
     assert sync.world_loss(losses, 1, 1.0) == 2049.0 / 2 + OTHER
     assert fake.calls[-1]["dtype"] == torch.float64
 
