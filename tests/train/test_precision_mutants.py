@@ -42,7 +42,8 @@ class _Unit:
         return "weight's result"
 
     def backward_finish(self, g: torch.Tensor) -> str:
-        return self.weight(g)
+        self.w.grad = g.to(self.w.dtype)  # not through weight(): its own fold is tested
+        return "backward_finish's result"
 
 
 class _Chunk:
@@ -97,10 +98,11 @@ def test_two_mixed_precision_steps_are_torchs_adamw_on_fp32_masters() -> None:
 
 def test_a_pure_model_is_stepped_in_place_and_never_copied() -> None:
     """Kills: `mixed` true for float32 (masters made, the model never stepped), the
-    fold / zero_grad / copy_to_model / grouping acting on a pure model."""
+    fold / zero_grad / copy_to_model / grouping acting on a pure model, the names
+    not kept (checkpoints and the DP reduction read them)."""
     named = _weights(torch.float32)
     prec = Precision(named, [_Unit(p) for _, p in named])
-    assert not prec.mixed
+    assert not prec.mixed and prec.names == ["a", "b"]
     assert all(m is p for m, (_, p) in zip(prec.params, named, strict=True))
     g = torch.ones(3, 4)
     named[0][1].grad = g
@@ -116,17 +118,18 @@ def test_a_pure_model_is_stepped_in_place_and_never_copied() -> None:
 
 
 def test_w_and_backward_finish_fold_into_the_main_grad_of_their_own_parameters() -> None:
-    """Kills: the fold wrapped around neither / only one of the two methods, a wrapped
-    method whose result is lost, the fold of the wrong parameters, a fold that keeps
-    the model's .grad (counted twice at the final fold), and `weights()` not asked."""
+    """Kills: the fold wrapped around neither / only one of the two methods (a misspelt
+    name), a wrapped method whose result or keyword arguments are lost, the fold of
+    the wrong parameters, a fold that keeps the model's .grad (counted twice at the
+    final fold), and `weights()` not asked."""
     named = _weights(BF16)
     chunk_param = nn.Parameter(torch.zeros(2, dtype=BF16))
     named.append(("c", chunk_param))
     unit_a, unit_b = _Unit(named[0][1]), _Unit(named[1][1])
     chunk = _Chunk([chunk_param])
     prec = Precision(named, [unit_a, unit_b, chunk, _Unit(nn.Parameter(torch.zeros(1)))])
-    assert unit_a.weight(torch.full((3, 4), 0.5)) == "weight's result"
-    assert unit_b.backward_finish(torch.full((5,), 0.25)) == "weight's result"
+    assert unit_a.weight(g=torch.full((3, 4), 0.5)) == "weight's result"
+    assert unit_b.backward_finish(g=torch.full((5,), 0.25)) == "backward_finish's result"
     chunk.weight([torch.full((2,), 2.0)])
     assert all(p.grad is None for _, p in named)
     prec.fold()  # nothing left: nothing added twice
