@@ -286,6 +286,17 @@ def test_launch_sum_calls_the_group_with_an_async_sum(monkeypatch) -> None:
         assert op == dist.ReduceOp.SUM and async_op is True
 
 
+def test_no_process_group_is_named_not_a_none_call(monkeypatch) -> None:
+    """Kills: the message of the launches' no-world assertion changed (the one line a
+    caller that forgot init_process_group sees, instead of a call on None)."""
+    for module in (comm, sequence):
+        _world_is(monkeypatch, module, None)
+    with pytest.raises(AssertionError, match="^torch.distributed is not initialised$"):
+        comm.launch_sum(torch.ones(1), None)
+    with pytest.raises(AssertionError, match="^torch.distributed is not initialised$"):
+        SequenceParallel(None, 2, 0).launch_scatter(torch.zeros(1, 2, 1))
+
+
 def test_deferred_linear_with_bias_and_without_input_grad() -> None:
     """Kills: the bias gradient not deferred (or not summed over tokens), an input
     gradient made when none is needed, the mixed-dtype W path (bf16 dy on an fp32
