@@ -193,19 +193,21 @@ def test_the_default_group_is_the_world(monkeypatch) -> None:
 class _OneGather:
     """A SequenceParallel stand-in whose gather returns a known full input."""
 
-    def __init__(self, full: torch.Tensor) -> None:
-        self.full, self.calls = full, 0
+    def __init__(self, full: torch.Tensor, rows: torch.Tensor) -> None:
+        self.full, self.rows, self.calls = full, rows, 0
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         self.calls += 1
+        assert rows is self.rows
         return self.full
 
 
 def test_a_regathered_linear_keeps_only_the_rows_and_gathers_once_in_w() -> None:
     """Kills: the record holding the full input instead of the rows, W not gathering
     (the rows used as the input), a gather per matrix instead of one per unit, the
-    bias gradient dropped, a linear on another input routed to the regather, and
-    the input gradient changed. Reference: F.linear under plain autograd."""
+    bias gradient dropped, the bias left out of (or subtracted from) either forward,
+    a linear on another input routed to the regather, a gather of anything but the
+    rows, and the input gradient changed. Reference: F.linear under plain autograd."""
     gen = torch.Generator().manual_seed(3)
     full = torch.randn(2, 4, 3, dtype=D, generator=gen, requires_grad=True)
     rows = full.detach()[:, :2]
@@ -214,9 +216,10 @@ def test_a_regathered_linear_keeps_only_the_rows_and_gathers_once_in_w() -> None
     bias = torch.nn.Parameter(torch.randn(5, dtype=D, generator=gen))
     other = torch.randn(2, 4, 3, dtype=D, generator=gen, requires_grad=True)
     sink: list = []
-    seq = _OneGather(full.detach())
+    seq = _OneGather(full.detach(), rows)
     source = RegatheredInput(seq, rows, full, sink)  # type: ignore[arg-type]
-    y = linear(full, w1, source, bias) + linear(full, w2, source) + linear(other, w2, source)
+    y = (linear(full, w1, source, bias) + linear(full, w2, source)
+         + linear(other, w2, source, bias))
     dy = torch.randn(2, 4, 5, dtype=D, generator=gen)
     dx, dother = torch.autograd.grad(y, (full, other), dy)
     kinds = sorted(type(e).__name__ for e in sink)
@@ -228,8 +231,9 @@ def test_a_regathered_linear_keeps_only_the_rows_and_gathers_once_in_w() -> None
 
     ref = [t.detach().clone().requires_grad_(True) for t in (full, w1, w2, bias, other)]
     ref_y = (F.linear(ref[0], ref[1], ref[3]) + F.linear(ref[0], ref[2])
-             + F.linear(ref[4], ref[2]))
+             + F.linear(ref[4], ref[2], ref[3]))
     ref_y.backward(dy)
+    assert torch.allclose(y, ref_y)
     assert torch.allclose(dx, ref[0].grad) and torch.allclose(dother, ref[4].grad)
     assert torch.allclose(w1.grad, ref[1].grad) and torch.allclose(w2.grad, ref[2].grad)
     assert torch.allclose(bias.grad, ref[3].grad)
