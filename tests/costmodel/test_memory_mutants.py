@@ -308,3 +308,199 @@ def test_a_multimodal_model_refuses_ep_and_too_few_layers() -> None:
              "the model's 2 vision + 4 decoder layers cannot fill 8 stages of zb-v at pp=4")
     # six layers fill six stages exactly
     assert estimate(spec, HW, Layout(pp=3, microbatches=3, seq_len=S, schedule="zb-v")).ranks
+
+
+def test_full_recomputation_under_a_deferred_w_is_noted_for_korthikantis_counting() -> None:
+    """Korthikanti's formulas do not count what a deferred W keeps after a recomputed
+    B: noted for a schedule with W passes (zb-v), not for one without (1f1b), not
+    under recompute none or selective, not for stp's units (they count it). Kills:
+    the note's text, any of its three conditions dropped or inverted."""
+    layout = Layout(pp=2, microbatches=4, seq_len=S, schedule="zb-v")
+    note = ("zb-v defers W: full recomputation's inputs kept for a deferred W are not "
+            "counted (stp.costmodel.model)",)
+    assert estimate(DENSE, HW, layout, Features(recompute="full")).notes == note
+    assert estimate(DENSE, HW, replace(layout, schedule="1f1b"),
+                    Features(recompute="full")).notes == ()
+    assert estimate(DENSE, HW, layout, Features(recompute="selective")).notes == ()
+    assert estimate(DENSE, HW, layout, Features(recompute="full", runtime="stp")).notes == ()
+
+
+@pytest.mark.parametrize("spec,features", [
+    (DENSE, Features()),
+    (DENSE, Features(dtype="float32", shard_optimizer=True, runtime="stp")),
+    (replace(DENSE, tp=2), Features(sequence_parallel=True, recompute="full")),
+    (MOE, Features(shard_optimizer=True)),
+])
+def test_states_bound_is_the_estimate_less_its_gradient_copies(spec, features) -> None:
+    """Without offload the program-order activation peak is the simulator's, so
+    states_bound is each rank's estimated total less only the DP gradient copies
+    (the planner prunes by it). A MoE at dp 4 / ep 2: its experts' states split
+    over dp/ep. With offload there is no bound. Kills: the bound built from other
+    parameters (the experts' forgotten, experts_only dropped), the unit, the layout
+    or the features passed on wrong, the offload check inverted."""
+    from stp.costmodel.memory import states_bound
+
+    layout = Layout(pp=2, tp=spec.tp, dp=4, microbatches=4, microbatch_size=B, seq_len=S,
+                    schedule="zb-v")
+    est = estimate(spec, HW, layout, features)
+    bound = states_bound(spec, HW, layout, features)
+    assert bound == pytest.approx([r.total - r.copies for r in est.ranks], rel=1e-12)
+    assert states_bound(spec, HW, layout, replace(features, offload="all")) is None
+
+
+SLOW_LINK = replace(HW, host_bandwidth=2e6)
+"""A host link slow enough (2 kB/ms) that a tiny model's offload copies take time."""
+
+
+def _mllm_reference_peaks(spec, layout: Layout, features: Features, counts) -> list[float]:
+    """Each rank's activation peak in bytes as docs/memory.md states it: the simulated
+    step of the multimodal stage table (stp's kept bytes, or Qwen2-VL's costs with
+    Korthikanti's 16-bit bytes scaled by the dtype), offloaded by the policy over
+    the host link (bandwidth in bytes per ms)."""
+    from stp.costmodel.memory_types import DTYPE_BYTES
+    from stp.costmodel.mllm_costs import derive_mllm, mllm_layered_costs
+    from stp.costmodel.mllm_memory import mllm_stp_table
+    from stp.schedule.registry import generate
+    from stp.sim.costs import OffloadCosts
+    from stp.sim.engine import simulate
+    from stp.sim.offload import plan_offload
+
+    spec = replace(spec, tp=layout.tp, sequence=layout.seq_len,
+                   micro_batch=layout.microbatch_size)
+    sch = generate(layout.schedule, layout.pp, layout.microbatches)
+    width = DTYPE_BYTES[features.dtype]
+    if features.runtime == "stp":
+        table, mem, unit, derived = mllm_stp_table(
+            spec, SLOW_LINK, layout.pp, width, counts, recompute=features.recompute,
+            sequence_parallel=features.sequence_parallel and layout.tp > 1)
+    else:
+        derived = derive_mllm(spec, SLOW_LINK, layout.pp)
+        table = mllm_layered_costs(spec, SLOW_LINK, layout.pp, derived.costs, derived.mem).table(counts)
+        mem, unit = derived.mem, derived.bytes_per_unit * width / 2
+    oc = OffloadCosts(bandwidth=SLOW_LINK.host_bandwidth / 1e3, act_bytes=unit)
+    plan = plan_offload(sch, features.offload, derived.costs, mem, oc, stages=table)
+    res = simulate(sch, derived.costs, mem, offload=plan if len(plan) else None,
+                   offload_costs=oc, stages=table)
+    return [r.peak_activation * unit for r in res.ranks]
+
+
+@pytest.mark.parametrize("features", [
+    Features(runtime="stp", offload="all"),
+    Features(runtime="stp", dtype="float32", sequence_parallel=True, recompute="full"),
+    Features(offload="all"),
+    Features(dtype="float32", offload="selective:0.5"),
+])
+def test_multimodal_activations_are_the_simulated_peak_of_its_own_stage_table(
+        features: Features) -> None:
+    """A multimodal rank's activations: the simulated peak of its stage table at the
+    layout's sequence and microbatch size (not the spec's), with the policy's
+    offload copies (the host link in bytes per ms), in bytes of the dtype. Kills:
+    the layout's sequence or microbatch size ignored, sequence parallelism or
+    recomputation not passed to the table, the megatron table or unit's dtype
+    scaling altered, the offload plan or its link (bandwidth / 1e3) altered, the
+    plan dropped."""
+    from stp.sim.layered import even_partition
+
+    spec = _mllm()
+    layout = Layout(pp=2, tp=2, microbatches=4, microbatch_size=2, seq_len=24, schedule="zb-v")
+    counts = tuple(even_partition(spec.total_layers, 4))
+    est = estimate(spec, SLOW_LINK, layout, features)
+    want = _mllm_reference_peaks(spec, layout, features, counts)
+    assert [r.activations_peak for r in est.ranks] == pytest.approx(want, rel=1e-12)
+
+
+def test_a_multimodal_estimate_runs_the_schedule_it_is_given_and_checks_the_partition() -> None:
+    """A schedule handed in (1f1b, two stages) is the one priced, not the layout's
+    generated zb-v (four stages): rank 0 then holds the first half of the layers
+    only. A partition that does not sum to the model's layers is refused. Kills:
+    the given schedule ignored, the partition's sum left unchecked."""
+    from stp.costmodel.mllm_memory import mllm_stage_parameters
+    from stp.schedule.registry import generate
+
+    spec = _mllm()
+    layout = Layout(pp=2, microbatches=4, microbatch_size=B, seq_len=S, schedule="zb-v")
+    est = estimate(spec, HW, layout, schedule=generate("1f1b", 2, 4))
+    assert [r.parameters for r in est.ranks] == mllm_stage_parameters(
+        spec, (3, 3), stp_runtime=False)
+    _refused(lambda: estimate(spec, HW, replace(layout, partition=(1, 1, 1, 1))),
+             "--partition 1,1,1,1 sums to 4 layers but the model has 6; the stages must "
+             "hold every layer once")
+
+
+def test_a_multimodal_estimate_under_korthikanti_notes_a_deferred_w_after_recomputation() -> None:
+    """Korthikanti's counting, full recomputation, a schedule that defers W: both
+    the decoder's note (its recompute passed on) and the multimodal formulas' note,
+    in that order; ep 1 is reported as None (no expert parallelism). Kills: the
+    decoder spec built without the recompute mode, the notes' order, the layout's
+    ep kept."""
+    spec = _mllm()
+    est = estimate(spec, HW, replace(MLLM_LAYOUT, ep=1, tp=1), Features(recompute="full"))
+    assert est.notes == (
+        "zb-v defers W: full recomputation's inputs kept for a deferred W are not counted "
+        "(stp.costmodel.model)",
+        "the multimodal model's activation formulas (stp.costmodel.mllm) count neither "
+        "sequence parallelism nor recomputation")
+    assert est.layout.ep is None
+
+
+def test_sequence_parallelism_and_recomputation_lower_a_multimodal_peak() -> None:
+    """Under stp's units (what the runtime keeps) both cut the kept bytes: the
+    peak with sequence parallelism at tp 2 is below the one without, full
+    recomputation's below none's. Kills: either not passed to the stage table."""
+    spec = _mllm(tp=2)
+
+    def peak(**features) -> float:
+        return estimate(spec, HW, MLLM_LAYOUT, Features(runtime="stp", **features)
+                        ).peak.activations_peak
+
+    plain = peak()
+    assert peak(sequence_parallel=True) < plain
+    assert peak(recompute="full") < plain
+
+
+TP1 = ModelSpec(layers=4, hidden=H, heads=8, kv_heads=2, ffn=96, vocab=101, sequence=S,
+                micro_batch=B, dropout=False)
+
+
+def test_at_one_tp_rank_a_schedules_backwards_pick_the_census_it_keeps() -> None:
+    """stp's units at t = 1 keep more when W runs inside B (autograd's weight
+    gradients, float32 norm values) than when W is deferred (stp.costmodel.kept).
+    pp 2, m 4, two layers a stage, by hand from the census: 1F1B's rank 0 holds its
+    two warm-up forwards of stage 0 (the embedding's bytes and two layers), native
+    census; ZB-H1's rank 0 the same two, deferred census; ZB-H1's rank 1 one
+    forward of the last stage and one deferred W's kept bytes, each part capped at
+    what its B kept (W's output gradients never outweigh what B freed without full
+    recomputation). Kills: the two censuses swapped or made one, the cap dropped,
+    a stage's M_B not scaled to its census."""
+    from stp.costmodel.kept import stp_kept
+
+    native, deferred = stp_kept(TP1, 2, True), stp_kept(TP1, 2, False)
+    layout = Layout(pp=2, microbatches=4, microbatch_size=B, seq_len=S, schedule="1f1b")
+
+    def peaks(schedule: str) -> list[float]:
+        est = estimate(TP1, HW, replace(layout, schedule=schedule), Features(runtime="stp"))
+        return [r.activations_peak for r in est.ranks]
+
+    one_f_one_b, zb_h1 = peaks("1f1b"), peaks("zb-h1")
+    assert one_f_one_b[0] == pytest.approx(2 * (native.first_b + 2 * native.layer_b), rel=1e-12)
+    assert zb_h1[0] == pytest.approx(2 * (deferred.first_b + 2 * deferred.layer_b), rel=1e-12)
+    d = deferred
+    assert d.layer_w > d.layer_b  # the cap matters here
+    kept_by_w = min(d.last_w, d.last_b) + 2 * min(d.layer_w, d.layer_b)
+    assert zb_h1[1] == pytest.approx(d.last_b + 2 * d.layer_b + kept_by_w, rel=1e-12)
+
+
+def test_states_bound_of_a_given_schedule_and_an_uneven_partition() -> None:
+    """The bound prices the schedule handed in (1f1b at pp 2: two stages) and the
+    layout's partition (1 + 3 layers), as the estimate does. Kills: the given
+    schedule replaced by the layout's generated zb-v (four stages), the even split
+    used instead of the partition."""
+    from stp.costmodel.memory import states_bound
+    from stp.schedule.registry import generate
+
+    layout = Layout(pp=2, dp=2, microbatches=4, microbatch_size=B, seq_len=S,
+                    schedule="zb-v", partition=(1, 3))
+    given = generate("1f1b", 2, 4)
+    est = estimate(DENSE, HW, layout, schedule=given)
+    bound = states_bound(DENSE, HW, layout, Features(), schedule=given)
+    assert bound == pytest.approx([r.total - r.copies for r in est.ranks], rel=1e-12)
