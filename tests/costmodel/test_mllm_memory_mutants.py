@@ -114,7 +114,8 @@ SLOW_LINK = replace(HW, host_bandwidth=2e6)
 """A host link slow enough (2 kB/ms) that a tiny model's offload copies take time."""
 
 
-def _mllm_reference_peaks(spec, layout: Layout, features: Features, counts) -> list[float]:
+def _mllm_reference_peaks(spec, layout: Layout, features: Features, counts,
+                          hw) -> list[float]:
     """Each rank's activation peak in bytes as docs/memory.md states it: the simulated
     step of the multimodal stage table (stp's kept bytes, or Qwen2-VL's costs with
     Korthikanti's 16-bit bytes scaled by the dtype), offloaded by the policy over
@@ -133,31 +134,34 @@ def _mllm_reference_peaks(spec, layout: Layout, features: Features, counts) -> l
     width = DTYPE_BYTES[features.dtype]
     if features.runtime == "stp":
         table, mem, unit, derived = mllm_stp_table(
-            spec, SLOW_LINK, layout.pp, width, counts, recompute=features.recompute,
+            spec, hw, layout.pp, width, counts, recompute=features.recompute,
             sequence_parallel=features.sequence_parallel and layout.tp > 1)
     else:
-        derived = derive_mllm(spec, SLOW_LINK, layout.pp)
-        layered = mllm_layered_costs(spec, SLOW_LINK, layout.pp, derived.costs, derived.mem)
+        derived = derive_mllm(spec, hw, layout.pp)
+        layered = mllm_layered_costs(spec, hw, layout.pp, derived.costs, derived.mem)
         table = layered.table(counts)
         mem, unit = derived.mem, derived.bytes_per_unit * width / 2
-    oc = OffloadCosts(bandwidth=SLOW_LINK.host_bandwidth / 1e3, act_bytes=unit)
+    oc = OffloadCosts(bandwidth=hw.host_bandwidth / 1e3, act_bytes=unit)
     plan = plan_offload(sch, features.offload, derived.costs, mem, oc, stages=table)
     res = simulate(sch, derived.costs, mem, offload=plan if len(plan) else None,
                    offload_costs=oc, stages=table)
     return [r.peak_activation * unit for r in res.ranks]
 
 
-@pytest.mark.parametrize("features", [
-    Features(runtime="stp", offload="all"),
-    Features(runtime="stp", dtype="float32", sequence_parallel=True, recompute="full"),
-    Features(offload="all"),
-    Features(dtype="float32", offload="selective:0.5"),
+@pytest.mark.parametrize("features,hw", [
+    (Features(runtime="stp", offload="all"), SLOW_LINK),
+    (Features(runtime="stp", dtype="float32", sequence_parallel=True, recompute="full"),
+     SLOW_LINK),
+    (Features(offload="all"), SLOW_LINK),
+    (Features(offload="all"), HW),
+    (Features(dtype="float32", offload="selective:0.5"), SLOW_LINK),
 ])
 def test_multimodal_activations_are_the_simulated_peak_of_its_own_stage_table(
-        features: Features) -> None:
+        features: Features, hw) -> None:
     """A multimodal rank's activations: the simulated peak of its stage table at the
     layout's sequence and microbatch size (not the spec's), with the policy's
-    offload copies (the host link in bytes per ms), in bytes of the dtype. Kills:
+    offload copies (the host link in bytes per ms; a slow and a fast one), in bytes of
+    the dtype. Kills:
     the layout's sequence or microbatch size ignored, sequence parallelism or
     recomputation not passed to the table, the megatron table or unit's dtype
     scaling altered, the offload plan or its link (bandwidth / 1e3) altered, the
@@ -167,8 +171,8 @@ def test_multimodal_activations_are_the_simulated_peak_of_its_own_stage_table(
     spec = _mllm()
     layout = Layout(pp=2, tp=2, microbatches=4, microbatch_size=2, seq_len=24, schedule="zb-v")
     counts = tuple(even_partition(spec.total_layers, 4))
-    est = estimate(spec, SLOW_LINK, layout, features)
-    want = _mllm_reference_peaks(spec, layout, features, counts)
+    est = estimate(spec, hw, layout, features)
+    want = _mllm_reference_peaks(spec, layout, features, counts, hw)
     assert [r.activations_peak for r in est.ranks] == pytest.approx(want, rel=1e-12)
 
 
