@@ -13,21 +13,11 @@ import re
 from dataclasses import replace
 
 import pytest
-
 from stp.costmodel import parse_hardware
-from stp.costmodel.memory import (
-    Features,
-    Layout,
-    RankMemory,
-    _rank,
-    estimate,
-    estimate_run,
-    format_bytes,
-    memory_of_run,
-    rank_parameters,
-)
-from stp.costmodel.model import ModelSpec
-from stp.costmodel.moe import MoESpec
+from stp.costmodel.decoder.memory import _rank, memory_of_run, rank_parameters
+from stp.costmodel.decoder.spec import ModelSpec
+from stp.costmodel.memory import Features, Layout, RankMemory, estimate, estimate_run, format_bytes
+from stp.costmodel.moe.spec import MoESpec
 
 HW = parse_hardware("a100-80g")
 S, B, H = 16, 3, 64
@@ -236,7 +226,7 @@ def test_full_recomputation_under_a_deferred_w_is_noted_for_korthikantis_countin
     the note's text, any of its three conditions dropped or inverted."""
     layout = Layout(pp=2, microbatches=4, seq_len=S, schedule="zb-v")
     note = ("zb-v defers W: full recomputation's inputs kept for a deferred W are not "
-            "counted (stp.costmodel.model)",)
+            "counted (stp.costmodel.decoder.spec)",)
     assert estimate(DENSE, HW, layout, Features(recompute="full")).notes == note
     assert estimate(DENSE, HW, replace(layout, schedule="1f1b"),
                     Features(recompute="full")).notes == ()
@@ -257,7 +247,7 @@ def test_states_bound_is_the_estimate_less_its_gradient_copies(spec, features) -
     over dp/ep. With offload there is no bound. Kills: the bound built from other
     parameters (the experts' forgotten, experts_only dropped), the unit, the layout
     or the features passed on wrong, the offload check inverted."""
-    from stp.costmodel.memory import states_bound
+    from stp.costmodel.decoder.memory import states_bound
 
     layout = Layout(pp=2, tp=spec.tp, dp=4, microbatches=4, microbatch_size=B, seq_len=S,
                     schedule="zb-v")
@@ -282,7 +272,7 @@ def test_at_one_tp_rank_a_schedules_backwards_pick_the_census_it_keeps() -> None
     what its B kept (W's output gradients never outweigh what B freed without full
     recomputation). Kills: the two censuses swapped or made one, the cap dropped,
     a stage's M_B not scaled to its census."""
-    from stp.costmodel.kept import stp_kept
+    from stp.costmodel.decoder.kept import stp_kept
 
     native, deferred = stp_kept(TP1, 2, True), stp_kept(TP1, 2, False)
     layout = Layout(pp=2, microbatches=4, microbatch_size=B, seq_len=S, schedule="1f1b")
@@ -305,7 +295,7 @@ def test_states_bound_of_a_given_schedule_and_an_uneven_partition() -> None:
     layout's partition (1 + 3 layers), as the estimate does. Kills: the given
     schedule replaced by the layout's generated zb-v (four stages), the even split
     used instead of the partition."""
-    from stp.costmodel.memory import states_bound
+    from stp.costmodel.decoder.memory import states_bound
     from stp.schedule.registry import generate
 
     layout = Layout(pp=2, dp=2, microbatches=4, microbatch_size=B, seq_len=S,

@@ -3,7 +3,7 @@ costmodel tests never set up.
 
 Written to kill mutants mutmut left alive in stp/costmodel/memory.py (docs/testing.md;
 the decoder's are in test_memory_mutants.py). The references: the parameters per
-stage of stp.costmodel.mllm_memory summed by the placement, the receive buffers of
+stage of stp.costmodel.mllm.memory summed by the placement, the receive buffers of
 the decoder-wide stream by hand, the simulated step of the multimodal stage table.
 Each test names the bug it guards against.
 """
@@ -14,7 +14,6 @@ import re
 from dataclasses import replace
 
 import pytest
-
 from stp.costmodel import parse_hardware
 from stp.costmodel.memory import Features, Layout, estimate
 
@@ -46,13 +45,13 @@ MLLM_LAYOUT = Layout(pp=2, tp=2, microbatches=4, microbatch_size=B, seq_len=S, s
 def test_a_multimodal_rank_holds_its_stages_parameters_and_the_packed_stream_buffers(
         runtime: str, dtype: str) -> None:
     """A multimodal model on a V placement (stages 0 and 3 on rank 0): each rank's
-    parameters are its stages' (stp.costmodel.mllm_memory, stp's encoder or
+    parameters are its stages' (stp.costmodel.mllm.memory, stp's encoder or
     Qwen2-VL's), its weights those times the dtype's bytes, its buffers the receive
     buffers of the decoder-wide stream (text and image tokens) with sequence
     parallelism's / t and gathered input; the layout it reports carries the
     partition it priced. Kills: the stage-to-rank sum, the runtime flag, the
     stream's length, the layout's partition or ep, the dtype's width."""
-    from stp.costmodel.mllm_memory import mllm_stage_parameters
+    from stp.costmodel.mllm.memory import mllm_stage_parameters
     from stp.sim.layered import even_partition
 
     spec = _mllm(tp=2)
@@ -77,7 +76,7 @@ def test_a_multimodal_estimate_notes_what_it_does_not_count() -> None:
     Kills: the notes' text, `tp > 1` as >= 1, the megatron note's `or` as `and` or
     its recompute test inverted."""
     derived = ("with sequence parallelism the vision encoder's kept bytes are derived, not "
-               "census-checked (stp.costmodel.mllm_memory)",)
+               "census-checked (stp.costmodel.mllm.memory)",)
     formulas = ("the multimodal model's activation formulas (stp.costmodel.mllm) count "
                 "neither sequence parallelism nor recomputation",)
     one = replace(MLLM_LAYOUT, tp=1)
@@ -121,8 +120,8 @@ def _mllm_reference_peaks(spec, layout: Layout, features: Features, counts,
     Korthikanti's 16-bit bytes scaled by the dtype), offloaded by the policy over
     the host link (bandwidth in bytes per ms)."""
     from stp.costmodel.memory_types import DTYPE_BYTES
-    from stp.costmodel.mllm_costs import derive_mllm, mllm_layered_costs
-    from stp.costmodel.mllm_memory import mllm_stp_table
+    from stp.costmodel.mllm.costs import derive_mllm, mllm_layered_costs
+    from stp.costmodel.mllm.memory import mllm_stp_table
     from stp.schedule.registry import generate
     from stp.sim.costs import OffloadCosts
     from stp.sim.engine import simulate
@@ -181,7 +180,7 @@ def test_a_multimodal_estimate_runs_the_schedule_it_is_given_and_checks_the_part
     generated zb-v (four stages): rank 0 then holds the first half of the layers
     only. A partition that does not sum to the model's layers is refused. Kills:
     the given schedule ignored, the partition's sum left unchecked."""
-    from stp.costmodel.mllm_memory import mllm_stage_parameters
+    from stp.costmodel.mllm.memory import mllm_stage_parameters
     from stp.schedule.registry import generate
 
     spec = _mllm()
@@ -204,7 +203,7 @@ def test_a_multimodal_estimate_under_korthikanti_notes_a_deferred_w_after_recomp
     est = estimate(spec, HW, replace(MLLM_LAYOUT, ep=1, tp=1), Features(recompute="full"))
     assert est.notes == (
         "zb-v defers W: full recomputation's inputs kept for a deferred W are not counted "
-        "(stp.costmodel.model)",
+        "(stp.costmodel.decoder.spec)",
         "the multimodal model's activation formulas (stp.costmodel.mllm) count neither "
         "sequence parallelism nor recomputation")
     assert est.layout.ep is None
