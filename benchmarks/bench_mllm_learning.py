@@ -34,8 +34,8 @@ import torch
 
 from stp.files import write_text_atomic
 from stp.models import IGNORE_INDEX
-from stp.train.run.config import ModelShape, TrainJob, VisionShape
 from stp.train.families.mllm import mllm_batches
+from stp.train.run.config import ModelShape, TrainJob, VisionShape
 from stp.train.run.job import model_config
 from stp.train.step.lr import adamw
 from stp.train.step.trainer import Trainer

@@ -44,8 +44,8 @@ def _config(args: argparse.Namespace):
 
 def _measure(args: argparse.Namespace, dp: int) -> dict[str, int]:
     from stp.runtime.mesh import Mesh, ParallelDims
-    from stp.train.step.lr import adamw
     from stp.train.run.memory_measure import measure
+    from stp.train.step.lr import adamw
     from stp.train.step.trainer import Trainer
 
     mesh = Mesh.from_world(ParallelDims(1, 1, dp), timeout=300)

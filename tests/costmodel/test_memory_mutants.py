@@ -13,6 +13,7 @@ import re
 from dataclasses import replace
 
 import pytest
+
 from stp.costmodel import parse_hardware
 from stp.costmodel.decoder.memory import _rank, memory_of_run, rank_parameters
 from stp.costmodel.decoder.spec import ModelSpec

@@ -14,6 +14,7 @@ import re
 from dataclasses import replace
 
 import pytest
+
 from stp.costmodel import parse_hardware
 from stp.costmodel.memory import Features, Layout, estimate
 

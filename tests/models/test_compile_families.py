@@ -23,8 +23,8 @@ SAME = 1e-10
 
 
 def _mllm():
-    from stp.train.run.config import ModelShape, TrainJob, VisionShape
     from stp.train.families.mllm import mllm_batches
+    from stp.train.run.config import ModelShape, TrainJob, VisionShape
     from stp.train.run.job import model_config
 
     job = TrainJob(arch="mllm", model=ModelShape(layers=2, hidden=32, heads=4, seq_len=12),

@@ -64,8 +64,8 @@ def test_decoder_stage_recomputes_the_same_bits_and_full_keeps_less(fuse: bool) 
 
 def test_multimodal_stage_recomputes_the_same_bits() -> None:
     from stp.models.mllm.stage import build_mllm_stage
-    from stp.train.run.config import ModelShape, TrainJob, VisionShape
     from stp.train.families.mllm import mllm_batches
+    from stp.train.run.config import ModelShape, TrainJob, VisionShape
     from stp.train.run.job import model_config
 
     job = TrainJob(arch="mllm", model=ModelShape(layers=2, hidden=32, heads=4, seq_len=12),

@@ -75,8 +75,8 @@ def mllm_setup(rows: int = 4):
     16 image tokens + 6 caption tokens, so under sequence parallelism at tp 2 the image
     rows are cut between the two TP ranks (11 rows each; rank 1 holds 5 image rows
     and the caption)."""
-    from stp.train.run.config import ModelShape, TrainJob, VisionShape
     from stp.train.data.images import CaptionBatches, ShapeImages
+    from stp.train.run.config import ModelShape, TrainJob, VisionShape
     from stp.train.run.job import model_config
 
     job = TrainJob(arch="mllm", model=ModelShape(layers=2, hidden=32, heads=4, seq_len=6),

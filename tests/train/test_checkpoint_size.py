@@ -13,9 +13,9 @@ import torch
 from stp.models import ModelConfig
 from stp.shapes.mllm import MLLMConfig, VisionConfig
 from stp.shapes.moe import MoEConfig
-from stp.train.run import job as job_mod
 from stp.train.checkpoint import storage
 from stp.train.families import family_of
+from stp.train.run import job as job_mod
 
 DENSE = ModelConfig(vocab_size=64, hidden=16, num_layers=2, num_heads=2, num_kv_heads=1,
                     ffn_hidden=32, max_seq_len=16)

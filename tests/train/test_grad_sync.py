@@ -14,8 +14,8 @@ from torch import nn
 from stp.cli.flags import add_flags, from_args
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.train.run.config import TrainJob
-from stp.train.step.grad_sync import GradSync
 from stp.train.run.parts import TrainerOptions
+from stp.train.step.grad_sync import GradSync
 from stp.train.step.precision import Precision
 
 

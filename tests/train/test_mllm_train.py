@@ -19,12 +19,12 @@ import torch
 
 from stp.cli.main import main
 from stp.models.mllm.reference import build_mllm_reference
-from stp.train.run.config import ModelShape, TrainJob, VisionShape
 from stp.train.families.mllm import mllm_batches
+from stp.train.run.config import ModelShape, TrainJob, VisionShape
 from stp.train.run.job import check, model_config
-from stp.train.step.lr import adamw
 from stp.train.run.resolve import resolve
 from stp.train.run.schedules import job_schedule
+from stp.train.step.lr import adamw
 
 # tiny shapes: the runs are start-up bound; the widths still split over tp 2
 SHAPE = ["--arch", "mllm", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "12",

@@ -57,10 +57,10 @@ from stp.runtime.errors import RankError
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
 from stp.train.run.config import TrainJob
-from stp.train.step.grad_sync import collective
 from stp.train.run.loop import _options
-from stp.train.step.param_gather import ParamGather
 from stp.train.run.resolve import resolve
+from stp.train.step.grad_sync import collective
+from stp.train.step.param_gather import ParamGather
 from stp.train.step.trainer import Trainer, TrainerOptions
 from stp.train.step.zero import DPGroup, ShardedPrecision
 from stp.viz.measured import measured_scene

@@ -14,8 +14,8 @@ import stp.train.families.decoder as decoder_job
 import stp.train.run.resolve as resolve_mod
 from stp.cli.main import main
 from stp.shapes import MLLMConfig, ModelConfig
-from stp.train.run.config import ModelShape, TrainJob
 from stp.train.families import family_named, family_of
+from stp.train.run.config import ModelShape, TrainJob
 from stp.train.run.resolve import resolve
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))

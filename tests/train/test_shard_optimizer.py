@@ -49,14 +49,14 @@ from stp.cli.flags import add_flags, from_args
 from stp.models import ModelConfig
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
+from stp.train.checkpoint.shards import Box
 from stp.train.run.config import TrainJob
 from stp.train.run.loop import _options
 from stp.train.run.memory_check import run_estimate
 from stp.train.run.memory_measure import measure
 from stp.train.run.resolve import resolve
-from stp.train.checkpoint.shards import Box
-from stp.train.step.trainer import Trainer
 from stp.train.step.shard_layout import ShardLayout, row_box
+from stp.train.step.trainer import Trainer
 from stp.train.step.zero import DPGroup, ShardedPrecision
 
 STEPS, SAVE_AT = 3, 2

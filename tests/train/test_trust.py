@@ -1,4 +1,5 @@
-"""Checkpoints that cannot run code or lie (stp.train.checkpoint.read, stp.train.checkpoint.integrity).
+"""Checkpoints that cannot run code or lie (stp.train.checkpoint.read,
+stp.train.checkpoint.integrity).
 
 A tiny single-process Trainer writes step-1 and step-2; each test damages a copy:
 a `.metadata` whose pickle would run a payload runs nothing and is refused, a
@@ -20,8 +21,8 @@ import torch
 
 from stp.models import ModelConfig
 from stp.models.decoder.family import DECODER
-from stp.train.checkpoint import sharded as checkpoint
 from stp.train.checkpoint import integrity
+from stp.train.checkpoint import sharded as checkpoint
 from stp.train.checkpoint.read import SafeReader, UnsafeCheckpoint, read_metadata, safe_load_bytes
 from stp.train.step.trainer import Trainer
 

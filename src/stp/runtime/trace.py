@@ -61,7 +61,6 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from stp.files import write_text_atomic
 from stp.runtime.stage_api import UnitStage
 from stp.schedule.ir import Pass, Schedule
 from stp.schedule.lower import Message

@@ -57,11 +57,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from stp.train.step import finite
-from stp.train.checkpoint import integrity
-from stp.train.checkpoint import storage
+from stp.train.checkpoint import integrity, storage
 from stp.train.checkpoint.read import SafeReader
 from stp.train.checkpoint.shards import Box, BoxLoadPlanner, BoxSavePlanner, box_of
+from stp.train.step import finite
 
 if TYPE_CHECKING:  # the pre-launch checks (stp.train.run.job) import this module: keep them
     # from importing the executor and the models behind the Parts, which they never use
@@ -348,7 +347,8 @@ def load(parts: Parts, optimizer: torch.optim.Optimizer, scheduler: Scheduler | 
     """Load checkpoint `path` (a `step-N` directory) into a trainer's built `parts`,
     `optimizer` and LR `scheduler`, whatever mesh and schedule wrote it; returns
     the steps done when it was saved, where the trainer goes on. A checkpoint without
-    its manifest is refused unless `allow_unverified` (stp.train.checkpoint.integrity). Collective."""
+    its manifest is refused unless `allow_unverified` (stp.train.checkpoint.integrity).
+    Collective."""
     path = Path(path)
     # rank 0 checks the files before any rank reads
     integrity.verify_everywhere(path, allow_unverified=allow_unverified)

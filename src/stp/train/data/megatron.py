@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import Any
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -71,9 +71,10 @@ class MegatronTokens:
         return DataSummary("megatron", what, self.documents, self.size, 0)
 
 
-def _read_index(idx: Path, bin_bytes: int) -> tuple[Any, np.ndarray, int]:  # Any: a numpy scalar type
+def _read_index(idx: Path, bin_bytes: int) -> tuple[Any, np.ndarray, int]:
     """(token type, sequence lengths, documents) of a checked `.idx`; ValueError naming
-    it for anything that is not a whole, consistent MMIDIDX version 1 index."""
+    it for anything that is not a whole, consistent MMIDIDX version 1 index. (The token
+    type is a numpy scalar type, typed Any: numpy's stubs type those loosely.)"""
     size = idx.stat().st_size
     if size < _HEADER.size:
         raise ValueError(f"{idx}: {size} bytes, shorter than the {_HEADER.size}-byte MMIDIDX "

@@ -20,16 +20,16 @@ from stp.models.emulated import parse_emulate
 from stp.runtime.mesh import ParallelDims
 from stp.schedule.offload import parse_policy
 from stp.train.checkpoint.sharded import check_resume, check_writable, complete_checkpoints
-from stp.train.run.metrics import check_log
-from stp.train.run.config import TrainJob
+from stp.train.checkpoint.storage import check_free_space, checkpoint_bytes
 from stp.train.data.corpus import read_corpus
 from stp.train.data.load import check_data
 from stp.train.families import family_of
+from stp.train.run.config import TrainJob
 from stp.train.run.memory_check import check_memory
+from stp.train.run.metrics import check_log
 from stp.train.run.precheck import check_mesh_flags
 from stp.train.run.pretrained import check_pretrained
 from stp.train.run.resolve import Run, resolve
-from stp.train.checkpoint.storage import check_free_space, checkpoint_bytes
 
 __all__ = ["check", "check_output_file", "check_plan", "model_config"]
 

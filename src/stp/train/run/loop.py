@@ -31,17 +31,17 @@ from stp.runtime.launch import in_torchrun
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.train.checkpoint.resume import write_settings
 from stp.train.checkpoint.storage import StorageFault, cause_of
-from stp.train.run.config import TrainJob
-from stp.train.run.memory_measure import CATEGORIES, measure
-from stp.train.run.mfu import device_peak, step_flops, unknown_peak_line
-from stp.train.run.mfu import mfu as mfu_of
-from stp.train.run.metrics import MetricsLog
-from stp.train.run.outlock import lock_error
-from stp.train.run.pretrained import copy_tokenizer
-from stp.train.run.resolve import Run
 from stp.train.data.load import data_fingerprint, data_options
 from stp.train.data.prefetch import Prefetched
 from stp.train.data.record import write_data_record
+from stp.train.run.config import TrainJob
+from stp.train.run.memory_measure import CATEGORIES, measure
+from stp.train.run.metrics import MetricsLog
+from stp.train.run.mfu import device_peak, step_flops, unknown_peak_line
+from stp.train.run.mfu import mfu as mfu_of
+from stp.train.run.outlock import lock_error
+from stp.train.run.pretrained import copy_tokenizer
+from stp.train.run.resolve import Run
 from stp.train.run.startup import Startup
 from stp.train.step.finite import SkipCounter
 from stp.train.step.lr import LRSchedule, adamw

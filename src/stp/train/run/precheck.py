@@ -16,9 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from stp.shapes import ModelConfig
-from stp.train.run.config import DTYPES, TOY_SHAPE, TrainJob
 from stp.train.data.detect import detect_format, parse_mixture
 from stp.train.families.registry import EARLY_TP_CHECKS
+from stp.train.run.config import DTYPES, TOY_SHAPE, TrainJob
 
 __all__ = ["check_data_path", "check_mesh_flags", "precheck"]
 

@@ -27,14 +27,14 @@ from typing import Any
 from stp.schedule import Schedule
 from stp.schedule.placement import partition_layers
 from stp.sim.layered import check_partition, parse_partition
-from stp.train.checkpoint.sharded import latest, read_info
-from stp.train.run.config import TrainJob, default_lr
-from stp.train.families import TrainFamily, family_named, family_of
 from stp.train.checkpoint.resume import restore_settings, run_dir_of
-from stp.train.run.schedules import job_schedule
+from stp.train.checkpoint.sharded import latest, read_info
 from stp.train.data.load import data_fingerprint, data_options
 from stp.train.data.record import check_data_unchanged
 from stp.train.data.tokens import Tokenizer, run_tokenizer
+from stp.train.families import TrainFamily, family_named, family_of
+from stp.train.run.config import TrainJob, default_lr
+from stp.train.run.schedules import job_schedule
 
 __all__ = ["AUTO_HARDWARE", "Run", "resolve"]
 

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from stp.models.compile import compile_stages
-from stp.models.hf import HFCheckpoint, agreeing_config
 from stp.models.family import refuse_ep
+from stp.models.hf import HFCheckpoint, agreeing_config
 from stp.runtime.executor import Executor
 from stp.runtime.launch import in_torchrun, init_distributed
 from stp.runtime.mesh import Mesh, ParallelDims

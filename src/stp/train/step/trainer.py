@@ -66,19 +66,19 @@ from stp.runtime.offload import ActivationOffloader, StepMemory
 from stp.runtime.trace import gather_spans, write_trace
 from stp.schedule import Schedule
 from stp.train.checkpoint import sharded as checkpoint
-from stp.train.step.aux_losses import AuxLosses
-from stp.train.step.documents import mask_documents
+from stp.train.checkpoint.gather import gather_full_state
+from stp.train.checkpoint.save_full import full_layout, write_full
 from stp.train.data.corpus import split_batch
 from stp.train.families import TrainFamily
-from stp.train.checkpoint.gather import gather_full_state
+from stp.train.run.parts import Parts, TrainerOptions
+from stp.train.run.setup import StageBuilder, build
+from stp.train.run.startup import load_clock
+from stp.train.step.aux_losses import AuxLosses
+from stp.train.step.documents import mask_documents
 from stp.train.step.gc_pause import StepGC, gc_paused
 from stp.train.step.grad_sync import WORLD
 from stp.train.step.lr import make_scheduler
-from stp.train.run.parts import Parts, TrainerOptions
 from stp.train.step.precision import Precision, UpdateStats, apply_update
-from stp.train.checkpoint.save_full import full_layout, write_full
-from stp.train.run.setup import StageBuilder, build
-from stp.train.run.startup import load_clock
 
 __all__ = ["Trainer", "TrainerOptions", "StageBuilder", "OptimizerFactory"]
 
