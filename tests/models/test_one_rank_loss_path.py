@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stp.models.decoder.units import EmbedUnit
+from stp.models.decoder.end_units import EmbedUnit
 from stp.models.tp.layers import (
     _logsumexp,
     vocab_ce_finish,

@@ -10,10 +10,11 @@ tensor-parallel layers, cut into pipeline stages with a split (B / W) backward.
 - `stp.models.hf`: Hugging Face Llama / Qwen2 checkpoints in and out.
 """
 
+from stp.models.decoder.end_units import EmbedUnit, LossUnit
 from stp.models.decoder.init import ParamSpec, parameter_specs
 from stp.models.decoder.reference import ReferenceModel, build_reference
 from stp.models.decoder.stage import ModelStage, build_stage, check_model, check_tp
-from stp.models.decoder.units import AttentionUnit, EmbedUnit, LossUnit, MLPUnit, Unit
+from stp.models.decoder.units import AttentionUnit, MLPUnit, Unit
 from stp.models.tp.layers import valid_token_ratio
 from stp.shapes.decoder import IGNORE_INDEX, ModelConfig, RopeScaling
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from stp.models.decoder.chunk import LayerChunk
 from stp.models.decoder.doc_masks import DocumentMasks
+from stp.models.decoder.end_units import EmbedUnit, LossUnit
 from stp.models.decoder.init import ParamSpec, ShardSlice, init_shard, parameter_specs, tp_slice
 from stp.models.decoder.stage_setup import (  # re-exported: stp.models names them
     check_model,
@@ -27,7 +28,7 @@ from stp.models.decoder.stage_setup import (  # re-exported: stp.models names th
     set_recompute,
 )
 from stp.models.decoder.stage_shards import ShardSource, unshard
-from stp.models.decoder.units import AttentionUnit, EmbedUnit, LossUnit, MLPUnit, RopeCache, Unit
+from stp.models.decoder.units import AttentionUnit, MLPUnit, RopeCache, Unit
 from stp.models.documents import Documents
 from stp.models.param_names import register_dotted
 from stp.models.recompute import check_recompute

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stp.models.decoder.end_units import LossUnit
 from stp.models.decoder.init import ParamSpec, init_full, init_slice, parameter_specs, tp_slice
 from stp.models.decoder.stage import ModelStage, check_tp, set_recompute
-from stp.models.decoder.units import AttentionUnit, LossUnit, MLPUnit, RopeCache, Unit
+from stp.models.decoder.units import AttentionUnit, MLPUnit, RopeCache, Unit
 from stp.models.mllm.rows import check_mllm_sequence
 from stp.models.mllm.vision import MergerUnit, VisionAttentionUnit, VisionMLPUnit
 from stp.models.mllm.vision_input import InputUnit

@@ -28,10 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stp.models.decoder.end_units import EmbedUnit, LossUnit
 from stp.models.decoder.init import init_shard
 from stp.models.decoder.stage import ModelStage, check_tp
 from stp.models.decoder.stage_shards import ShardSource
-from stp.models.decoder.units import AttentionUnit, EmbedUnit, LossUnit, MLPUnit, RopeCache, Unit
+from stp.models.decoder.units import AttentionUnit, MLPUnit, RopeCache, Unit
 from stp.models.moe.dispatch import ExpertGroup, ToExchange
 from stp.models.moe.ep_units import RouteUnit, expert_parallel_units
 from stp.models.moe.init import moe_parameter_specs
