@@ -160,3 +160,26 @@ def test_document_mask_refuses_compile_and_emulation() -> None:
     with pytest.raises(ValueError, match="does not work with --emulate-compute yet"):
         check_document_mask(TrainJob(document_mask=True, emulate="f=1,b=1,w=1"), tokenised=True)
     check_document_mask(TrainJob(document_mask=True), tokenised=True)  # the rest runs
+
+
+def test_a_mixture_of_experts_masks_documents_too() -> None:
+    """The MoE stage's attention units take the tables as the decoder's do: rows
+    without an EOS give the unmasked loss bit for bit, rows with one another loss."""
+    from stp.shapes import MoEConfig
+    from stp.train.step.trainer import Trainer
+
+    moe = MoEConfig(vocab_size=32, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                    ffn_hidden=64, max_seq_len=16, seed=3, init_std=0.2, num_experts=4,
+                    top_k=2, expert_ffn=16, shared_expert_ffn=24, aux_loss_coef=0.0)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, 32, (8, 16), generator=g)
+    targets = torch.roll(tokens, -1, 1)
+
+    def loss(eos: int | None, tok: torch.Tensor) -> float:
+        trainer = Trainer(moe, _sgd, "1f1b", microbatches=4, dtype=F64, document_eos=eos)
+        return trainer.step((tok, targets))
+
+    assert loss(EOS, tokens) == loss(None, tokens)  # no document ends: the causal mask
+    packed = tokens.clone()
+    packed[:, 5] = EOS
+    assert abs(loss(EOS, packed) - loss(None, packed)) > 1e-3

@@ -55,6 +55,31 @@ def _ascii_number(text: str, kind: type) -> float | int:
         raise argparse.ArgumentTypeError(f"{text[:40]!r} is not {what}") from None
 
 
+def mean_doc_len(text: str) -> int:
+    """--mean-doc-len: tokens per document, or the `.hist.json` `stp data prepare`
+    wrote beside a dataset (its PREFIX too), whose mean is taken."""
+    from pathlib import Path
+
+    from stp.files import read_json_object
+
+    if text.isdigit():
+        if int(text) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: give tokens per document >= 1")
+        return int(text)
+    path = Path(text if text.endswith(".hist.json") else f"{text}.hist.json")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a token count nor a dataset with a .hist.json beside it "
+            "(`stp data prepare` writes one)")
+    try:
+        mean = read_json_object(path, 1 << 20).get("mean_length")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if isinstance(mean, bool) or not isinstance(mean, (int, float)) or not mean >= 1:
+        raise argparse.ArgumentTypeError(f"{path}: no mean_length >= 1 in it")
+    return max(1, round(mean))
+
+
 def int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
     """An argparse type: an ASCII integer in lo..hi."""
 

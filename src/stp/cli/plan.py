@@ -32,7 +32,7 @@ import sys
 import time
 from typing import Any
 
-from stp.cli.common import EXIT_USAGE, int_in
+from stp.cli.common import EXIT_USAGE, int_in, mean_doc_len
 from stp.plan.request import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ_LEN
 
 __all__ = ["register", "run", "request_from_args", "local_hardware", "ProgressLine",
@@ -86,6 +86,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--calibrate", nargs="+", default=None, metavar="TRACE.json",
                    help="fit the hardware's efficiency and links to traces of `stp train "
                    "--trace` (stp.plan.calibrate)")
+    p.add_argument("--mean-doc-len", type=mean_doc_len, default=None, metavar="N|PREFIX",
+                   help="price attention for document masking (`stp train --document-mask`): "
+                   "N tokens per document on average, or a dataset `stp data prepare` wrote "
+                   "(its .hist.json's mean); default: every token attends over the sequence")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", default=None, metavar="PLAN.json",
                    help="write the plans for `stp train --plan PLAN.json`")
@@ -184,7 +188,8 @@ def request_from_args(args: argparse.Namespace) -> object:
     spec = spec.with_ep(1)  # the planner chooses ep (a preset says ep=8)
     budget = None if args.memory_budget is None else parse_size(args.memory_budget)
     return PlanRequest(
-        model=replace(spec, tp=1), hardware=_hardware(args), gpus=args.gpus,  # type: ignore
+        model=replace(spec, tp=1, mean_doc_len=args.mean_doc_len),  # type: ignore
+        hardware=_hardware(args), gpus=args.gpus,
         global_batch=args.global_batch, seq_len=args.seq_len,
         gpus_per_node=args.gpus_per_node, memory_budget=budget, top=args.top,
         dtype=args.dtype, max_microbatch_size=args.max_microbatch_size,

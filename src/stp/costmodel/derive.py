@@ -33,7 +33,7 @@ def _convert(cls: type, key: str, raw: str, what: str) -> object:
         raise ValueError(f"unknown {what} key {key!r}; accepted: {', '.join(types)}")
     kind = types[key]
     try:
-        if kind == "int":
+        if kind in ("int", "int | None"):
             return int(raw)
         if kind == "float":
             return float(raw)

@@ -12,6 +12,8 @@ arXiv 2401.10241, Table 1):
     linear  L = 2sb (h (h + 2kd) + h h + g h f)     QKV, output projection, MLP
                                                      (g = 3 gated SwiGLU, 2 GELU)
     attn    A = 4 s^2 b h                            QK^T and (softmax) V
+            (document masking, `mean_doc_len` L: 4 s L b h, each token
+            attending within its document; causal attention counted full)
     F = L + A        B = L + 2A        W = L
 
 Each forward matmul has two backward matmuls of the same size, one for the
@@ -111,6 +113,13 @@ class ModelSpec:
     decoder, Llama and Qwen2 train without dropout: specs made from their
     configs (`stp.costmodel.configs`) set False, and those bytes go."""
 
+    mean_doc_len: int | None = None
+    """Document masking (`stp train --document-mask`): the mean tokens per document
+    of the packed rows. A row of s tokens in documents of L tokens computes (s / L)
+    L x L score blocks, s L entries instead of s^2, so attention's FLOPs fall by L / s
+    (the bytes do not: stp's masked attention keeps the same tensors). None: no
+    masking, every token attends over the whole sequence."""
+
     _ZERO_OK: ClassVar[tuple[str, ...]] = ()
     """Integer fields that may be 0 (a subclass's optional parts)."""
 
@@ -121,6 +130,11 @@ class ModelSpec:
             if fl.type == "int" and (not isinstance(val, int) or isinstance(val, bool)
                                      or val < low):
                 raise ValueError(f"model {fl.name}={val!r} must be an integer >= {low}")
+        if self.mean_doc_len is not None and (
+                not isinstance(self.mean_doc_len, int) or isinstance(self.mean_doc_len, bool)
+                or self.mean_doc_len < 1):
+            raise ValueError(f"--mean-doc-len {self.mean_doc_len!r} must be an integer >= 1 "
+                             "(tokens per document)")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"model recompute={self.recompute!r}: choose one of "
                              f"{', '.join(RECOMPUTE_MODES)}")
@@ -137,6 +151,14 @@ class ModelSpec:
                 f"model tp={self.tp} must divide heads={self.heads} (and divide or be a "
                 f"multiple of kv_heads={self.kv_heads})"
             )
+
+    @property
+    def attention_span(self) -> int:
+        """Keys a query's score row spans on average: the sequence, or with document
+        masking the mean document (at most the sequence)."""
+        if self.mean_doc_len is None:
+            return self.sequence
+        return min(self.mean_doc_len, self.sequence)
 
     @property
     def head_dim(self) -> int:
@@ -229,7 +251,7 @@ def layer_flops(spec: ModelSpec) -> tuple[float, float, float]:
     s, b, h, f = spec.sequence, spec.micro_batch, spec.hidden, spec.mlp_width
     kd = spec.kv_heads * spec.head_dim
     linear = 2 * s * b * (h * (h + 2 * kd) + h * h + spec.mlp_matrices * h * f)
-    attn = 4 * s * s * b * h
+    attn = 4 * s * spec.attention_span * b * h
     t = spec.tp
     recomputed = 0.0  # the forward B runs again (module doc, recomputation)
     if spec.recompute == "full":

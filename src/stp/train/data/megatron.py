@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from stp.train.data.detect import megatron_prefix
-from stp.train.data.source import DataSummary, first_out_of_vocab
+from stp.train.data.source import MappedTokens, first_out_of_vocab
 
 __all__ = ["MAGIC", "TOKEN_DTYPES", "MegatronTokens", "MegatronWriter", "dtype_for_vocab",
            "megatron_prefix"]
@@ -42,8 +41,10 @@ def dtype_for_vocab(vocab: int) -> type[np.integer]:
     return np.uint16 if vocab < 65_500 else np.int32
 
 
-class MegatronTokens:
+class MegatronTokens(MappedTokens):
     """The token ids of a Megatron dataset as one stream (documents back to back)."""
+
+    kind = "megatron"
 
     def __init__(self, prefix: str | os.PathLike[str], vocab: int | None = None) -> None:
         self.prefix = Path(prefix)
@@ -59,16 +60,6 @@ class MegatronTokens:
                 raise ValueError(f"{bin_}: token id {int(self.tokens[bad])} at token offset {bad} "
                                  f"is outside the model's vocabulary of {vocab} (give the "
                                  "tokenizer that prepared it: --tokenizer)")
-
-    @property
-    def size(self) -> int:
-        return int(self.tokens.shape[0])
-
-    def read(self, start: int, length: int) -> torch.Tensor:
-        return torch.from_numpy(self.tokens[start:start + length].astype(np.int64))
-
-    def summary(self, what: str) -> DataSummary:
-        return DataSummary("megatron", what, self.documents, self.size, 0)
 
 
 def _read_index(idx: Path, bin_bytes: int) -> tuple[Any, np.ndarray, int]:

@@ -9,7 +9,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-__all__ = ["DataSummary", "TokenSource", "first_out_of_vocab"]
+__all__ = ["DataSummary", "MappedTokens", "TokenSource", "first_out_of_vocab"]
 
 _SCAN = 1 << 24
 """Token ids checked per slice: a memory-mapped file is scanned without reading it whole."""
@@ -53,3 +53,24 @@ def first_out_of_vocab(ids: np.ndarray, vocab: int) -> int | None:
         if bad.any():
             return start + int(np.argmax(bad))
     return None
+
+
+class MappedTokens:
+    """A token file read through a memory map as one stream (documents back to back):
+    what the Megatron dataset and the flat token file share once opened. A rank
+    touches only the sequences it reads."""
+
+    kind = "tokens"
+    """The format's name in the run's first line."""
+    tokens: np.ndarray
+    documents: int | None
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def read(self, start: int, length: int) -> torch.Tensor:
+        return torch.from_numpy(self.tokens[start:start + length].astype(np.int64))
+
+    def summary(self, what: str) -> DataSummary:
+        return DataSummary(self.kind, what, self.documents, self.size, 0)

@@ -8,9 +8,8 @@ import os
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from stp.train.data.source import DataSummary, first_out_of_vocab
+from stp.train.data.source import MappedTokens, first_out_of_vocab
 
 __all__ = ["TOKEN_FILE_DTYPES", "FlatTokens"]
 
@@ -18,7 +17,7 @@ TOKEN_FILE_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 _COUNT = 1 << 24
 
 
-class FlatTokens:
+class FlatTokens(MappedTokens):
     """The ids of a flat token file; `documents` counts its EOS ids (None without one)."""
 
     def __init__(self, path: str | os.PathLike[str], dtype: str = "uint16",
@@ -42,13 +41,3 @@ class FlatTokens:
         self.documents = None if eos is None else sum(
             int(np.count_nonzero(self.tokens[i:i + _COUNT] == eos))
             for i in range(0, self.size, _COUNT))
-
-    @property
-    def size(self) -> int:
-        return int(self.tokens.shape[0])
-
-    def read(self, start: int, length: int) -> torch.Tensor:
-        return torch.from_numpy(self.tokens[start:start + length].astype(np.int64))
-
-    def summary(self, what: str) -> DataSummary:
-        return DataSummary("tokens", what, self.documents, self.size, 0)
