@@ -62,3 +62,32 @@ def test_plan_prices_masked_attention_faster(capsys: pytest.CaptureFixture) -> N
     full = _best_step([], capsys)
     masked = _best_step(["--mean-doc-len", "512"], capsys)
     assert masked < full  # 8192-token rows of 512-token documents: 1/16 of the scores
+
+
+def test_memory_prices_the_step_with_it_and_keeps_the_bytes(capsys: pytest.CaptureFixture,
+                                                             tmp_path: Path) -> None:
+    def run(extra: list[str]) -> dict:
+        argv = ["memory", "--model", "qwen2-12.1b", "--pp", "4", "--tp", "8", "-m", "8",
+                "--json", *extra]
+        assert main(argv) == 0
+        return json.loads(capsys.readouterr().out)
+
+    full, masked = run([]), run(["--mean-doc-len", "512"])
+    assert masked["memory"] == full["memory"]  # the bytes do not change
+    assert masked["step_ms"] < full["step_ms"]
+
+
+def test_a_train_line_with_document_masking_reads_the_prepared_histogram(
+        tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from stp.cli.memory import _documents
+
+    (tmp_path / "d.hist.json").write_text(json.dumps({"mean_length": 99.0}))
+    job = SimpleNamespace(document_mask=True, data=str(tmp_path / "d"))
+    assert _documents(argparse.Namespace(mean_doc_len=None), job) == 99
+    assert _documents(argparse.Namespace(mean_doc_len=7), job) == 7  # the flag wins
+    off = SimpleNamespace(document_mask=False, data=str(tmp_path / "d"))
+    assert _documents(argparse.Namespace(mean_doc_len=None), off) is None
+    bare = SimpleNamespace(document_mask=True, data=str(tmp_path / "none"))
+    assert _documents(argparse.Namespace(mean_doc_len=None), bare) is None

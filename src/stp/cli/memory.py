@@ -37,7 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from stp.cli.common import EXIT_USAGE
+from stp.cli.common import EXIT_USAGE, mean_doc_len
 from stp.costmodel import derive
 from stp.costmodel.budget import over_budget, parse_size
 from stp.costmodel.decoder.spec import RECOMPUTE_MODES, ModelSpec, decoder_only
@@ -107,6 +107,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--chunks", type=chunk_count, default=None,
                        help="with --model: stages per rank of 1f1b-interleaved, "
                        f"zb-interleaved or looped-bfs (default 2, at most {MAX_CHUNKS})")
+    p.add_argument("--mean-doc-len", type=mean_doc_len, default=None, metavar="N|PREFIX",
+                   help="document masking: price attention (the simulated step) over documents "
+                   "of N tokens on average, or a prepared dataset's (its .hist.json); with "
+                   "--document-mask and a prepared --data, read from it; bytes do not change")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -156,6 +160,8 @@ def _model_estimate(args: argparse.Namespace) -> MemoryEstimate:
         raise ValueError(f"{flag} describes the model, and so does --model {args.model}: "
                          f"drop {flag}, or --model to price a `stp train` command line")
     spec = model_spec(args.model)
+    if args.mean_doc_len is not None:
+        spec = replace(spec, mean_doc_len=args.mean_doc_len)
     m = args.microbatches or max(8, 2 * args.pp)
     seq = args.seq_len or (spec.sequence if spec.sequence > 1 else 4096)
     # --ep where stp train has it; left at 1, a preset's own ep (`mixtral-8x7b,ep=8`)
@@ -217,9 +223,20 @@ def _train_estimate(args: argparse.Namespace) -> tuple[MemoryEstimate, str]:
     own = {k: getattr(args, k) for k in ("recompute", "shard_optimizer")
            if k not in {f.name for f in dataclasses.fields(TrainJob)}}
     est = run_estimate(run, parse_hardware(args.hardware or DEFAULT_HARDWARE),
-                       run_features(run.job, **own))
+                       run_features(run.job, **own), _documents(args, job))
     assert est is not None
     return est, _describe(run)
+
+
+def _documents(args: argparse.Namespace, job: Any) -> int | None:
+    """--mean-doc-len, else with --document-mask the mean of a prepared --data's
+    .hist.json (`stp data prepare` writes one); None: no document masking priced."""
+    if args.mean_doc_len is not None or not job.document_mask or job.data is None:
+        return args.mean_doc_len
+    try:
+        return mean_doc_len(job.data)
+    except argparse.ArgumentTypeError:  # no histogram beside the data: not priced
+        return None
 
 
 def _describe(run: Any) -> str:

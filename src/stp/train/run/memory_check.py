@@ -23,6 +23,7 @@ encoder's and decoder's units keep (`stp.costmodel.mllm.memory`).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 from stp.costmodel import HARDWARE
@@ -74,18 +75,22 @@ def run_features(job: Any, *, recompute: str | None = None,
 
 
 def run_estimate(run: Any, hardware: HardwareSpec | None = None,
-                 features: Features | None = None) -> MemoryEstimate | None:
+                 features: Features | None = None,
+                 mean_doc_len: int | None = None) -> MemoryEstimate | None:
     """The cost model's bytes per rank of `run` (stp.train.run.resolve.Run): its model,
     mesh, batch, schedule (a file's too), partition and `run_features`; None where
     there is no estimate (`no_estimate_reason`). The one estimate `stp train`
     checks before launching and `stp memory` prints for a train command line.
-    `hardware` (default a100-80g) only sets the offload link and the step time."""
+    `hardware` (default a100-80g) only sets the offload link and the step time;
+    `mean_doc_len` (document masking) only the step time too."""
     if no_estimate_reason(run) is not None:
         return None
     job = run.job
     spec = spec_from_config(run.config, seq_len=job.model.seq_len,
                             microbatch_size=job.microbatch_size, tp=job.tp,
                             flash_attention=False)
+    if mean_doc_len is not None:
+        spec = replace(spec, mean_doc_len=mean_doc_len)
     layout = Layout(pp=job.pp, tp=job.tp, dp=job.dp,
                     microbatches=run.schedule.num_microbatches,
                     microbatch_size=job.microbatch_size, seq_len=job.model.seq_len,
