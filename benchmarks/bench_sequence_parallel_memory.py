@@ -45,8 +45,8 @@ def _storages(tensors, exclude: set[int]) -> dict[int, int]:
 
 def _measure(args: argparse.Namespace, sp: bool) -> dict[str, int]:
     from stp.models import ModelConfig
+    from stp.runtime.graph_saved import graph_saved
     from stp.runtime.mesh import Mesh, ParallelDims
-    from stp.runtime.offload import graph_saved
     from stp.train.step.trainer import Trainer
 
     mesh = Mesh.from_world(ParallelDims(1, args.tp, 1), timeout=120)

@@ -16,7 +16,7 @@ import torch
 from stp.models import ModelConfig
 from stp.models.compile import compile_stages, compile_stats
 from stp.models.decoder.stage import build_stage
-from stp.runtime.offload import graph_saved
+from stp.runtime.graph_saved import graph_saved
 
 CONFIG = ModelConfig(vocab_size=32, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2,
                      ffn_hidden=64, max_seq_len=16, seed=3, qkv_bias=True)

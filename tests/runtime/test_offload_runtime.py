@@ -19,7 +19,8 @@ import torch
 
 from stp.models import ModelConfig, build_stage
 from stp.runtime.executor import Executor
-from stp.runtime.offload import ActivationOffloader, HostCopier, graph_saved, runtime_plan
+from stp.runtime.graph_saved import graph_saved
+from stp.runtime.offload import ActivationOffloader, HostCopier, runtime_plan
 from stp.schedule.lower import lower
 from stp.schedule.registry import make as make_schedule
 

@@ -20,7 +20,7 @@ import torch._dynamo  # noqa: F401  imported by the first optimizer step: 40 s a
 import torch.distributed as dist
 from torch import nn
 
-from stp.train.checkpoint import sharded
+from stp.train.checkpoint import checks, sharded
 from stp.train.step.precision import Precision
 
 SHAPES = {"embed.weight": (4, 3), "norm.weight": (3,)}
@@ -221,6 +221,6 @@ def test_an_unwritable_directory_is_refused_naming_flag_and_path(tmp_path: Path)
     blocker.write_text("x")
     with pytest.raises(ValueError, match=r"^--save-dir '.*file/sub' is not a writable "
                                          r"directory: "):
-        sharded.check_writable(blocker / "sub", "--save-dir")
-    sharded.check_writable(tmp_path / "new" / "dir")
+        checks.check_writable(blocker / "sub", "--save-dir")
+    checks.check_writable(tmp_path / "new" / "dir")
     assert (tmp_path / "new" / "dir").is_dir()

@@ -21,7 +21,7 @@ import torch
 
 from stp.models import ModelConfig
 from stp.models.decoder.family import DECODER
-from stp.train.checkpoint import integrity
+from stp.train.checkpoint import checks, integrity
 from stp.train.checkpoint import sharded as checkpoint
 from stp.train.checkpoint.read import SafeReader, UnsafeCheckpoint, read_metadata, safe_load_bytes
 from stp.train.step.trainer import Trainer
@@ -79,7 +79,7 @@ def test_a_saved_checkpoint_has_a_manifest_and_verifies(run: Path) -> None:
     for step in (STEP1, STEP2):
         assert (run / step / integrity.MANIFEST).is_file()
         integrity.verify(run / step)
-    assert checkpoint.check_resume(run, None).name == STEP2
+    assert checks.check_resume(run, None).name == STEP2
 
 
 def test_a_metadata_payload_runs_nothing_and_is_refused(run: Path, tmp_path: Path) -> None:
@@ -88,7 +88,7 @@ def test_a_metadata_payload_runs_nothing_and_is_refused(run: Path, tmp_path: Pat
     (run / STEP2 / integrity.MANIFEST).unlink()  # past the checksums: the unpickler itself
     line = _refusal(read_metadata, run / STEP2)
     assert "posix.system" in line and ".metadata" in line
-    line = _refusal(checkpoint.check_resume, run, None)
+    line = _refusal(checks.check_resume, run, None)
     assert f"{STEP1} is intact" in line
     with pytest.raises(UnsafeCheckpoint):
         SafeReader(run / STEP2).read_metadata()
@@ -132,7 +132,7 @@ def test_a_flipped_bit_names_the_file_and_the_intact_step(run: Path) -> None:
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x10
     shard.write_bytes(bytes(data))
-    line = _refusal(checkpoint.check_resume, run, None)
+    line = _refusal(checks.check_resume, run, None)
     assert "__0_0.distcp" in line and "checksum" in line
     assert f"{run / STEP1} is intact" in line
     with pytest.raises(ValueError, match="checksum"):
@@ -150,7 +150,7 @@ def test_a_truncated_or_deleted_shard_names_the_file(run: Path) -> None:
 def test_both_damaged_says_no_step_is_intact(run: Path) -> None:
     for step in (STEP1, STEP2):
         (run / step / "__0_0.distcp").unlink()
-    assert "no earlier complete step" in _refusal(checkpoint.check_resume, run, None)
+    assert "no earlier complete step" in _refusal(checks.check_resume, run, None)
 
 
 def test_without_a_manifest_a_missing_data_file_is_still_found(run: Path) -> None:
@@ -164,7 +164,7 @@ def test_a_deleted_manifest_is_refused_unless_allowed(run: Path) -> None:
     """Guards against deleting stp.sha256.json switching the integrity check off: a
     bit-flipped shard then resumed with exit 0 and a warning."""
     (run / STEP2 / integrity.MANIFEST).unlink()
-    line = _refusal(checkpoint.check_resume, run, None)
+    line = _refusal(checks.check_resume, run, None)
     assert "no stp.sha256.json" in line and "--allow-unverified" in line
     with pytest.raises(ValueError, match="--allow-unverified"):
         Trainer.resume(str(run), CONFIG, None, "1f1b", pp=1, microbatches=2)
@@ -184,7 +184,7 @@ def test_an_old_checkpoint_without_a_manifest_loads_when_allowed(run: Path) -> N
 def test_stp_json_that_is_no_object_names_the_file(run: Path, content: bytes) -> None:
     (run / STEP2 / "stp.json").write_bytes(content)
     (run / STEP2 / integrity.MANIFEST).unlink()
-    assert "stp.json" in _refusal(lambda: checkpoint.check_resume(
+    assert "stp.json" in _refusal(lambda: checks.check_resume(
         run / STEP2, {"hidden": 16}, allow_unverified=True))
 
 
@@ -348,7 +348,7 @@ def _poison_step(run: Path) -> None:
 
 def test_a_nan_checkpoint_is_refused_before_workers_and_on_load(run: Path) -> None:
     _poison_step(run)
-    line = _refusal(checkpoint.check_resume, run, None)
+    line = _refusal(checks.check_resume, run, None)
     assert "embed.weight holds NaN" in line
     with pytest.raises(ValueError, match="embed.weight holds NaN"):
         Trainer.resume(str(run), CONFIG, None, "1f1b", pp=1, microbatches=2)
@@ -415,7 +415,7 @@ def test_without_a_manifest_damaged_tensor_data_is_one_line(run: Path) -> None:
     data = bytearray((step / info.relative_path).read_bytes())
     data[info.offset:info.offset + 64] = bytes(64)  # the tensor's zip header
     (step / info.relative_path).write_bytes(bytes(data))
-    line = _refusal(lambda: checkpoint.check_resume(run, None, allow_unverified=True))
+    line = _refusal(lambda: checks.check_resume(run, None, allow_unverified=True))
     assert "exp_avg" in line and info.relative_path in line and "damaged" in line
     with pytest.raises(ValueError) as e:
         Trainer.resume(str(run), CONFIG, None, "1f1b", pp=1, microbatches=2,
@@ -433,7 +433,7 @@ def test_without_a_manifest_damaged_weights_are_refused_before_launch(run: Path)
     data = bytearray((step / info.relative_path).read_bytes())
     data[info.offset:info.offset + 64] = bytes(64)
     (step / info.relative_path).write_bytes(bytes(data))
-    line = _refusal(lambda: checkpoint.check_resume(run, None, allow_unverified=True))
+    line = _refusal(lambda: checks.check_resume(run, None, allow_unverified=True))
     assert key.fqn in line and "damaged" in line
 
 
@@ -493,5 +493,5 @@ def test_nan_in_the_optimizer_state_is_refused_before_launch(tmp_path: Path, slo
     state = next(iter(trainer.optimizer.state.values()))
     state[slot].view(-1)[0] = float("nan")
     trainer.save(str(tmp_path / "run"))
-    line = _refusal(checkpoint.check_resume, tmp_path / "run", None)
+    line = _refusal(checks.check_resume, tmp_path / "run", None)
     assert slot in line and ".distcp" in line and "NaN or inf" in line

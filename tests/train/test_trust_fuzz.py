@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from stp.models import ModelConfig, build_reference
 from stp.models.hf import HFCheckpoint, config_from_hf, save_state
-from stp.train.checkpoint import sharded as checkpoint
+from stp.train.checkpoint import checks
 from stp.train.checkpoint.read import read_metadata
 from stp.train.step.trainer import Trainer
 
@@ -177,7 +177,7 @@ def test_damaged_checkpoints_are_refused_or_load_the_saved_model(damages: list) 
             elif data:
                 data[int(where * len(data))] ^= 1 << bit
                 f.write_bytes(bytes(data))
-        error = _bounded(lambda: checkpoint.check_resume(tmp, None))
+        error = _bounded(lambda: checks.check_resume(tmp, None))
         if error is None:
             _loads_the_saved_model(tmp, model)
     finally:

@@ -67,8 +67,6 @@ from stp.models.compile_pieces import (
     QKVRopeFn,
     RopeFn,
     SwiGLUFn,
-    entries,
-    fusable,
     mlp_backward,
     mlp_forward,
     norm_backward,
@@ -86,6 +84,7 @@ from stp.models.compile_pieces import (
     swiglu_backward,
     swiglu_forward,
 )
+from stp.models.compile_weights import entries, fusable
 from stp.models.decoder.kernels import Kernels
 from stp.models.tp.layers import vocab_ce_grad, vocab_ce_stats
 from stp.models.tp.wgrad import GradTaps, WGradEntry

@@ -16,7 +16,11 @@ from typing import Any
 
 import torch
 
-from stp.models.compile_pieces import qkv_rope_backward, qkv_rope_forward, weight_work
+from stp.models.compile_pieces import (
+    qkv_rope_backward,
+    qkv_rope_forward,
+)
+from stp.models.compile_weights import weight_work
 from stp.models.tp.wgrad import WGradEntry
 
 _ATEN = torch.ops.aten

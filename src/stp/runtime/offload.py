@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from stp.runtime.graph_saved import graph_saved
 from stp.runtime.offload_copy import (
     Copier,
     CopyEvent,
@@ -83,45 +84,6 @@ def runtime_plan(schedule: Schedule, policy: str | None) -> OffloadPlan:
     unit), not with measured times. Raises ValueError on an unknown policy.
     """
     return plan_offload(schedule, policy, Costs(), MemCosts(), OffloadCosts())
-
-
-# -- what a forward keeps ----------------------------------------------------------
-
-_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
-
-
-def _node_saved(node: Any) -> list[torch.Tensor]:
-    """Tensors autograd saved in one graph node."""
-    if isinstance(node, torch.autograd.function.BackwardCFunction):
-        return list(node.saved_tensors)  # a custom Function's ctx.save_for_backward
-    names = _SAVED_NAMES.get(type(node))
-    if names is None:
-        names = tuple(a for a in dir(node) if a.startswith("_saved_"))
-        _SAVED_NAMES[type(node)] = names
-    out: list[torch.Tensor] = []
-    for name in names:
-        value = getattr(node, name)
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, list | tuple):
-            out += [v for v in value if isinstance(v, torch.Tensor)]
-    return out
-
-
-def graph_saved(roots: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """Every tensor autograd saved in the graphs behind `roots` (documented:
-    built-in nodes expose them as `_saved_*` attributes)."""
-    seen: set[Any] = set()
-    stack: list[Any] = [t.grad_fn for t in roots if t.grad_fn is not None]  # autograd nodes
-    out: list[torch.Tensor] = []
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        out += _node_saved(node)
-        stack += [nxt for nxt, _ in node.next_functions]
-    return out
 
 
 @dataclass

@@ -19,7 +19,8 @@ from stp.costmodel.peaks import check_hardware
 from stp.models.emulated import parse_emulate
 from stp.runtime.mesh import ParallelDims
 from stp.schedule.offload import parse_policy
-from stp.train.checkpoint.sharded import check_resume, check_writable, complete_checkpoints
+from stp.train.checkpoint.checks import check_resume, check_writable
+from stp.train.checkpoint.sharded import complete_checkpoints
 from stp.train.checkpoint.storage import check_free_space, checkpoint_bytes
 from stp.train.data.corpus import read_corpus
 from stp.train.data.load import check_data

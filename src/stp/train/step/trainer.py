@@ -54,7 +54,6 @@ from math import prod
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from stp.models.family import check_text_batch
@@ -76,8 +75,8 @@ from stp.train.run.startup import load_clock
 from stp.train.step.aux_losses import AuxLosses
 from stp.train.step.documents import mask_documents
 from stp.train.step.gc_pause import StepGC, gc_paused
-from stp.train.step.grad_sync import WORLD
 from stp.train.step.lr import make_scheduler
+from stp.train.step.peaks import world_peaks
 from stp.train.step.precision import Precision, UpdateStats, apply_update
 
 __all__ = ["Trainer", "TrainerOptions", "StageBuilder", "OptimizerFactory"]
@@ -250,18 +249,10 @@ class Trainer:
         (collective: every rank calls it); None without `offload`."""
         if self.offloader is None:
             return None
-        peaks: list[Any] = [None] * self.dims.world_size
-        mem = self.offloader.memory
-        mine = (mem.peak_bytes, max(0, mem.peak_with_held - mem.peak_bytes))
-        if self.dims.world_size == 1:  # host counters: nothing to gather, no device read
-            peaks[0] = mine
-        else:
-            self.parts.sync.collective("memory gather", WORLD, dist.all_gather_object, peaks,
-                                       mine)
-        self.copy_peaks = [int(c) for _, c in peaks]
-        """What the DP reductions' copies in flight added to each rank's peak of resident
-        activations in the last step (`StepMemory.peak_with_held`), set with the peaks."""
-        return [int(p) for p, _ in peaks]
+        peaks, self.copy_peaks = world_peaks(self.parts, self.offloader.memory)
+        """`copy_peaks`: what the DP reductions' copies in flight added to each rank's
+        peak (`StepMemory.peak_with_held`), set with the peaks."""
+        return peaks
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(global name, local tensor) of every parameter this rank holds."""
