@@ -85,3 +85,8 @@ def test_moe_run_prints_ran_line_and_figures(capfd, tmp_path) -> None:
     first, last = steps[0]["aux_loss"], steps[-1]["aux_loss"]
     assert (f"moe: aux loss {first:.4g} -> {last:.4g}, expert load "
             f"{steps[-1]['expert_load']:.2f} in the last step") in got.err, got.err
+
+
+def test_document_masking_is_said_when_on() -> None:
+    assert "| offload none | document-mask | model decoder" in _ran("--document-mask")
+    assert "document-mask" not in _ran()

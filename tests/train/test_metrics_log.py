@@ -85,3 +85,14 @@ def test_log_values_are_checked_before_any_worker(monkeypatch: pytest.MonkeyPatc
                         lambda name, *a: None if name == "tensorboard" else real(name, *a))
     with pytest.raises(ValueError, match=r"pip install 'stp\[log\]'"):
         check_log("tensorboard")
+
+
+def test_an_oversized_metrics_file_is_refused_not_read(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from stp.train.run import metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n' * 10)
+    monkeypatch.setattr(metrics, "MAX_METRICS_BYTES", 100)
+    with pytest.raises(ValueError, match="more than a metrics file holds"):
+        MetricsLog(tmp_path, resumed_at=1, tensorboard=False)
+    assert (tmp_path / "metrics.jsonl").stat().st_size == 250  # left as it was

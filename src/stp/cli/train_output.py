@@ -150,7 +150,8 @@ def ran_line(s: Any, config: Any) -> str:
             f"{job.dtype} | sp {_on_off(sp)} | recompute {job.recompute} | "
             f"shard-optimizer {_on_off(shard)} | overlap grad-sync "
             f"{_on_off(job.overlap_grad_sync)}, param-gather {_on_off(gather)} | "
-            f"offload {job.offload}{' | compile' if job.compile else ''} | "
+            f"offload {job.offload}{' | compile' if job.compile else ''}"
+            f"{' | document-mask' if job.document_mask else ''} | "
             f"{_model_text(config, s.parameters, job)}")
 
 

@@ -91,10 +91,19 @@ def check_log(log: str) -> None:
                              "pip install 'stp[log]' (or drop --log)")
 
 
+MAX_METRICS_BYTES = 1 << 30
+"""A metrics file a resume continues is read whole: larger than this (about three
+million steps) it is refused rather than read."""
+
+
 def _kept_lines(path: Path, through_step: int) -> list[str]:
     """The lines of an earlier run's metrics.jsonl up to `through_step` (the
     checkpoint resumed from). A line that is not a step object (cut short by a
     kill mid-write, say) is dropped with the steps after the checkpoint."""
+    size = path.stat().st_size
+    if size > MAX_METRICS_BYTES:
+        raise ValueError(f"{path}: {size} bytes, more than a metrics file holds "
+                         f"({MAX_METRICS_BYTES} at most); move it aside to resume")
     kept = []
     with path.open(encoding="utf-8", errors="replace") as f:
         for line in f:
