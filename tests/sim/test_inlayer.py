@@ -113,3 +113,18 @@ def test_bad_chunks_refused_in_one_line():
             InLayer(bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="efficiency"):
         InLayer(2, efficiency=1.5)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-v", "stp", "dualpipev", "1f1b-interleaved",
+                                  "gpipe", "v-half"])
+def test_one_chunk_without_gathers_is_the_plain_pass(name):
+    """K = 1 cuts nothing: without sequence parallelism (all-reduces, all-to-alls,
+    nothing gathered again in W) every pass times exactly as without overlap,
+    braided blocks and passes alone alike."""
+    sch = generate(name, 3, 9)
+    c = Costs(f=1, b=1.2, w=0.8, ar=0.3, comm=0.1, a2a=0.1)
+    plain = simulate(sch, c, layers=2)
+    one = simulate(sch, c, layers=2, in_layer=InLayer(1))
+    assert one.makespan == pytest.approx(plain.makespan, abs=1e-9)
+    assert one.tp_bubble == pytest.approx(plain.tp_bubble, abs=1e-9)
+    assert one.a2a_bubble == pytest.approx(plain.a2a_bubble, abs=1e-9)

@@ -42,8 +42,8 @@ def add_overlap_args(p: argparse.ArgumentParser) -> None:
                    help="on (default): braided blocks braid their passes; off: pass by pass")
     p.add_argument("--tp-overlap", action="store_true",
                    help="in-layer TP overlap on the passes that run alone: each unit's "
-                   "collectives and matmuls cut into K chunks (an all-reduce counts as its "
-                   "reduce-scatter and all-gather halves)")
+                   "collectives and matmuls cut into K chunks (K=1: none cut, but W's "
+                   "all-gather of its input, with sequence parallelism, charged)")
     p.add_argument("--tp-overlap-chunks", type=int_in(1, MAX_CHUNKS), default=None, metavar="K",
                    help=f"chunks per unit with --tp-overlap (default 4; 1..{MAX_CHUNKS})")
     p.add_argument("--tp-overlap-costs", default=None, metavar="launch=..,efficiency=..",

@@ -24,7 +24,7 @@ from __future__ import annotations
 from stp.costmodel.hardware import HardwareSpec
 from stp.sim.inlayer import InLayer
 
-__all__ = ["in_layer_plan", "chunk_launch_ms", "CHUNK_CHOICES"]
+__all__ = ["in_layer_plan", "in_layer_for", "chunk_launch_ms", "CHUNK_CHOICES"]
 
 CHUNK_CHOICES = (2, 4, 8)
 """The chunk counts the planner and the search try."""
@@ -42,3 +42,14 @@ def in_layer_plan(hardware: HardwareSpec, tp: int, tokens: int, chunks: int) -> 
         raise ValueError(f"tokens={tokens!r}: a microbatch's rows, an integer >= 1")
     return InLayer(chunks, chunk_launch_ms(hardware, tp),
                    hardware.chunk_efficiency(tokens, chunks))
+
+
+def in_layer_for(spec: object, hardware: HardwareSpec, chunks: int) -> InLayer | None:
+    """The plan of a cost-model spec cut as it says (its `tp`, `sequence`,
+    `micro_batch`) at `chunks` chunks; None: off (0 chunks) or nothing to
+    overlap (tp 1)."""
+    tp = getattr(spec, "tp", 1)
+    if not chunks or tp == 1:
+        return None
+    return in_layer_plan(hardware, tp, spec.sequence * spec.micro_batch,  # type: ignore[attr-defined]
+                         chunks)

@@ -8,8 +8,8 @@ one unit so cut; `stp.sim.engine` uses it for every pass that runs it
 
 One unit (an F or B unit of `stp.sim.units`: attention or MLP of one layer)
 with its all-gather `a` before it, its compute `g`, its reduce-scatter `r`
-after it (sequence parallelism; an all-reduce `ar` counts as its two halves,
-reduce-scatter then all-gather, Thakur et al. 2005), cut into K chunks:
+after it (sequence parallelism; without it `a` = 0 and `r` is the unit's
+all-reduce, each chunk's reduced after the chunk's matmuls), cut into K chunks:
 
     AG_k   a/K + L (K-1)/K   on the TP lane (chunk k's rows gathered)
     G_k    g / (K e)         on the compute lane (chunk k's matmuls)
@@ -41,7 +41,8 @@ A deferred weight-gradient unit W needs its column-parallel linears' input,
 which sequence parallelism keeps only as the s/t shard: the runtime gathers
 it again in W, in K chunks under the chunks of the dW matmul (dW = sum_k
 dy_k^T x_k). It is priced the same way with `r` = 0:
-`T = max(a' + K g', K a' + g')`.
+`T = max(a' + K g', K a' + g')`. Without chunking this gather is not
+charged (`stp.sim.engine`); `--tp-overlap-chunks 1` charges it whole.
 
 The hybrid (`braid=True` with in-layer overlap, mode "both"): a braided block
 keeps the braid rule (its passes hide each other's collectives, whole); a
@@ -101,6 +102,10 @@ class ChunkTimeline:
 
     end: float
     """When its last piece ends (its output is final)."""
+    compute_end: float
+    """When its last matmul chunk ends (the compute lane is free)."""
+    comm_end: float
+    """When its last collective piece ends (the TP lane is free)."""
     busy: float
     """Compute-lane time of its matmul chunks, K g'."""
     comm: float
@@ -120,7 +125,8 @@ def chunk_timeline(start: float, comm_start: float, g: float, a: float, r: float
         end = t0 + g + r
         pieces = ((("AG", comm_start, comm_start + a),) if a > 0 else ()) + (
             ("G", t0, t0 + g),) + ((("RS", t0 + g, end),) if r > 0 else ())
-        return ChunkTimeline(end, g, a + r, pieces if record else ())
+        comm_end = end if r > 0 else comm_start + a if a > 0 else comm_start
+        return ChunkTimeline(end, t0 + g, comm_end, g, a + r, pieces if record else ())
     extra = plan.launch * (k - 1) / k
     ap = a / k + extra if a > 0 else 0.0
     rp = r / k + extra if r > 0 else 0.0
@@ -145,4 +151,5 @@ def chunk_timeline(start: float, comm_start: float, g: float, a: float, r: float
             comm = s + rp
             out.append(("RS", s, comm))
         prev = ge
-    return ChunkTimeline(max(prev, comm), k * gp, k * (ap + rp), tuple(out) if record else ())
+    return ChunkTimeline(max(prev, comm), prev, comm, k * gp, k * (ap + rp),
+                         tuple(out) if record else ())

@@ -24,14 +24,16 @@ __all__ = ["run_chunked", "unit_collectives"]
 _F, _W = UnitKind.F, UnitKind.W
 
 
-def unit_collectives(ag: float, rs: float, ar: float, ag_forward: float, ar_forward: float,
+def unit_collectives(ag: float, rs: float, ar: float, ag_forward: float,
                      kind: UnitKind) -> tuple[float, float]:
-    """(gather before, scatter after) a unit of `kind`: its all-gather and
-    reduce-scatter, an all-reduce split into its two halves; a W unit gathers
-    its forward's input again (the forward's gather) and scatters nothing."""
+    """(gather before, scatter after) a unit of `kind`: its all-gather, and its
+    reduce-scatter or (without sequence parallelism) its all-reduce, each chunk's
+    after the chunk's matmuls; a W unit gathers its forward's input again (the
+    forward's gather; nothing without sequence parallelism, which keeps the whole
+    input) and scatters nothing."""
     if kind is _W:
-        return ag_forward + ar_forward / 2, 0.0
-    return ag + ar / 2, rs + ar / 2
+        return ag_forward, 0.0
+    return ag, rs + ar
 
 
 ChainStart = Callable[[RankLanes, Pass, float, float], tuple[float, float]]
@@ -43,39 +45,55 @@ def run_chunked(table: StageTable, sink: SpanSink, plan: InLayer, chain_start: C
                 rank: RankLanes, p: Pass, items: tuple[Item, ...],
                 ready: float) -> tuple[float, float]:
     """Run pass `p` (its `items` in its own order) chunked on `rank`'s lanes;
-    returns (when its first unit may start, when its output is final)."""
+    returns (when its first unit may start, when its output is final).
+
+    An F or B unit waits for the previous one's output (its last scatter and
+    any all-to-all); a W unit waits only for the compute lane, so in a full
+    backward B's last scatter pieces run under the W unit that follows, as
+    without overlap. The pass ends when its last collective does (plain TP
+    code waits for it)."""
     st = p.stage
     times, ars, ags, rss, a2as = (table.unit_time[st], table.ar_time[st], table.ag_time[st],
                                   table.rs_time[st], table.a2a_time[st])
     record = not isinstance(sink, NoSpans)
-    t, start = rank.lane, -1.0
+    lane, tp, start = rank.lane, rank.tp, -1.0
+    out = scattered = ready  # the chain's latest output final / its scatter ended
     for it in items:
         kind = it.kind
         if it.first:
-            base, _ = chain_start(rank, p, t, ready)
-            comm0 = max(ready, rank.tp)
+            base, _ = chain_start(rank, p, lane, ready)
+            comm0 = ready  # launched on arrival, beside the lane's queue (stp.sim.engine)
+        elif it.waits_ar:  # its input is the previous unit's reduced output
+            base = max(lane, out)
+            in_a2a = max(0.0, base - max(lane, scattered))
+            rank.a2a_wait += in_a2a
+            rank.tp_wait += base - lane - in_a2a
+            comm0 = max(out, tp)
         else:
-            base = comm0 = t
-        a, r = unit_collectives(ags[kind], rss[kind], ars[kind], ags[_F], ars[_F], kind)
+            base, comm0 = lane, max(lane, tp)
+        a, r = unit_collectives(ags[kind], rss[kind], ars[kind], ags[_F], kind)
         line = chunk_timeline(base, comm0, times[kind], a, r, plan, record)
         if start < 0:
             start = base
         rank.busy += line.busy
         rank.tp_total += line.comm
-        rank.tp_wait += line.end - base - line.busy
+        rank.tp_wait += line.compute_end - base - line.busy
         for what, s, e in line.pieces:
             if what == "G":
                 sink.unit(it, s, e)
             else:
                 sink.allreduce(it, s, e, what)
-        end = line.end
-        a2a = a2as[kind]
-        if a2a > 0:
-            rank.a2a_total += a2a
-            rank.a2a_wait += a2a
-            sink.allreduce(it, end, end + a2a, "A2A")
-            end += a2a
-        t = end
-        rank.tp = max(rank.tp, end)
-    rank.lane = t
-    return start, t
+        lane, tp = line.compute_end, max(tp, line.comm_end)
+        if kind is not _W:
+            scattered = out = line.end
+            a2a = a2as[kind]
+            if a2a > 0:
+                rank.a2a_total += a2a
+                sink.allreduce(it, line.end, line.end + a2a, "A2A")
+                out = tp = line.end + a2a
+    end = max(lane, out)
+    in_a2a = max(0.0, end - max(lane, scattered))
+    rank.a2a_wait += in_a2a
+    rank.tp_wait += end - lane - in_a2a
+    rank.lane, rank.tp = end, tp
+    return start, end

@@ -21,13 +21,12 @@ from stp.costmodel.decoder.kept import Kept, stp_kept
 from stp.costmodel.decoder.spec import ModelSpec
 from stp.costmodel.dp_copies import copies_over_peak, reduction_copies
 from stp.costmodel.hardware import HardwareSpec
-from stp.costmodel.inlayer import in_layer_plan
+from stp.costmodel.inlayer import in_layer_for
 from stp.costmodel.memory_types import DTYPE_BYTES, Features, Layout, MemoryEstimate, RankMemory
 from stp.schedule.ir import Kind, Schedule, passes_of
 from stp.schedule.registry import generate
 from stp.sim.costs import MemCosts, OffloadCosts
 from stp.sim.engine import simulate
-from stp.sim.inlayer import InLayer
 from stp.sim.layered import LayeredCosts, check_partition, even_partition
 from stp.sim.offload import plan_offload
 from stp.sim.result import SimResult
@@ -106,16 +105,9 @@ def simulate_run(model: ModelSpec, hardware: HardwareSpec, layout: Layout,
     plan = plan_offload(sch, features.offload, derived.costs, mem, oc, stages=table)
     res = simulate(sch, derived.costs, mem, offload=plan if len(plan) else None,
                    offload_costs=oc, record_spans=False, stages=table,
-                   braid=features.braid, in_layer=_in_layer(spec, hardware, features))
+                   braid=features.braid,
+                   in_layer=in_layer_for(spec, hardware, features.tp_overlap_chunks))
     return spec, res, unit, ep_note
-
-
-def _in_layer(spec: ModelSpec, hardware: HardwareSpec, features: Features) -> InLayer | None:
-    """In-layer TP overlap's plan for the run (None: off, or nothing to overlap at tp 1)."""
-    k = features.tp_overlap_chunks
-    if not k or spec.tp == 1:
-        return None
-    return in_layer_plan(hardware, spec.tp, spec.sequence * spec.micro_batch, k)
 
 
 def states_bound(model: ModelSpec, hardware: HardwareSpec, layout: Layout,
