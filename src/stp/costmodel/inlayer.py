@@ -21,6 +21,8 @@ At t = 1 there is nothing to overlap: the simulator leaves such units whole.
 
 from __future__ import annotations
 
+from typing import Any
+
 from stp.costmodel.hardware import HardwareSpec
 from stp.sim.inlayer import InLayer
 
@@ -44,12 +46,10 @@ def in_layer_plan(hardware: HardwareSpec, tp: int, tokens: int, chunks: int) -> 
                    hardware.chunk_efficiency(tokens, chunks))
 
 
-def in_layer_for(spec: object, hardware: HardwareSpec, chunks: int) -> InLayer | None:
-    """The plan of a cost-model spec cut as it says (its `tp`, `sequence`,
-    `micro_batch`) at `chunks` chunks; None: off (0 chunks) or nothing to
-    overlap (tp 1)."""
-    tp = getattr(spec, "tp", 1)
-    if not chunks or tp == 1:
+def in_layer_for(spec: Any, hardware: HardwareSpec, chunks: int) -> InLayer | None:
+    """The plan of a cost-model spec cut as it says (every family's spec has
+    `tp`, `sequence`, `micro_batch`) at `chunks` chunks; None: off (0 chunks) or
+    nothing to overlap (tp 1)."""
+    if not chunks or spec.tp == 1:
         return None
-    return in_layer_plan(hardware, tp, spec.sequence * spec.micro_batch,  # type: ignore[attr-defined]
-                         chunks)
+    return in_layer_plan(hardware, spec.tp, spec.sequence * spec.micro_batch, chunks)
