@@ -72,3 +72,36 @@ def test_gemm_rows_fit_is_relative_throughput():
     assert [e for _, e in got] == pytest.approx([0.6, 0.8, 0.95, 1.0])
     with pytest.raises(ValueError, match="not a positive time"):
         gemm_rows_fit({256: 0.0})
+
+
+def test_calibrate_records_this_machines_matmul_curve(capsys, tmp_path, monkeypatch):
+    """`stp plan --calibrate` times this machine's matmuls at s/K rows and the plan
+    records the curve it priced in-layer overlap with (timings fixed here: a test
+    must not depend on the machine's speed)."""
+    import json
+
+    import stp.cli.plan as cli_plan
+    from stp.cli.main import main
+    from stp.schedule import generate
+    from stp.sim import Costs
+    from stp.sim.engine import simulate
+    from stp.sim.trace_format import trace_events
+
+    sch = generate("1f1b", 2, 4)
+    res = simulate(sch, Costs(ar=0.5, comm=0.2))
+    names = {(r, i): str(a) for r, acts in enumerate(sch.actions) for i, a in enumerate(acts)}
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({
+        "traceEvents": trace_events(res.spans, action_names=names, time_scale=1e3),
+        "otherData": {"source": "stp runtime (measured)", "microbatches": 4, "pp": 2, "tp": 2,
+                      "partition": [2, 2]}}))
+    monkeypatch.setattr(cli_plan, "gemm_seconds",
+                        lambda: {256: 256 / 0.5, 512: 512 / 0.7, 1024: 1024.0, 2048: 2048.0})
+    argv = ["plan", "--model", "layers=4,hidden=256,heads=4,kv_heads=4,ffn=1024,vocab=512,"
+            "sequence=128", "--gpus", "4", "--gpus-per-node", "4", "--global-batch", "8",
+            "--seq-len", "128", "--hardware", "a100-80g", "--schedules", "1f1b", "--json"]
+    assert main([*argv, "--calibrate", str(trace)]) == 0
+    got = json.loads(capsys.readouterr().out)["request"]["gemm_rows"]
+    assert got == [[256.0, 0.5], [512.0, pytest.approx(0.7)], [1024.0, 1.0], [2048.0, 1.0]]
+    assert main(argv) == 0  # no calibration: the preset's assumed curve
+    assert json.loads(capsys.readouterr().out)["request"]["gemm_rows"][0] == [128.0, 0.6]
