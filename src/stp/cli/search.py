@@ -92,21 +92,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _overlap_modes(args: argparse.Namespace, res: SearchResult) -> list:
     """The found schedule in every TP overlap mode (`--tp-overlap`), fastest first."""
+    from stp.cli.simulate import chunk_plans
     from stp.search.overlap import modes
-    from stp.sim.inlayer import InLayer
 
-    plan_for = InLayer
-    if args.model is not None:
-        from stp.cli.common import model_from_args
-        from stp.costmodel import parse_hardware
-        from stp.costmodel.inlayer import in_layer_plan
-
-        spec, hw = model_from_args(args), parse_hardware(args.hardware or "a100-80g")
-
-        def plan_for(k: int) -> InLayer:  # type: ignore[misc]  # the same signature
-            return in_layer_plan(hw, spec.tp, spec.sequence * spec.micro_batch, k)  # type: ignore[attr-defined]
     r = res.result
-    got = modes(res.schedule, r.costs, r.mem, r.layers, stages=r.stages, plan_for=plan_for)
+    got = modes(res.schedule, r.costs, r.mem, r.layers, stages=r.stages,
+                plan_for=chunk_plans(args))
     return sorted(got, key=lambda x: x.makespan)
 
 

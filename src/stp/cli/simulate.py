@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from stp.cli.budget_opts import add_budget_arg, budget_from_args, check_budget
 from stp.cli.common import (
     MAX_VALUE,
     add_cost_args,
-    int_in,
     costs_from_args,
+    int_in,
     microbatch_count,
     positive_float,
     pp_count,
@@ -30,8 +32,8 @@ from stp.cli.stage_opts import (
 from stp.schedule import validate
 from stp.schedule.limits import MAX_MICROBATCHES, MAX_RANKS
 from stp.schedule.registry import SCHEDULES, get
-from stp.sim.costs import parse_kv
 from stp.sim import SimResult, simulate
+from stp.sim.costs import parse_kv
 from stp.sim.inlayer import MAX_CHUNKS, InLayer
 from stp.sim.stages import StageCosts
 
@@ -52,6 +54,22 @@ def add_overlap_args(p: argparse.ArgumentParser) -> None:
                    "default: from --hardware with --model, else launch=0,efficiency=1")
 
 
+def chunk_plans(args: argparse.Namespace) -> Callable[[int], InLayer]:
+    """K -> how K chunks are priced: from --hardware with --model, else free."""
+    if getattr(args, "model", None) is None:
+        return InLayer
+    from stp.cli.common import model_from_args
+    from stp.costmodel import parse_hardware
+    from stp.costmodel.inlayer import in_layer_plan
+
+    spec: Any = model_from_args(args)  # a decoder's or a multimodal model's spec
+    hardware = parse_hardware(args.hardware or "a100-80g")
+
+    def plan_for(k: int) -> InLayer:
+        return in_layer_plan(hardware, spec.tp, spec.sequence * spec.micro_batch, k)
+    return plan_for
+
+
 def overlap_from_args(args: argparse.Namespace) -> tuple[bool, InLayer | None]:
     """(braid, in-layer plan or None) from the options of `add_overlap_args`."""
     braid = args.braid == "on"
@@ -62,15 +80,7 @@ def overlap_from_args(args: argparse.Namespace) -> tuple[bool, InLayer | None]:
                 raise ValueError(f"{flag} needs --tp-overlap")
         return braid, None
     k = args.tp_overlap_chunks or 4
-    base = InLayer(k)
-    if getattr(args, "model", None) is not None:
-        from stp.cli.common import model_from_args
-        from stp.costmodel import parse_hardware
-        from stp.costmodel.inlayer import in_layer_plan
-
-        spec = model_from_args(args)
-        base = in_layer_plan(parse_hardware(args.hardware or "a100-80g"), spec.tp,  # type: ignore[attr-defined]
-                             spec.sequence * spec.micro_batch, k)  # type: ignore[attr-defined]
+    base = chunk_plans(args)(k)
     kv = parse_kv(args.tp_overlap_costs or "", ("launch", "efficiency"), "--tp-overlap-costs")
     return braid, InLayer(k, kv.get("launch", base.launch), kv.get("efficiency", base.efficiency))
 
