@@ -41,8 +41,9 @@ A deferred weight-gradient unit W needs its column-parallel linears' input,
 which sequence parallelism keeps only as the s/t shard: the runtime gathers
 it again in W, in K chunks under the chunks of the dW matmul (dW = sum_k
 dy_k^T x_k). It is priced the same way with `r` = 0:
-`T = max(a' + K g', K a' + g')`. Without chunking this gather is not
-charged (`stp.sim.engine`); `--tp-overlap-chunks 1` charges it whole.
+`T = max(a' + K g', K a' + g')`. Without chunking, and in a braided
+block, this gather is not charged (`stp.sim.engine`); `--tp-overlap-chunks 1`
+charges it whole on the passes that run alone.
 
 The hybrid (`braid=True` with in-layer overlap, mode "both"): a braided block
 keeps the braid rule (its passes hide each other's collectives, whole); a
