@@ -39,7 +39,8 @@ def test_top_k_equals_the_exhaustive_ranking_under_a_tight_budget():
     # A budget that rules out some configurations without levers: the pruned
     # search must return what pricing every configuration at every lever would.
     budget = 6.0e9
-    request = _request(memory_budget=budget)
+    # the overlap step (stp.plan.overlap) lifts the exact top K afterwards: off here
+    request = _request(memory_budget=budget, tp_overlap=False)
     best: dict[tuple, float] = {}
     for cfg in every_config(request):
         key = (cfg.mesh, cfg.microbatch_size, cfg.schedule, cfg.chunks)

@@ -1,6 +1,7 @@
 """`stp draw`: picture (SVG or PNG) and Perfetto trace of a simulated timeline.
 
     stp draw --schedule stp --pp 4 -m 12 --cost f=2,b=2,w=2,ar=0.4 --out stp.svg
+    stp draw --schedule zb-v --pp 4 -m 8 --cost ag=0.2,rs=0.2 --tp-overlap --out zbv.svg
     stp draw --from-csv order.csv --out order.png --trace order.json
     stp draw --measured run.json --out run.svg    # what `stp train --trace` recorded
     stp draw --metrics runs/a runs/b --out curve.svg  # training curves from metrics.jsonl
@@ -13,6 +14,7 @@ import sys
 
 from stp.cli.common import add_cost_args, costs_from_args
 from stp.cli.offload_opts import add_offload_args, offload_from_args
+from stp.cli.simulate import add_overlap_args, overlap_from_args
 from stp.cli.source import add_source_args, load_schedule
 from stp.cli.stage_opts import add_stage_args, check_table_work, describe, stage_inputs
 from stp.schedule import validate
@@ -33,6 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_cost_args(p)
     add_stage_args(p)
     add_offload_args(p)
+    add_overlap_args(p)
     p.add_argument("--out", metavar="FILE.svg|FILE.png", default=None,
                    help="picture to write; the suffix picks the format")
     p.add_argument("--trace", metavar="FILE.json", default=None,
@@ -67,8 +70,9 @@ def run(args: argparse.Namespace) -> int:
     stages, auto = inputs.for_schedule(sch)
     check_table_work(stages, sch, "the stage cost table")
     plan, oc = offload_from_args(args, sch, costs, mem, stages)
+    braid, in_layer = overlap_from_args(args)
     res = simulate(sch, costs, mem, layers=args.layers, offload=plan, offload_costs=oc,
-                   stages=stages)
+                   stages=stages, braid=braid, in_layer=in_layer)
     for line in describe(stages, auto):
         print(line, file=sys.stderr)
     from stp import viz

@@ -79,13 +79,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="never turn on activation offload")
     p.add_argument("--no-sequence-parallel", action="store_true",
                    help="never turn on sequence parallelism")
+    p.add_argument("--no-tp-overlap", action="store_true",
+                   help="keep every plan's braiding as its schedule has it and never try "
+                   "in-layer TP overlap (default: the top plans try none / braided / "
+                   "in-layer / both at K = 2, 4, 8 chunks)")
     p.add_argument("--ep", default=None, metavar="N[,M..]",
                    help="a mixture of experts: only these expert-parallel sizes (default: "
                    "every divisor of dp that divides the experts, 1 included; a preset's own "
                    "ep is not kept)")
     p.add_argument("--calibrate", nargs="+", default=None, metavar="TRACE.json",
                    help="fit the hardware's efficiency and links to traces of `stp train "
-                   "--trace` (stp.plan.calibrate)")
+                   "--trace`, and time this machine's matmuls at s/K rows for in-layer TP "
+                   "overlap (stp.plan.calibrate)")
     p.add_argument("--mean-doc-len", type=mean_doc_len, default=None, metavar="N|PREFIX",
                    help="price attention for document masking (`stp train --document-mask`): "
                    "N tokens per document on average, or a dataset `stp data prepare` wrote "
@@ -135,7 +140,7 @@ def local_hardware() -> object:
     from stp.costmodel.decoder.costs import head_flops
     from stp.costmodel.decoder.spec import ModelSpec, layer_flops
     from stp.costmodel.hardware import HardwareSpec
-    from stp.plan.calibrate import fit_traces
+    from stp.plan.calibrate import fit_traces, gemm_rows_fit
 
     lm = _LOCAL_MODEL
     with tempfile.TemporaryDirectory() as tmp:
@@ -158,7 +163,34 @@ def local_hardware() -> object:
         base = HardwareSpec(peak_flops=1e11, efficiency=0.5, tp_bandwidth=1e9,
                             pp_bandwidth=1e9, host_bandwidth=1e9, name="local",
                             memory=float(memory))
-        return fit_traces([trace], flops).apply(base)
+        fit = fit_traces([trace], flops)
+        fit.gemm_rows = gemm_rows_fit(gemm_seconds())
+        return fit.apply(base)
+
+
+def gemm_seconds(width: int = 512, repeats: int = 5) -> dict[int, float]:
+    """This machine's time of one matmul of (rows x width) @ (width x width) at each of
+    `GEMM_PROBE_ROWS` (s = 2048 and its chunks s/2, s/4, s/8): the median of
+    `repeats` after a warm-up, for `stp.plan.calibrate.gemm_rows_fit`."""
+    import statistics
+    import time
+
+    import torch
+
+    from stp.plan.calibrate import GEMM_PROBE_ROWS
+
+    weight = torch.randn(width, width)
+    out = {}
+    for rows in GEMM_PROBE_ROWS:
+        x = torch.randn(rows, width)
+        x @ weight  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            x @ weight
+            times.append(time.perf_counter() - t0)
+        out[rows] = max(statistics.median(times), 1e-9)
+    return out
 
 
 def _hardware(args: argparse.Namespace) -> object:
@@ -171,8 +203,8 @@ def _hardware(args: argparse.Namespace) -> object:
         base = local_hardware()
     else:
         base = parse_hardware(args.hardware)
-    if args.calibrate:
-        base = calibrated(base, args.calibrate)  # type: ignore[arg-type]
+    if args.calibrate:  # traces of this machine: its matmuls are timed here too
+        base = calibrated(base, args.calibrate, gemm_seconds())  # type: ignore[arg-type]
     return base
 
 
@@ -195,7 +227,8 @@ def request_from_args(args: argparse.Namespace) -> object:
         dtype=args.dtype, max_microbatch_size=args.max_microbatch_size,
         schedules=_schedules(args.schedules), partition=args.partition,
         allow_sequence_parallel=not args.no_sequence_parallel,
-        allow_offload=not args.no_offload, ep=_ep_sizes(args.ep), source=source,
+        allow_offload=not args.no_offload, tp_overlap=not args.no_tp_overlap,
+        ep=_ep_sizes(args.ep), source=source,
         source_sha256=sha)
 
 

@@ -81,9 +81,24 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "result on any machine (default: no budget, only --time-limit)")
     p.add_argument("--out", metavar="FILE.json|FILE.csv", default=None,
                    help="write the schedule: .json (stp IR) or .csv (PyTorch compute-only)")
+    p.add_argument("--tp-overlap", action="store_true",
+                   help="also price the found schedule in every TP overlap mode (none, "
+                   "braided, in-layer, both at K = 2, 4, 8 chunks: stp.search.overlap) and "
+                   "name the fastest; chunks priced from --hardware with --model, else free")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: simulate's fields plus search_seconds")
     p.set_defaults(func=run)
+
+
+def _overlap_modes(args: argparse.Namespace, res: SearchResult) -> list:
+    """The found schedule in every TP overlap mode (`--tp-overlap`), fastest first."""
+    from stp.cli.simulate import chunk_plans
+    from stp.search.overlap import modes
+
+    r = res.result
+    got = modes(res.schedule, r.costs, r.mem, r.layers, stages=r.stages,
+                plan_for=chunk_plans(args))
+    return sorted(got, key=lambda x: x.makespan)
 
 
 def _write(res: SearchResult, path: str) -> None:
@@ -174,8 +189,12 @@ def run(args: argparse.Namespace) -> int:
     check_budget(args, res.result)
     if args.out:
         _write(res, args.out)
+    overlap = _overlap_modes(args, res) if args.tp_overlap else []
     if args.json:
-        print(json.dumps({**res.to_json(), **(choice.to_json() if choice else {})}))
+        extra = {"tp_overlap_modes": [
+            {"tp_overlap": r.mode, "tp_overlap_chunks": r.in_layer.chunks if r.in_layer else 0,
+             "makespan": r.makespan} for r in overlap]} if overlap else {}
+        print(json.dumps({**res.to_json(), **(choice.to_json() if choice else {}), **extra}))
         return 0
     c = costs
     sp = f" ag={c.ag:g} rs={c.rs:g}" if c.ag or c.rs else ""
@@ -190,6 +209,12 @@ def run(args: argparse.Namespace) -> int:
     for line in describe(res.result.stages, stages_auto):
         print(line)
     print(_table(res))
+    if overlap:
+        best = overlap[0]
+        print("tp overlap of the found schedule: " + ", ".join(
+            f"{r.mode}{f' K={r.in_layer.chunks}' if r.in_layer else ''} {r.makespan:.4g}"
+            for r in overlap) + f" (fastest: {best.mode}"
+            + (f" K={best.in_layer.chunks})" if best.in_layer else ")"))
     if args.out:
         print(f"wrote {args.out}")
     return 0

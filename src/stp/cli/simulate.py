@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from stp.cli.budget_opts import add_budget_arg, budget_from_args, check_budget
 from stp.cli.common import (
     MAX_VALUE,
     add_cost_args,
     costs_from_args,
+    int_in,
     microbatch_count,
     positive_float,
     pp_count,
@@ -30,7 +33,61 @@ from stp.schedule import validate
 from stp.schedule.limits import MAX_MICROBATCHES, MAX_RANKS
 from stp.schedule.registry import SCHEDULES, get
 from stp.sim import SimResult, simulate
+from stp.sim.costs import parse_kv
+from stp.sim.inlayer import MAX_CHUNKS, InLayer
 from stp.sim.stages import StageCosts
+
+
+def add_overlap_args(p: argparse.ArgumentParser) -> None:
+    """--braid, --tp-overlap, --tp-overlap-chunks, --tp-overlap-costs (stp.sim.inlayer)."""
+    p.add_argument("--braid", choices=("on", "off"), default="on",
+                   help="on (default): braided blocks braid their passes; off: pass by pass")
+    p.add_argument("--tp-overlap", action="store_true",
+                   help="in-layer TP overlap on the passes that run alone: each unit's "
+                   "collectives and matmuls cut into K chunks (K=1: none cut, but W's "
+                   "all-gather of its input, with sequence parallelism, charged)")
+    p.add_argument("--tp-overlap-chunks", type=int_in(1, MAX_CHUNKS), default=None, metavar="K",
+                   help=f"chunks per unit with --tp-overlap (default 4; 1..{MAX_CHUNKS})")
+    p.add_argument("--tp-overlap-costs", default=None, metavar="launch=..,efficiency=..",
+                   help="with --tp-overlap: what one more collective call costs (cost units) "
+                   "and the matmul efficiency of a chunk relative to the whole (0..1]; "
+                   "default: from --hardware with --model, else launch=0,efficiency=1")
+
+
+def chunk_plans(args: argparse.Namespace) -> Callable[[int], InLayer]:
+    """K -> how K chunks are priced: from --hardware with --model, else free."""
+    if getattr(args, "model", None) is None:
+        return InLayer
+    from stp.cli.common import model_from_args
+    from stp.costmodel import parse_hardware
+    from stp.costmodel.inlayer import in_layer_plan
+
+    spec: Any = model_from_args(args)  # a decoder's or a multimodal model's spec
+    hardware = parse_hardware(args.hardware or "a100-80g")
+
+    def plan_for(k: int) -> InLayer:
+        return in_layer_plan(hardware, spec.tp, spec.sequence * spec.micro_batch, k)
+    return plan_for
+
+
+def overlap_from_args(args: argparse.Namespace) -> tuple[bool, InLayer | None]:
+    """(braid, in-layer plan or None) from the options of `add_overlap_args`."""
+    braid = args.braid == "on"
+    if not args.tp_overlap:
+        for flag, val in (("--tp-overlap-chunks", args.tp_overlap_chunks),
+                          ("--tp-overlap-costs", args.tp_overlap_costs)):
+            if val is not None:
+                raise ValueError(f"{flag} needs --tp-overlap")
+        return braid, None
+    k = args.tp_overlap_chunks or 4
+    base = chunk_plans(args)(k)
+    kv = parse_kv(args.tp_overlap_costs or "", ("launch", "efficiency"), "--tp-overlap-costs")
+    return braid, InLayer(k, kv.get("launch", base.launch), kv.get("efficiency", base.efficiency))
+
+
+def _mode_text(res: SimResult) -> str:
+    """`braided`, `both K=4`, ...: how TP collectives were overlapped."""
+    return res.mode + (f" K={res.in_layer.chunks}" if res.in_layer else "")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -43,6 +100,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="refuse the schedule if a rank's peak activation exceeds this "
                    f"(units of M_B; a number > 0 and <= {MAX_VALUE:g})")
     add_budget_arg(p)
+    add_overlap_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_simulate)
 
@@ -56,6 +114,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_cost_args(c)
     add_stage_args(c)
     add_offload_args(c)
+    add_overlap_args(c)
     c.add_argument("--json", action="store_true", help="print one JSON object")
     c.add_argument("--plot", metavar="FILE.png|FILE.svg", default=None,
                    help="also draw makespan and peak memory per schedule")
@@ -101,8 +160,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     order_limit = None if args.offload != "none" or stages is not None else args.memory_limit
     validate(sch, memory_limit=order_limit, mem=mem)
     plan, oc = offload_from_args(args, sch, costs, mem, stages)
+    braid, in_layer = overlap_from_args(args)
     res = simulate(sch, costs, mem, layers=args.layers, offload=plan, offload_costs=oc,
-                   record_spans=False, stages=stages)
+                   record_spans=False, stages=stages, braid=braid, in_layer=in_layer)
     if args.memory_limit is not None and max(res.peak_activation) > args.memory_limit + 1e-9:
         worst = max(res.ranks, key=lambda r: r.peak_activation)
         raise ValueError(f"rank {worst.rank}: peak activation {worst.peak_activation:g} with "
@@ -118,6 +178,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(f"note: {sch.meta['torch_note']}")
     for line in describe(stages, auto):
         print(line)
+    if in_layer is not None or not braid:
+        print(f"tp overlap: {_mode_text(res)}" + (
+            f" (chunk launch {in_layer.launch:.4g}, chunk matmul efficiency "
+            f"{in_layer.efficiency:.3g})" if in_layer else ""))
     print(f"makespan {_fmt(res.makespan)} {unit}  bubble_rate {res.bubble_rate:.2%}  "
           f"pp_bubble {_fmt(res.pp_bubble)}  tp_bubble {_fmt(res.tp_bubble)}  "
           + (f"a2a_bubble {_fmt(res.a2a_bubble)}  " if res.costs.a2a else "")
@@ -132,7 +196,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             row[6:6] = [_fmt(r.a2a_total), _fmt(r.exposed_a2a), _fmt(r.hidden_a2a)]
     if plan is not None:
         base = simulate(sch, costs, mem, layers=args.layers, record_spans=False,
-                        stages=stages)
+                        stages=stages, braid=braid, in_layer=in_layer)
         print(f"offload {plan.policy}: {len(plan)} activations; peak "
               f"{_fmt(max(base.peak_activation))} -> {_fmt(max(res.peak_activation))}, "
               f"makespan {_fmt(base.makespan)} -> {_fmt(res.makespan)} {unit}")
@@ -165,6 +229,9 @@ def compare_results(args: argparse.Namespace) -> tuple[list[SimResult], list[str
     costs, mem = costs_from_args(args)
     inputs = stage_inputs(args, costs, mem, args.pp)
     costs, mem = inputs.reported(costs, mem, args.pp)
+    braid, in_layer = overlap_from_args(args)
+    # with --tp-overlap every schedule twice: without it and with it, side by side
+    modes = [(braid, None)] + ([(braid, in_layer)] if in_layer is not None else [])
     results, skipped = [], []
     for name in names:
         sch = schedule_from_args(args, name)
@@ -178,8 +245,10 @@ def compare_results(args: argparse.Namespace) -> tuple[list[SimResult], list[str
             raise
         check_table_work(stages, sch, "the stage cost table")
         plan, oc = offload_from_args(args, sch, costs, mem, stages)
-        results.append(simulate(sch, costs, mem, layers=args.layers, offload=plan,
-                                offload_costs=oc, record_spans=bool(args.plot), stages=stages))
+        for br, il in modes:
+            results.append(simulate(sch, costs, mem, layers=args.layers, offload=plan,
+                                    offload_costs=oc, record_spans=bool(args.plot),
+                                    stages=stages, braid=br, in_layer=il))
     if not results:
         raise ValueError("no schedule accepts these settings: " + ", ".join(skipped))
     results.sort(key=lambda r: (r.makespan, r.schedule.name))
@@ -188,7 +257,8 @@ def compare_results(args: argparse.Namespace) -> tuple[list[SimResult], list[str
 
 def _without_offload(res: SimResult) -> SimResult:
     return simulate(res.schedule, res.costs, res.mem, layers=res.layers, record_spans=False,
-                    stages=res.stages)
+                    stages=res.stages, braid=res.mode in ("braided", "both"),
+                    in_layer=res.in_layer)
 
 
 BASELINES = ("1f1b-interleaved", "zb-v")
@@ -199,7 +269,7 @@ def stp_gain(results: list[SimResult]) -> float | None:
     """STP's throughput gain over the fastest of `BASELINES`, as a fraction
     (best baseline makespan / STP makespan - 1); None if STP or every baseline
     is missing."""
-    spans = {r.schedule.name: r.makespan for r in results}
+    spans = {r.schedule.name: r.makespan for r in results if r.in_layer is None}
     base = [spans[n] for n in BASELINES if n in spans]
     if "stp" not in spans or not base:
         return None
@@ -211,13 +281,13 @@ def run_compare(args: argparse.Namespace) -> int:
     slowest = max(r.makespan for r in results)
     offload = args.offload != "none"
     # with --offload, each row also shows the same schedule without it
-    base = {r.schedule.name: _without_offload(r) for r in results} if offload else {}
+    base = {id(r): _without_offload(r) for r in results} if offload else {}
     if args.json:
         rows = []
         for r in results:
             row = dict(r.to_json(), speedup=slowest / r.makespan)
             if offload:
-                b = base[r.schedule.name]
+                b = base[id(r)]
                 row["without_offload"] = {"makespan": b.makespan,
                                           "peak_activation": b.peak_activation}
             rows.append(row)
@@ -236,15 +306,15 @@ def run_compare(args: argparse.Namespace) -> int:
         print(f"p={args.pp} m={args.microbatches} {layers}  times in {_unit(stages0)}  "
               f"costs {_costs_text(results[0])}"
               + (f"  offload {args.offload}" if offload else ""))
-        header = ["schedule", "makespan", "speedup", "bubble", "pp_bubble", "tp_bubble",
-                  "peak_act"]
-        rows = [[r.schedule.name, _fmt(r.makespan), f"{slowest / r.makespan:.3f}x",
+        header = ["schedule", "tp_overlap", "makespan", "speedup", "bubble", "pp_bubble",
+                  "tp_bubble", "peak_act"]
+        rows = [[r.schedule.name, _mode_text(r), _fmt(r.makespan), f"{slowest / r.makespan:.3f}x",
                  f"{r.bubble_rate:.1%}", _fmt(r.pp_bubble), _fmt(r.tp_bubble),
                  _fmt(max(r.peak_activation))] for r in results]
         if results[0].costs.a2a:  # expert parallelism: the exposed all-to-all beside TP's
-            header.insert(6, "a2a_bubble")
+            header.insert(7, "a2a_bubble")
             for row, r in zip(rows, results, strict=True):
-                row.insert(6, _fmt(r.a2a_bubble))
+                row.insert(7, _fmt(r.a2a_bubble))
         if any(r.stages is not None and r.stages.partition for r in results):
             header.append("partition")
             for row, r in zip(rows, results, strict=True):
@@ -252,7 +322,7 @@ def run_compare(args: argparse.Namespace) -> int:
         if offload:
             header += ["makespan_no_off", "peak_no_off"]
             for row, r in zip(rows, results, strict=True):
-                b = base[r.schedule.name]
+                b = base[id(r)]
                 row += [_fmt(b.makespan), _fmt(max(b.peak_activation))]
         print(_table(rows, header))
         gain = stp_gain(results)

@@ -20,10 +20,52 @@ with `n` bytes, `t` ranks, `beta` the bandwidth of one direction of one link.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 __all__ = ["HardwareSpec", "allgather_time", "allreduce_time", "p2p_time",
-           "reduce_scatter_time"]
+           "reduce_scatter_time", "GEMM_ROWS_ASSUMED", "parse_gemm_rows"]
+
+GEMM_ROWS_ASSUMED: tuple[tuple[float, float], ...] = (
+    (128.0, 0.6), (256.0, 0.75), (512.0, 0.86), (1024.0, 0.93), (2048.0, 0.97), (4096.0, 1.0))
+"""Matmul efficiency against rows (tokens) relative to a large matmul: ASSUMED, not
+measured, for a 16-bit GEMM of a TP shard's width (a few thousand) on an A100 / H100:
+the tensor cores' tiles (128 x 128 or 256 x 128 output tiles) fill the SMs less
+well and the weight is read once per fewer rows as rows shrink; above ~4k rows
+the GEMM runs at its large-matrix rate. `stp plan --hardware local` measures this
+machine's curve instead (`stp.plan.calibrate.gemm_rows_fit`)."""
+
+
+def parse_gemm_rows(text: str) -> tuple[tuple[float, float], ...]:
+    """`512:0.86/1024:0.93/4096:1` -> ((rows, relative efficiency), ...),
+    rows increasing, each efficiency in (0, 1]."""
+    points = []
+    for item in str(text).split("/"):
+        rows, sep, eff = item.partition(":")
+        try:
+            point = (float(rows), float(eff)) if sep else None
+        except ValueError:
+            point = None
+        if point is None or not (math.isfinite(point[0]) and point[0] >= 1
+                                 and 0 < point[1] <= 1):
+            raise ValueError(f"hardware gemm_rows item {item.strip()[:40]!r}: ROWS:EFFICIENCY "
+                             "expected (rows >= 1, efficiency in (0, 1]), items joined by /")
+        points.append(point)
+    return _checked_rows(tuple(points))
+
+
+def _checked_rows(points: tuple) -> tuple[tuple[float, float], ...]:
+    try:
+        out = tuple((float(r), float(e)) for r, e in points)
+    except (TypeError, ValueError):
+        raise ValueError(f"hardware gemm_rows={points!r}: (rows, efficiency) pairs "
+                         "expected") from None
+    if not out or any(not (math.isfinite(r) and r >= 1 and 0 < e <= 1) for r, e in out):
+        raise ValueError(f"hardware gemm_rows={points!r}: rows >= 1 with efficiencies in "
+                         "(0, 1] expected")
+    if any(b[0] <= a[0] for a, b in zip(out, out[1:], strict=False)):
+        raise ValueError(f"hardware gemm_rows={points!r}: rows must increase")
+    return out
 
 
 @dataclass(frozen=True)
@@ -52,10 +94,22 @@ class HardwareSpec:
     """GPUs of one node, linked at `tp_bandwidth` (NVLink); a collective whose group
     spans more runs its inter-node share at `pp_bandwidth` (expert parallelism's
     all-to-all, `stp.costmodel.moe`)."""
+    tp_chunk_launch: float = 10e-6
+    """Seconds one more collective call costs beyond its ring steps (`tp_latency`
+    each): the kernel launch and the library's per-call set-up that in-layer TP
+    overlap pays once per chunk (`stp.costmodel.inlayer`). ASSUMED: NCCL's
+    small-message collectives take about 10-20 us end to end on NVLink."""
+    gemm_rows: tuple[tuple[float, float], ...] = GEMM_ROWS_ASSUMED
+    """(rows, matmul efficiency relative to the largest rows) points, rows
+    increasing; between points the efficiency is interpolated in log2(rows), outside
+    them held at the end point. Text form `512:0.86/1024:0.93/4096:1`."""
 
     def __post_init__(self) -> None:
+        rows = self.gemm_rows
+        object.__setattr__(self, "gemm_rows", parse_gemm_rows(rows) if isinstance(rows, str)
+                           else _checked_rows(rows))
         for fl in fields(self):
-            if fl.name == "name":
+            if fl.name in ("name", "gemm_rows"):
                 continue
             val = getattr(self, fl.name)
             if not isinstance(val, int | float) or isinstance(val, bool) or not val >= 0:
@@ -71,6 +125,22 @@ class HardwareSpec:
     @property
     def achieved_flops(self) -> float:
         return self.peak_flops * self.efficiency
+
+    def gemm_efficiency(self, rows: float) -> float:
+        """Matmul efficiency at `rows` rows relative to large matmuls (`gemm_rows`)."""
+        pts = self.gemm_rows
+        if rows <= pts[0][0]:
+            return pts[0][1]
+        for (r0, e0), (r1, e1) in zip(pts, pts[1:], strict=False):
+            if rows <= r1:
+                x = math.log2(rows / r0) / math.log2(r1 / r0)
+                return e0 + x * (e1 - e0)
+        return pts[-1][1]
+
+    def chunk_efficiency(self, rows: float, chunks: int) -> float:
+        """Matmul efficiency of a chunk of `rows / chunks` rows relative to the
+        whole `rows` (at most 1: a smaller matmul is never faster per row)."""
+        return min(1.0, self.gemm_efficiency(rows / chunks) / self.gemm_efficiency(rows))
 
 
 def allreduce_time(num_bytes: float, ranks: int, bandwidth: float, latency: float) -> float:

@@ -81,8 +81,19 @@ class Features:
     """Each stage's DP gradient reduction launched as soon as its gradients are final
     (`stp train --overlap-grad-sync`): its flat copy, where there is one, is held
     during the last backwards (module doc)."""
+    braid: bool = True
+    """Braided blocks braid their passes (`--braid on`); False runs them pass by pass."""
+    tp_overlap_chunks: int = 0
+    """In-layer TP overlap (`--tp-overlap --tp-overlap-chunks K`): K chunks per unit
+    on passes that run alone (`stp.sim.inlayer`); 0: off. Needs sequence parallelism."""
 
     def __post_init__(self) -> None:
+        k = self.tp_overlap_chunks
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"--tp-overlap-chunks {k!r}: an integer >= 1")
+        if k and not self.sequence_parallel:
+            raise ValueError("--tp-overlap needs --sequence-parallel (it chunks the "
+                             "all-gathers and reduce-scatters sequence parallelism runs)")
         if self.runtime not in RUNTIMES:
             raise ValueError(f"runtime {self.runtime!r}: choose one of {', '.join(RUNTIMES)}")
         if self.dtype not in DTYPE_BYTES:

@@ -48,8 +48,13 @@ assumptions, override them with `--hardware a800-80g,efficiency=0.45`)
     NVLink 900 GB/s both directions; assumed 300 GB/s effective one way, as
     a100-80g takes 2/3 of its link; 400 Gb/s InfiniBand per GPU between
     pipeline stages; PCIe Gen5 to the host, 50 GB/s assumed effective).
+  * `h200-141g`: H200 SXM (NVIDIA H200 datasheet: the H100's 989 TFLOP/s dense
+    BF16 and NVLink, 141 GB of HBM3e); links as `h100-80g`.
 `memory` is each card's total as nvidia-smi reports it: 81920 MiB on the
-A100 / A800 80 GB, 81559 MiB on the H100 80 GB.
+A100 / A800 80 GB, 81559 MiB on the H100 80 GB, 143771 MiB on the H200.
+In-layer TP overlap's two fields (`tp_chunk_launch`, `gemm_rows`) keep the
+assumed defaults of `stp.costmodel.hardware` on every preset: no GPU was at
+hand to measure them; `stp plan --hardware local` measures this machine's.
 """
 
 from __future__ import annotations
@@ -140,6 +145,11 @@ HARDWARE: dict[str, HardwareSpec] = {
             name="h100-80g", peak_flops=989e12, efficiency=0.5, tp_bandwidth=300e9,
             tp_latency=5e-6, pp_bandwidth=50e9, pp_latency=10e-6, host_bandwidth=50e9,
             memory=81559 * _MIB,
+        ),
+        HardwareSpec(
+            name="h200-141g", peak_flops=989e12, efficiency=0.5, tp_bandwidth=300e9,
+            tp_latency=5e-6, pp_bandwidth=50e9, pp_latency=10e-6, host_bandwidth=50e9,
+            memory=143771 * _MIB,
         ),
     ]
 }

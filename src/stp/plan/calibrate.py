@@ -21,6 +21,12 @@ fit, over every trace given (medians, so one slow rank does not decide):
                  less the all-reduce time they waited for (so trace a
                  schedule without braided blocks, e.g. 1f1b, for this)
 
+    gemm_rows    matmul timings on this machine at rows s, s/2, s/4, s/8
+                 (`stp plan --calibrate` and `--hardware local` time them,
+                 `gemm_rows_fit`): each size's FLOP/s over the largest's is
+                 the matmul efficiency in-layer TP overlap's chunks run at
+                 (`stp.costmodel.inlayer`)
+
 Bandwidths are kept from the preset: a calibration run's messages are too
 small to measure them. Efficiency per pass kind is one number here (the
 cost model has one); the measured F, B, W split is reported, not fitted.
@@ -29,7 +35,7 @@ cost model has one); the measured F, B, W split is reported, not fitted.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -37,7 +43,26 @@ from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.measured import MAX_TRACE_BYTES, measured_stage_costs
 from stp.files import read_json
 
-__all__ = ["Fit", "fit_traces", "calibrated"]
+__all__ = ["Fit", "fit_traces", "calibrated", "gemm_rows_fit", "GEMM_PROBE_ROWS"]
+
+GEMM_PROBE_ROWS = (256, 512, 1024, 2048)
+"""Rows the matmul probe times: s = 2048 and its chunks s/K for K = 2, 4, 8."""
+
+
+def gemm_rows_fit(seconds: Mapping[int, float]) -> tuple[tuple[float, float], ...]:
+    """`gemm_rows` points from the time of one matmul at each row count (same
+    inner and output widths): FLOP/s at each size over the best FLOP/s, so the
+    fastest per row reads 1 (a measured curve may rise and fall: noise on a
+    busy machine is kept as measured, capped at 1)."""
+    rates = {}
+    for rows, sec in sorted(seconds.items()):
+        if not (isinstance(sec, int | float) and sec > 0 and rows >= 1):
+            raise ValueError(f"matmul timing at {rows!r} rows: {sec!r} is not a positive time")
+        rates[rows] = rows / sec
+    if not rates:
+        raise ValueError("no matmul timing to fit")
+    best = max(rates.values())
+    return tuple((float(r), min(1.0, rate / best)) for r, rate in rates.items())
 
 
 class Fit:
@@ -47,9 +72,12 @@ class Fit:
         self.tp_latency: list[float] = []
         self.pp_latency: list[float] = []
         self.achieved: list[float] = []
+        self.gemm_rows: tuple[tuple[float, float], ...] | None = None
 
     def apply(self, base: HardwareSpec) -> HardwareSpec:
         kw: dict[str, Any] = {}  # replace() takes each field's own type
+        if self.gemm_rows:
+            kw["gemm_rows"] = self.gemm_rows
         if self.tp_latency:
             kw["tp_latency"] = statistics.median(self.tp_latency)
         if self.pp_latency:
@@ -98,6 +126,11 @@ def fit_traces(paths: Sequence[str], flops: Sequence[float] | None = None) -> Fi
     return fit
 
 
-def calibrated(base: HardwareSpec, traces: Sequence[str]) -> HardwareSpec:
-    """`base` with the fields the traces measure (module doc)."""
-    return fit_traces(traces).apply(base)
+def calibrated(base: HardwareSpec, traces: Sequence[str],
+               gemm_seconds: Mapping[int, float] | None = None) -> HardwareSpec:
+    """`base` with the fields the traces measure, and with `gemm_seconds` (matmul
+    timings at `GEMM_PROBE_ROWS`) its `gemm_rows` (module doc)."""
+    fit = fit_traces(traces)
+    if gemm_seconds:
+        fit.gemm_rows = gemm_rows_fit(gemm_seconds)
+    return fit.apply(base)

@@ -21,6 +21,9 @@ simulated):
    prices the embedding and output layer, `stp.search.partition`) and, where
    the simulation is cheap, `--partition auto`; a partition is kept when it
    fits and is faster.
+5. The top K then try the TP overlap modes (`stp.plan.overlap`: braiding off,
+   in-layer overlap at K = 2, 4, 8 chunks, the hybrid); a mode is kept when
+   it fits and is faster.
 
 Every plan returned was priced by the same estimate `stp memory` makes, so
 its peak rank is within the budget by construction.
@@ -45,6 +48,7 @@ from stp.plan.experts import (
     priced,
 )
 from stp.plan.needs import NoPlan, explain_no_fit, explain_no_mesh
+from stp.plan.overlap import overlapped
 from stp.plan.price import Priced, spec_for
 from stp.plan.request import PlanRequest
 from stp.plan.space import (
@@ -230,6 +234,8 @@ def plan(request: PlanRequest, progress: Progress | None = None) -> PlanResult:
         raise NoPlan(explain_no_fit(request, result, plan))
     if request.partition == "auto":
         fits = [_partitioned(request, p, lambda: tell(result)) for p in fits]
+    if request.tp_overlap:
+        fits = [overlapped(request, p, lambda: tell(result)) for p in fits]
     result.plans = sorted(fits, key=lambda p: p.step_s)
     result.seconds = time.perf_counter() - t0
     return result

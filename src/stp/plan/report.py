@@ -74,6 +74,11 @@ def job_fields(p: Priced, seq_len: int, schedule_path: str | None = None,
         out["shard_optimizer"] = True
     if f.offload != "none":
         out["offload"] = f.offload
+    if not f.braid:
+        out["braid"] = False
+    if f.tp_overlap_chunks:
+        out["tp_overlap"] = True
+        out["tp_overlap_chunks"] = f.tp_overlap_chunks
     return out
 
 
@@ -84,7 +89,7 @@ def train_flags(job: dict[str, object]) -> list[str]:
     for key, val in job.items():
         flag = {"microbatches": "-m", "model_name": "--model"}.get(
             key, "--" + key.replace("_", "-"))
-        out += [flag] if val is True else [flag, str(val)]
+        out += [flag] if val is True else [flag, "off"] if val is False else [flag, str(val)]
     return out
 
 
@@ -118,6 +123,7 @@ def row_json(p: Priced, result: PlanResult, schedule_path: str | None = None
         "sequence_parallel": c.features.sequence_parallel,
         "recompute": c.features.recompute, "shard_optimizer": c.features.shard_optimizer,
         "offload": c.features.offload,
+        "tp_overlap_mode": p.result.mode, "tp_overlap_chunks": c.features.tp_overlap_chunks,
         "partition": list(p.partition) if p.partition is not None else None,
         "flags": train_flags(job), "job": job, **extra,
     }
@@ -175,6 +181,9 @@ def plan_json(result: PlanResult, schedule_dir: str | None = None) -> dict[str, 
         "request": {"model": req.model.name, "gpus": req.gpus, "gpus_per_node": req.gpus_per_node,
                     "global_batch": req.global_batch, "seq_len": req.seq_len,
                     "hardware": req.hardware.name, "memory_budget": req.budget,
+                    # what in-layer overlap was priced with (`stp plan --calibrate` measures it)
+                    "gemm_rows": [list(p) for p in req.hardware.gemm_rows],
+                    "tp_chunk_launch": req.hardware.tp_chunk_launch,
                     **({"ep": list(req.ep)} if req.ep is not None else {})},
         "plans": rows,
         "why": why(result.plans[0], result.plans[1] if len(result.plans) > 1 else None,
@@ -197,6 +206,8 @@ def format_table(result: PlanResult) -> list[str]:
             "sp" if f.sequence_parallel else "", f"rc={f.recompute}" if f.recompute != "none"
             else "", "zero1" if f.shard_optimizer else "",
             f"off={f.offload}" if f.offload != "none" else "",
+            "nobraid" if not f.braid else "",
+            f"tpo={f.tp_overlap_chunks}" if f.tp_overlap_chunks else "",
             "part" if p.partition is not None else "") if x) or "-"
         rows.append((str(i), str(c.mesh.pp), str(c.mesh.tp), str(c.mesh.dp), c.schedule,
                      str(p.result.schedule.chunks), str(c.microbatch_size),

@@ -75,6 +75,9 @@ class PlanRequest:
     """Whether sequence parallelism may be turned on to fit memory."""
     allow_offload: bool = True
     """Whether activation offload may be turned on to fit memory."""
+    tp_overlap: bool = True
+    """Whether the top plans try the other TP overlap modes (braiding off,
+    in-layer overlap, both: `stp.plan.overlap`)."""
     ep: tuple[int, ...] | None = None
     """Expert-parallel sizes considered for a mixture of experts (None: every
     divisor of dp that divides the experts, `stp.plan.space.ep_options`)."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 from stp.schedule.memory import MemCosts
 
-__all__ = ["Costs", "MemCosts", "OffloadCosts", "parse_costs", "parse_mem"]
+__all__ = ["Costs", "MemCosts", "OffloadCosts", "parse_costs", "parse_kv", "parse_mem"]
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,8 @@ class OffloadCosts:
         return units_of_mb * self.act_bytes / self.bandwidth
 
 
-def _parse_kv(text: str, allowed: tuple[str, ...], what: str) -> dict[str, float]:
+def parse_kv(text: str, allowed: tuple[str, ...], what: str) -> dict[str, float]:
+    """`"a=1,b=2"` -> {"a": 1.0, "b": 2.0}, keys among `allowed` (one-line errors)."""
     out: dict[str, float] = {}
     for item in text.split(","):
         item = item.strip()
@@ -111,7 +112,7 @@ def parse_costs(text: str | None, base: Costs | None = None) -> Costs:
     base = base or Costs()
     if not text:
         return base
-    kv = _parse_kv(text, tuple(f.name for f in fields(Costs)), "cost")
+    kv = parse_kv(text, tuple(f.name for f in fields(Costs)), "cost")
     vals = {f.name: getattr(base, f.name) for f in fields(Costs)}
     vals.update(kv)
     return Costs(**vals)
@@ -122,5 +123,5 @@ def parse_mem(text: str | None, base: MemCosts | None = None) -> MemCosts:
     base = base or MemCosts()
     if not text:
         return base
-    kv = _parse_kv(text, ("b", "w"), "memory")
+    kv = parse_kv(text, ("b", "w"), "memory")
     return MemCosts(m_b=kv.get("b", base.m_b), m_w=kv.get("w", base.m_w))

@@ -70,6 +70,8 @@ from stp.schedule.memory import MemCosts
 from stp.schedule.offload import OffloadPlan
 from stp.schedule.validate import ScheduleError
 from stp.sim.costs import Costs, OffloadCosts
+from stp.sim.inlayer import InLayer, mode_name
+from stp.sim.lone import run_chunked
 from stp.sim.rank_lanes import RankLanes, memory_curves
 from stp.sim.result import SimResult
 from stp.sim.spans import NoSpans, SpanRecorder, SpanSink
@@ -91,6 +93,8 @@ def simulate(
     offload_costs: OffloadCosts | None = None,
     record_spans: bool = True,
     stages: StageCosts | None = None,
+    braid: bool = True,
+    in_layer: InLayer | None = None,
 ) -> SimResult:
     """Simulate `schedule` under `costs` (per microbatch, per rank share).
 
@@ -102,6 +106,10 @@ def simulate(
     stage its own pass times, all-reduces, units, activation memory and the
     send latency; `costs`, `mem` and `layers` are then only reported (`costs`
     defaults to the table's average rank share).
+
+    `braid=False` runs a block's passes one after another, each as a pass on
+    its own; `in_layer` chunks every pass that runs on its own
+    (`stp.sim.inlayer`: in-layer TP overlap; with `braid` the hybrid).
     """
     if stages is not None and costs is None:
         costs = stages.mean_costs(schedule.num_ranks)
@@ -113,6 +121,7 @@ def simulate(
     recorder = SpanRecorder(schedule, comm) if record_spans else None
     sim = _Simulation(schedule, costs, mem, layers, offload, offload_costs or OffloadCosts(),
                       recorder or NoSpans(), stages)
+    sim.braid, sim.in_layer = braid, in_layer
     sim.run()
     memory, peak = memory_curves([rank.mem_events for rank in sim.ranks])
     return SimResult(
@@ -121,6 +130,8 @@ def simulate(
         mem=mem,
         layers=layers,
         makespan=max((rank.last_end for rank in sim.ranks), default=0.0),
+        mode=mode_name(braid, in_layer),
+        in_layer=in_layer,
         ranks=[rank.stats(peak[rank.index]) for rank in sim.ranks],
         spans=recorder.spans if recorder else [],
         memory=memory,
@@ -138,6 +149,7 @@ class _Simulation:
                  offload: OffloadPlan | None, oc: OffloadCosts, sink: SpanSink,
                  stages: StageCosts | None = None) -> None:
         self.sink = sink
+        self.braid, self.in_layer = True, None  # type: tuple[bool, InLayer | None]
         self.chunks = schedule.chunks
         self.num_stages = schedule.num_stages
         self.table = stage_table(self.num_stages, self.chunks, costs, mem, layers, stages, oc)
@@ -194,11 +206,25 @@ class _Simulation:
 
     def _run_action(self, rank: RankLanes, index: int, action: Action, ready: list[float]) -> None:
         passes = passes_of(action)
-        self.sink.action(rank.index, index, passes)
         self._reload(rank, index)
+        if len(passes) > 1 and not self.braid:
+            for p, at in zip(passes, ready, strict=True):  # unbraided: pass by pass
+                self._run_passes(rank, index, p, (p,), [at])
+            return
+        self._run_passes(rank, index, action, passes, ready)
+
+    def _run_passes(self, rank: RankLanes, index: int, action: Action,
+                    passes: tuple[Pass, ...], ready: list[float]) -> None:
+        """Time `passes` (braided when several) and their memory, send their outputs."""
+        self.sink.action(rank.index, index, passes)
         units = self.table.units
         items = braid_counts(action, tuple(units[p.stage] for p in passes))
-        start, chain_end = self._compute(rank, passes, items, ready)
+        if self.in_layer is not None and len(passes) == 1:
+            start, end = run_chunked(self.table, self.sink, self.in_layer, self._chain_start,
+                                     rank, passes[0], items, ready[0])
+            chain_end = [end]
+        else:
+            start, chain_end = self._compute(rank, passes, items, ready)
         alloc, free = self._memory(passes)
         if alloc:
             rank.mem_events.append((start, alloc))

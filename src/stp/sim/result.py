@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from stp.schedule.ir import Schedule
 from stp.schedule.offload import OffloadPlan
 from stp.sim.costs import Costs, MemCosts
+from stp.sim.inlayer import InLayer
 from stp.sim.stages import StageCosts
 
 __all__ = ["Span", "RankStats", "SimResult", "LANES"]
@@ -115,6 +116,10 @@ class SimResult:
     offload: OffloadPlan | None = None
     stages: StageCosts | None = None
     """The per-stage cost table simulated (None: the uniform `costs`)."""
+    mode: str = "braided"
+    """How TP collectives were overlapped (`stp.sim.inlayer.MODES`)."""
+    in_layer: InLayer | None = None
+    """The chunking of passes that ran on their own (None: none chunked)."""
 
     @property
     def critical_rank(self) -> RankStats:
@@ -161,6 +166,8 @@ class SimResult:
             "tp_bubble": self.tp_bubble,
             "a2a_bubble": self.a2a_bubble,
             "peak_activation": self.peak_activation,
+            "tp_overlap": self.mode,
+            "tp_overlap_chunks": self.in_layer.chunks if self.in_layer else 0,
             "offload": self.offload.policy if self.offload else "none",
             "offloaded_passes": len(self.offload) if self.offload else 0,
             **self._stage_json(),

@@ -103,8 +103,10 @@ def timeline_scene(
 
 def _header(sc: Scene, L: _Layout, title: str | None) -> None:
     res, sch = L.res, L.res.schedule
+    overlap = "" if res.mode == "braided" else f", tp overlap {res.mode}" + (
+        f" K={res.in_layer.chunks}" if res.in_layer else "")
     sc.add(Text(12, 24, title or f"{sch.name}: p={sch.num_ranks}, m={sch.num_microbatches}, "
-                f"v={sch.chunks}", size=16, bold=True, color=C.INK))
+                f"v={sch.chunks}{overlap}", size=16, bold=True, color=C.INK))
     crit = res.critical_rank
     peak_rank = max(res.ranks, key=lambda r: r.peak_activation)
     lines = [

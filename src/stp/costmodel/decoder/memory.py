@@ -21,6 +21,7 @@ from stp.costmodel.decoder.kept import Kept, stp_kept
 from stp.costmodel.decoder.spec import ModelSpec
 from stp.costmodel.dp_copies import copies_over_peak, reduction_copies
 from stp.costmodel.hardware import HardwareSpec
+from stp.costmodel.inlayer import in_layer_for
 from stp.costmodel.memory_types import DTYPE_BYTES, Features, Layout, MemoryEstimate, RankMemory
 from stp.schedule.ir import Kind, Schedule, passes_of
 from stp.schedule.registry import generate
@@ -103,7 +104,9 @@ def simulate_run(model: ModelSpec, hardware: HardwareSpec, layout: Layout,
     oc = OffloadCosts(bandwidth=hardware.host_bandwidth / 1e3, act_bytes=copied)
     plan = plan_offload(sch, features.offload, derived.costs, mem, oc, stages=table)
     res = simulate(sch, derived.costs, mem, offload=plan if len(plan) else None,
-                   offload_costs=oc, record_spans=False, stages=table)
+                   offload_costs=oc, record_spans=False, stages=table,
+                   braid=features.braid,
+                   in_layer=in_layer_for(spec, hardware, features.tp_overlap_chunks))
     return spec, res, unit, ep_note
 
 

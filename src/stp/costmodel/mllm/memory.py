@@ -59,6 +59,7 @@ from stp.costmodel.decoder.kept import stp_kept
 from stp.costmodel.decoder.memory import assemble, layout_schedule
 from stp.costmodel.decoder.spec import ModelSpec
 from stp.costmodel.hardware import HardwareSpec
+from stp.costmodel.inlayer import in_layer_for
 from stp.costmodel.memory_types import DTYPE_BYTES, Features, Layout, MemoryEstimate
 from stp.costmodel.mllm.costs import derive_mllm, mllm_layered_costs
 from stp.costmodel.mllm.spec import CHANNELS, FRAMES_PER_PATCH, MLLMSpec
@@ -250,7 +251,8 @@ def estimate_mllm(spec: MLLMSpec, hardware: HardwareSpec, layout: Layout,
     oc = OffloadCosts(bandwidth=hardware.host_bandwidth / 1e3, act_bytes=unit)
     plan = plan_offload(sch, features.offload, derived.costs, mem, oc, stages=table)
     res = simulate(sch, derived.costs, mem, offload=plan if len(plan) else None,
-                   offload_costs=oc, record_spans=False, stages=table)
+                   offload_costs=oc, record_spans=False, stages=table, braid=features.braid,
+                   in_layer=in_layer_for(spec, hardware, features.tp_overlap_chunks))
     stage_params = mllm_stage_parameters(spec, counts, stp_runtime=stp)
     params = [0] * sch.num_ranks
     for stage, n in enumerate(stage_params):
