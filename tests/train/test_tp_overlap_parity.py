@@ -62,8 +62,8 @@ def _worker(rank: int, world: int, cases: list[Case], planted: bool) -> dict:
     mesh = Mesh.from_world(ParallelDims(2, 2, 1), timeout=60)
     out = {}
     for name, chunks, braid, extra, rows in cases:
-        batches, base_losses, base_grads, base_params, base_spans = _train(mesh, name, 0, braid, extra,
-                                                                  rows)
+        base = _train(mesh, name, 0, braid, extra, rows)
+        batches, base_losses, base_grads, base_params, base_spans = base
         _late_rows(planted)
         _, losses, grads, params, spans = _train(mesh, name, chunks, braid, extra, rows)
         every = [None] * world
