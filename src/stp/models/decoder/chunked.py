@@ -121,10 +121,13 @@ def attention_chunk_body(self: AttentionUnit, st: _MbState, gather: ChunkedGathe
                 for p in parts)
     q, k_ = self.kernels.rope(q, k_, cos, sin)
     o = attention_core(q, k_, v, causal=True, gqa=True, recompute=self.recompute, mask=mask)
-    for k, o_k in enumerate(to_chunks(o.transpose(1, 2).reshape(b, s, -1), t, n)):
-        leaf = o_k.detach().requires_grad_(True)  # B walks wo chunk by chunk
+    # the chunks in one buffer [K, b, t p, h], which wo's chunks read as views: kept once
+    o_chunks = torch.stack(to_chunks(o.transpose(1, 2).reshape(b, s, -1), t, n))
+    st.saved["o"] = o_chunks
+    for k in range(n):
+        leaf = o_chunks[k].detach().requires_grad_(True)  # B walks wo chunk by chunk
         out = linear(leaf, self.wo, source)
-        st.saved[f"o.{k}"], st.saved[f"o_in.{k}"], st.saved[f"out.{k}"] = o_k, leaf, out
+        st.saved[f"o_in.{k}"], st.saved[f"out.{k}"] = leaf, out
         ready(k, out)
 
 
@@ -136,9 +139,8 @@ def attention_chunk_grads(self: AttentionUnit, st: _MbState, gather: ChunkedGath
     n = self.overlap
     d_o = tuple(input_grad(st.saved.pop(f"out.{k}"), st.saved.pop(f"o_in.{k}"),
                            gather.wait(k)) for k in range(n))
-    outs = tuple(st.saved.pop(f"o.{k}") for k in range(n))
-    for k, dh in enumerate(input_grads(outs, tuple(st.saved.pop(f"h_in.{k}")
-                                                  for k in range(n)), d_o)):
+    h_in = tuple(st.saved.pop(f"h_in.{k}") for k in range(n))
+    for k, dh in enumerate(input_grads((st.saved.pop("o"),), h_in, (torch.stack(d_o),))):
         ready(k, dh)
 
 
