@@ -23,7 +23,7 @@ W gathers the input of the column-parallel matrices again, chunk by chunk
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -39,13 +39,13 @@ from stp.models.tp.overlap import (
 from stp.models.tp.sequence import SequenceParallel
 from stp.models.unit import _MbState, input_grad, input_grads
 
-if TYPE_CHECKING:
-    from stp.models.decoder.units import AttentionUnit, MLPUnit
-
 __all__ = ["ChunkedRegion", "attention_chunk_body", "attention_chunk_grads", "mlp_chunk_body",
            "mlp_chunk_grads"]
 
 Ready = Callable[[int, torch.Tensor], None]
+Unit = Any
+"""The functions below are methods of stp.models.decoder.units' AttentionUnit and
+MLPUnit (that module imports this one, so they are typed loosely here)."""
 
 
 class ChunkedRegion:
@@ -102,7 +102,7 @@ class ChunkedRegion:
         return self._chunked(lambda ready: self._chunk_grads(st, gather, ready))
 
 
-def attention_chunk_body(self: AttentionUnit, st: _MbState, gather: ChunkedGather,
+def attention_chunk_body(self: Unit, st: _MbState, gather: ChunkedGather,
                          source: ChunkedRegather, ready: Ready) -> None:
     """q, k, v projected chunk by chunk under the gathers; RoPE and the core on the
     sequence reassembled in order (positions and masks as without chunks); the
@@ -132,7 +132,7 @@ def attention_chunk_body(self: AttentionUnit, st: _MbState, gather: ChunkedGathe
 
 
 
-def attention_chunk_grads(self: AttentionUnit, st: _MbState, gather: ChunkedGather,
+def attention_chunk_grads(self: Unit, st: _MbState, gather: ChunkedGather,
                           ready: Ready) -> None:
     """wo's input gradient chunk by chunk under the output gradient's gathers; the
     core and the projections in one walk (the core needs every row)."""
@@ -144,7 +144,7 @@ def attention_chunk_grads(self: AttentionUnit, st: _MbState, gather: ChunkedGath
         ready(k, dh)
 
 
-def mlp_chunk_body(self: MLPUnit, st: _MbState, gather: ChunkedGather,
+def mlp_chunk_body(self: Unit, st: _MbState, gather: ChunkedGather,
                    source: ChunkedRegather, ready: Ready) -> None:
     """Row-wise throughout: chunk k's whole MLP under chunk k+1's gather."""
     for k in range(self.overlap):
@@ -155,7 +155,7 @@ def mlp_chunk_body(self: MLPUnit, st: _MbState, gather: ChunkedGather,
 
 
 
-def mlp_chunk_grads(self: MLPUnit, st: _MbState, gather: ChunkedGather, ready: Ready) -> None:
+def mlp_chunk_grads(self: Unit, st: _MbState, gather: ChunkedGather, ready: Ready) -> None:
     """Chunk k's input gradient under chunk k+1's gather, its reduce-scatter under k+1's."""
     for k in range(self.overlap):
         ready(k, input_grad(st.saved.pop(f"out.{k}"), st.saved.pop(f"h_in.{k}"),
