@@ -47,6 +47,10 @@ That W gather is waited for at once (W has no collective of its own for the
 braid to hide; it costs compute-stream time, counted with the other gathers):
 memory bought with communication, as in Megatron-LM.
 
+In-layer TP overlap (stp.models.tp.overlap) cuts both collectives into chunks
+along the sequence, each under the next chunk's matmul; a unit then hands the
+runner its last chunk (`ChunkedScatter`, a ToScatter that carries the others).
+
 The collectives sit between autograd graphs, outside them, like the TP
 all-reduce (stp.models.tp.layers); the one in W runs at the same point of
 every TP rank's program, so the ranks issue it in the same order.
@@ -77,6 +81,12 @@ class ToScatter:
     partial: torch.Tensor
     collective = "RS"
     """Its name in a measured trace (stp.runtime.trace), next to the all-reduce's AR."""
+
+    def launch(self, seq: SequenceParallel) -> tuple[torch.Tensor, Any]:
+        """Start the reduce-scatter: (this rank's rows, filled when the work completes;
+        the work). In-layer overlap's ChunkedScatter (stp.models.tp.overlap) also
+        carries the reduce-scatters of its earlier chunks."""
+        return seq.launch_scatter(self.partial)
 
 
 def check_sequence(seq_len: int, tp: int) -> None:
