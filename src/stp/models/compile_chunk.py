@@ -13,15 +13,12 @@ sink) calls a third graph that returns the weight gradients too.
 
 So B is one autograd node and one compiled call per microbatch and stage, the
 engine walks nothing else, and TorchDynamo is entered once per pass instead of
-once per piece. Inside the graphs the matrices that read the same input run as
-one matmul (q, k and v; the gate and up projections: their weights
-concatenated in the graph, as a fused wqkv or w13 would be, the parameters
-still apart), each way and for the weight gradients of a full BW: 9 matmuls a
-layer fewer. The input gradient of those then sums over the concatenated
-rows in one matmul instead of adding three, a different rounding (float64
-agrees with the eager units to about 1e-16), the same in every schedule's B. Eligible: CPU tensors (the flash kernel named here is the CPU
-one), recompute "none" or "full" (selective recomputation replaces the attention
-core, so those chunks keep the pieces of stp.models.compile_pieces).
+once per piece. The matrices that read the same input run as one matmul each
+way (stp.models.compile_pieces.one_matmul), and so do their weight gradients
+in a full BW's graph: 9 matmuls a layer fewer. Eligible: CPU tensors (the
+flash kernel named here is the CPU one), recompute "none" or "full" (selective
+recomputation replaces the attention core, so those chunks keep the pieces of
+stp.models.compile_pieces).
 """
 
 from __future__ import annotations
@@ -30,10 +27,15 @@ from typing import Any
 
 import torch
 
-import torch.nn.functional as F
-
-from stp.models.compile_pieces import _rows, norm_backward, norm_forward, swiglu_backward, unrotate
-from stp.models.decoder.rope import apply_rope
+from stp.models.compile_pieces import (
+    _rows,
+    mlp_backward,
+    mlp_forward,
+    norm_backward,
+    norm_forward,
+    qkv_rope_backward,
+    qkv_rope_forward,
+)
 from stp.models.tp.wgrad import LinearGrad, NormGrad, WGradEntry
 
 _ATEN = torch.ops.aten
@@ -51,25 +53,10 @@ def _param_count(kind: str) -> int:
     return ATTN_PARAMS if kind == ATTN else MLP_PARAMS
 
 
-def _split_last(y: torch.Tensor, weights: tuple) -> list[torch.Tensor]:
-    return list(y.split([w.shape[0] for w in weights], dim=-1))
-
-
-def _qkv_rope(h: torch.Tensor, p: tuple, head_dim: int) -> tuple:
-    """q, k, v [b, heads, s, hd] (q and k rotated) from one matmul; v copied out of
-    it, so that what B keeps holds v's bytes only (as the eager linear's output)."""
-    _, wq, wk, wv, _, bq, bk, bv, cos, sin = p
-    bias = None if bq is None else torch.cat((bq, bk, bv))
-    q, k, v = _split_last(F.linear(h, torch.cat((wq, wk, wv)), bias), (wq, wk, wv))
-    b, s, _ = h.shape
-    q, k, v = (t.reshape(b, s, -1, head_dim).transpose(1, 2) for t in (q, k, v.contiguous()))
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-
 def _attn_forward(x: torch.Tensor, p: tuple, eps: float, head_dim: int) -> tuple:
-    g, wo = p[0], p[4]
+    g, wq, wk, wv, wo, bq, bk, bv, cos, sin = p
     h, xhat, rstd = norm_forward(x, g, eps)
-    q, k, v = _qkv_rope(h, p, head_dim)
+    q, k, v = qkv_rope_forward(h, wq, wk, wv, bq, bk, bv, cos, sin, head_dim)
     o, lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[:2]
     b, _, s, _ = o.shape
     o2 = o.transpose(1, 2).reshape(b, s, -1)
@@ -79,11 +66,8 @@ def _attn_forward(x: torch.Tensor, p: tuple, eps: float, head_dim: int) -> tuple
 def _mlp_forward(x: torch.Tensor, p: tuple, eps: float) -> tuple:
     g, w1, w3, w2 = p
     h, xhat, rstd = norm_forward(x, g, eps)
-    gate, up = _split_last(F.linear(h, torch.cat((w1, w3))), (w1, w3))
-    gate, up = gate.contiguous(), up.contiguous()  # B keeps each: its own bytes
-    act = F.silu(gate)
-    a = act * up
-    return F.linear(a, w2), (h, xhat, rstd, gate, act, up, a)
+    out, gate, act, up, a = mlp_forward(h, w1, w3, w2)
+    return out, (h, xhat, rstd, gate, act, up, a)
 
 
 def chunk_forward(x: torch.Tensor, params: tuple, spec: tuple,
@@ -114,9 +98,7 @@ def _attn_backward(dy: torch.Tensor, p: tuple, saved: tuple) -> tuple:
     do = (dy @ wo).view(b, s, q.shape[1], -1).transpose(1, 2)
     dq, dk, dv = _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
         do, q, k, v, o, lse, 0.0, True)
-    dq, dk = dq * cos + unrotate(dq * sin), dk * cos + unrotate(dk * sin)
-    dyq, dyk, dyv = (t.transpose(1, 2).reshape(b, s, -1) for t in (dq, dk, dv))
-    dh = torch.cat((dyq, dyk, dyv), -1) @ torch.cat((wq, wk, wv))
+    dh, dyq, dyk, dyv = qkv_rope_backward(dq, dk, dv, wq, wk, wv, cos, sin)
     return norm_backward(dh, xhat, rstd, g), dh, dyq, dyk, dyv
 
 
@@ -124,8 +106,7 @@ def _mlp_backward(dy: torch.Tensor, p: tuple, saved: tuple) -> tuple:
     """(dx, the norm's dh, dy of w1, w3)."""
     g, w1, w3, w2 = p
     _, xhat, rstd, gate, act, up, _ = saved
-    dgate, dup = swiglu_backward(dy @ w2, gate, act, up)
-    dh = torch.cat((dgate, dup), -1) @ torch.cat((w1, w3))
+    dh, dgate, dup = mlp_backward(dy, gate, act, up, w1, w3, w2)
     return norm_backward(dh, xhat, rstd, g), dh, dgate, dup
 
 
