@@ -178,3 +178,30 @@ def test_the_compiled_loss_gradient_reads_no_tensor_on_the_host(monkeypatch) -> 
     got = kernels.ce_grad(logits, targets, lse, 0, torch.tensor(0.5, dtype=torch.float64), 32)
     assert reads == []
     assert torch.equal(got, want) and got.shape == logits.shape
+
+
+def test_the_compiled_loss_unit_is_one_graph_each_way(monkeypatch) -> None:
+    # the final norm, head and cross-entropy: one compiled call in F (the finish in
+    # it), one in B, no autograd graph kept; W still waits (its records)
+    from stp.models.compile import compiled_kernels
+
+    _, chunk = _stages(True, "none")
+    kernels, calls = compiled_kernels(), []
+    for name in ("loss_forward", "loss_backward", "loss_backward_w", "_ce_stats", "_ce_grad",
+                 "norm_forward", "norm_backward"):
+        fn = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, fn=fn, name=name: calls.append(name)
+                            or fn(*a))
+    tokens, targets = _inputs()
+    chunk.weights_in_backward(())
+    chunk.forward(0, tokens[0], targets[0])
+    loss_unit = chunk.units[-1]
+    assert type(loss_unit).__name__ == "LossUnit"
+    assert calls == ["loss_forward"]
+    assert all(t.grad_fn is None for t in loss_unit.kept_tensors(0))
+    chunk.backward_input(0, None, 0.5)
+    assert calls == ["loss_forward", "loss_backward"]
+    assert loss_unit.head_w.grad is None  # W's work waits in the records
+    chunk.backward_weight(0)
+    assert loss_unit.head_w.grad is not None and loss_unit.norm_w.grad is not None
+    chunk.zero_grad()
