@@ -205,3 +205,43 @@ def test_the_compiled_loss_unit_is_one_graph_each_way(monkeypatch) -> None:
     chunk.backward_weight(0)
     assert loss_unit.head_w.grad is not None and loss_unit.norm_w.grad is not None
     chunk.zero_grad()
+
+
+def _matmuls(fn, *args) -> tuple[int, tuple]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        out = fn(*args)
+    return Count.n, out
+
+
+def test_shared_input_matrices_are_one_matmul_on_the_cpu() -> None:
+    # q, k, v and gate, up each as one matmul each way in the compiled graphs' maths,
+    # the values those of the separate matrices (float64, within the parity bound)
+    from stp.models import compile_pieces as cp
+
+    gen = torch.Generator().manual_seed(2)
+    r = functools.partial(torch.randn, generator=gen, dtype=torch.float64)
+    h, wq, wk, wv, bq, bk, bv = r(2, 8, 32), r(32, 32), r(16, 32), r(16, 32), r(32), r(16), r(16)
+    cos, sin = r(8, 8), r(8, 8)
+    n, (q, k, v) = _matmuls(cp.qkv_rope_forward, h, wq, wk, wv, bq, bk, bv, cos, sin, 8)
+    assert n == 1
+    want_v = torch.nn.functional.linear(h, wv, bv).view(2, 8, -1, 8).transpose(1, 2)
+    assert _rel(v, want_v) <= 1e-14 and v.untyped_storage().nbytes() == want_v.numel() * 8
+    gq, gk, gv = r(*q.shape), r(*k.shape), r(*v.shape)
+    n, (dh, dq, dk, dv) = _matmuls(cp.qkv_rope_backward, gq, gk, gv, wq, wk, wv, cos, sin)
+    assert n == 1 and _rel(dh, dq @ wq + dk @ wk + dv @ wv) <= 1e-14
+    w1, w3, w2 = r(64, 32), r(64, 32), r(32, 64)
+    n, (out, gate, act, up, a) = _matmuls(cp.mlp_forward, h, w1, w3, w2)
+    assert n == 2 and _rel(up, h @ w3.t()) <= 1e-14
+    assert up.untyped_storage().nbytes() == up.numel() * 8  # B keeps up's bytes alone
+    n, (dh, dgate, dup) = _matmuls(cp.mlp_backward, r(2, 8, 32), gate, act, up, w1, w3, w2)
+    assert n == 2 and _rel(dh, dgate @ w1 + dup @ w3) <= 1e-14
