@@ -25,9 +25,11 @@ Three sizes by default (8 layers, microbatch size 4, m=8, float32):
         [--settings tp1-eager,tp1-compiled,tp2-eager,tp2-compiled]
         [--schedules 1f1b,1f1b-interleaved,zb-v] [--profile-rank R] [--out FILE.md]
 
-Writes the tables to benchmarks/results/vs_torch.md (with the command) unless
---out says otherwise; --profile-rank prints each side's cProfile top entries
-on that rank (extra, untimed rounds).
+Prints the tables; writes them to benchmarks/results/vs_torch.md (with the
+command) only for a full run, or to --out FILE when given. A run with --no-csv
+(a partial table) or --no-write leaves every results file alone, so a
+measurement never overwrites the recorded one. --profile-rank prints each
+side's cProfile top entries on that rank (extra, untimed rounds).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ SIZES = {
     "compute": {"hidden": 512, "seq_len": 256},
     "overhead": {"hidden": 64, "seq_len": 128},
 }
+DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "results", "vs_torch.md")
 SETTINGS = {"tp1-eager": (1, False), "tp1-compiled": (1, True),
             "tp2-eager": (2, False), "tp2-compiled": (2, True)}
 
@@ -75,15 +78,28 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--microbatches", "-m", type=int, default=8)
     p.add_argument("--settings", default=",".join(SETTINGS),
                    help=f"comma-separated from {', '.join(SETTINGS)} (default all)")
-    p.add_argument("--no-csv", action="store_true", help="skip the CSV-order runs")
+    p.add_argument("--no-csv", action="store_true",
+                   help="skip the CSV-order runs (and, without --out, write no file)")
+    p.add_argument("--no-write", action="store_true",
+                   help="print the tables only, write no file (even with --out)")
     p.add_argument("--profile-rank", type=int, default=None)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                 "vs_torch.md"))
+    p.add_argument("--out", default=None,
+                   help=f"write the tables here (default {DEFAULT_OUT} for a full run)")
     args = p.parse_args(argv)
     check_choices(p, args)
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
     return args
+
+
+def out_file(args: argparse.Namespace) -> str | None:
+    """Where the tables go: --out, else the recorded results for a full run (with the
+    CSV-order rows); None (print only) for --no-write or a --no-csv run without --out."""
+    if args.no_write:
+        return None
+    if args.out is not None:
+        return args.out
+    return None if args.no_csv else DEFAULT_OUT
 
 
 def main(argv: list[str]) -> int:
@@ -128,10 +144,14 @@ def main(argv: list[str]) -> int:
         "What the ratios come from: docs/performance.md, "
         "\"Against torch.distributed.pipelining\".\n"
     )
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
+    out = out_file(args)
+    if out is None:
+        print("wrote no file (--no-csv or --no-write; --out FILE writes one)")
+        return 0
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
         f.write(header + "\n" + "\n".join(sections))
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0
 
 

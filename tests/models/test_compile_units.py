@@ -178,3 +178,70 @@ def test_the_compiled_loss_gradient_reads_no_tensor_on_the_host(monkeypatch) -> 
     got = kernels.ce_grad(logits, targets, lse, 0, torch.tensor(0.5, dtype=torch.float64), 32)
     assert reads == []
     assert torch.equal(got, want) and got.shape == logits.shape
+
+
+def test_the_compiled_loss_unit_is_one_graph_each_way(monkeypatch) -> None:
+    # the final norm, head and cross-entropy: one compiled call in F (the finish in
+    # it), one in B, no autograd graph kept; W still waits (its records)
+    from stp.models.compile import compiled_kernels
+
+    _, chunk = _stages(True, "none")
+    kernels, calls = compiled_kernels(), []
+    for name in ("loss_forward", "loss_backward", "loss_backward_w", "_ce_stats", "_ce_grad",
+                 "norm_forward", "norm_backward"):
+        fn = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, fn=fn, name=name: calls.append(name)
+                            or fn(*a))
+    tokens, targets = _inputs()
+    chunk.weights_in_backward(())
+    chunk.forward(0, tokens[0], targets[0])
+    loss_unit = chunk.units[-1]
+    assert type(loss_unit).__name__ == "LossUnit"
+    assert calls == ["loss_forward"]
+    assert all(t.grad_fn is None for t in loss_unit.kept_tensors(0))
+    chunk.backward_input(0, None, 0.5)
+    assert calls == ["loss_forward", "loss_backward"]
+    assert loss_unit.head_w.grad is None  # W's work waits in the records
+    chunk.backward_weight(0)
+    assert loss_unit.head_w.grad is not None and loss_unit.norm_w.grad is not None
+    chunk.zero_grad()
+
+
+def _matmuls(fn, *args) -> tuple[int, tuple]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        out = fn(*args)
+    return Count.n, out
+
+
+def test_shared_input_matrices_are_one_matmul_on_the_cpu() -> None:
+    # q, k, v and gate, up each as one matmul each way in the compiled graphs' maths,
+    # the values those of the separate matrices (float64, within the parity bound)
+    from stp.models import compile_pieces as cp
+
+    gen = torch.Generator().manual_seed(2)
+    r = functools.partial(torch.randn, generator=gen, dtype=torch.float64)
+    h, wq, wk, wv, bq, bk, bv = r(2, 8, 32), r(32, 32), r(16, 32), r(16, 32), r(32), r(16), r(16)
+    cos, sin = r(8, 8), r(8, 8)
+    n, (q, k, v) = _matmuls(cp.qkv_rope_forward, h, wq, wk, wv, bq, bk, bv, cos, sin, 8)
+    assert n == 1
+    want_v = torch.nn.functional.linear(h, wv, bv).view(2, 8, -1, 8).transpose(1, 2)
+    assert _rel(v, want_v) <= 1e-14 and v.untyped_storage().nbytes() == want_v.numel() * 8
+    gq, gk, gv = r(*q.shape), r(*k.shape), r(*v.shape)
+    n, (dh, dq, dk, dv) = _matmuls(cp.qkv_rope_backward, gq, gk, gv, wq, wk, wv, cos, sin)
+    assert n == 1 and _rel(dh, dq @ wq + dk @ wk + dv @ wv) <= 1e-14
+    w1, w3, w2 = r(64, 32), r(64, 32), r(32, 64)
+    n, (out, gate, act, up, a) = _matmuls(cp.mlp_forward, h, w1, w3, w2)
+    assert n == 2 and _rel(up, h @ w3.t()) <= 1e-14
+    assert up.untyped_storage().nbytes() == up.numel() * 8  # B keeps up's bytes alone
+    n, (dh, dgate, dup) = _matmuls(cp.mlp_backward, r(2, 8, 32), gate, act, up, w1, w3, w2)
+    assert n == 2 and _rel(dh, dgate @ w1 + dup @ w3) <= 1e-14

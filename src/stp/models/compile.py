@@ -58,6 +58,14 @@ from stp.models.compile_chunk import (
     chunk_backward_w,
     chunk_forward,
 )
+from stp.models.compile_loss import (
+    LossGraphs,
+    loss_backward,
+    loss_backward_partial,
+    loss_backward_w,
+    loss_forward,
+    loss_forward_partial,
+)
 from stp.models.compile_pieces import (
     AttnOutFn,
     MLPFn,
@@ -166,6 +174,10 @@ class CompiledKernels(Kernels):
         self.chunk_backward_w = _Compiled(chunk_backward_w)
         self._ce_stats = _Compiled(vocab_ce_stats)
         self._ce_grad = _Compiled(vocab_ce_grad)
+        for fn in (loss_forward, loss_forward_partial, loss_backward, loss_backward_w,
+                   loss_backward_partial):
+            setattr(self, fn.__name__, _Compiled(fn))
+        self.loss_graphs = LossGraphs(self)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
              sink: list[WGradEntry] | GradTaps | None) -> torch.Tensor:

@@ -13,9 +13,12 @@ sink) calls a third graph that returns the weight gradients too.
 
 So B is one autograd node and one compiled call per microbatch and stage, the
 engine walks nothing else, and TorchDynamo is entered once per pass instead of
-once per piece. Eligible: CPU tensors (the flash kernel named here is the CPU
-one), recompute "none" or "full" (selective recomputation replaces the attention
-core, so those chunks keep the pieces of stp.models.compile_pieces).
+once per piece. The matrices that read the same input run as one matmul each
+way (stp.models.compile_pieces.one_matmul), and so do their weight gradients
+in a full BW's graph: 9 matmuls a layer fewer. Eligible: CPU tensors (the
+flash kernel named here is the CPU one), recompute "none" or "full" (selective
+recomputation replaces the attention core, so those chunks keep the pieces of
+stp.models.compile_pieces).
 """
 
 from __future__ import annotations
@@ -26,12 +29,12 @@ import torch
 
 from stp.models.compile_pieces import (
     _rows,
+    mlp_backward,
     mlp_forward,
     norm_backward,
     norm_forward,
     qkv_rope_backward,
     qkv_rope_forward,
-    swiglu_backward,
 )
 from stp.models.tp.wgrad import LinearGrad, NormGrad, WGradEntry
 
@@ -103,8 +106,7 @@ def _mlp_backward(dy: torch.Tensor, p: tuple, saved: tuple) -> tuple:
     """(dx, the norm's dh, dy of w1, w3)."""
     g, w1, w3, w2 = p
     _, xhat, rstd, gate, act, up, _ = saved
-    dgate, dup = swiglu_backward(dy @ w2, gate, act, up)
-    dh = dgate @ w1 + dup @ w3
+    dh, dgate, dup = mlp_backward(dy, gate, act, up, w1, w3, w2)
     return norm_backward(dh, xhat, rstd, g), dh, dgate, dup
 
 
@@ -172,10 +174,16 @@ def chunk_backward_w(grad_h: torch.Tensor, grad_last: torch.Tensor, params: tupl
         linears, dh = _linears(kind, p, saved, grads)
         xhat = saved[1]
         out[i] = _rows(dh.to(xhat.dtype) * xhat).sum(0).to(p[0].dtype)
-        for w, bias, x, dy in linears:
-            out[i + w] = (_rows(dy).t() @ _rows(x)).to(p[w].dtype)
+        shared, last = linears[:-1], linears[-1]  # the first ones read the norm's h
+        dy = _rows(torch.cat([dy for _, _, _, dy in shared], -1))
+        dws = (dy.t() @ _rows(shared[0][2])).split([p[w].shape[0] for w, *_ in shared])
+        for (w, bias, _, _), dw, db in zip(shared, dws, dy.sum(0).split(
+                [p[w].shape[0] for w, *_ in shared]), strict=True):
+            out[i + w] = dw.to(p[w].dtype)
             if bias is not None and p[bias] is not None:
-                out[i + bias] = _rows(dy).sum(0)
+                out[i + bias] = db
+        w, _, x, dy_last = last
+        out[i + w] = (_rows(dy_last).t() @ _rows(x)).to(p[w].dtype)
     return (dx, *out)
 
 

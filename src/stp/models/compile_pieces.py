@@ -119,13 +119,35 @@ class SwiGLUFn(torch.autograd.Function):
         return (*ctx.kernels.swiglu_backward(grad, gate, act, up), None)
 
 
+def one_matmul(x: torch.Tensor) -> bool:
+    """Whether the matrices that read the same input (q, k, v; gate, up) run as one
+    matmul in the graphs, their weights concatenated there (the parameters stay
+    apart): on the CPU, where a matmul call costs more than the copy; a GPU keeps
+    them apart (the copy would read the weights a second time). The input gradient
+    then sums over the concatenated rows in one matmul instead of adding three: a
+    different rounding (float64 agrees with the eager units to about 1e-16)."""
+    return x.device.type == "cpu"
+
+
+def _concat_linear(h: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                   biases: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
+    """Each F.linear(h, w, b), from one matmul; copied out of it, so that a tensor B
+    keeps holds its own bytes, as the eager linear's output does."""
+    bias = None if biases[0] is None else torch.cat(biases)
+    y = F.linear(h, torch.cat(weights), bias)
+    return [t.contiguous() for t in y.split([w.shape[0] for w in weights], dim=-1)]
+
+
 def qkv_rope_forward(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor,
                       bq: torch.Tensor | None, bk: torch.Tensor | None, bv: torch.Tensor | None,
                       cos: torch.Tensor, sin: torch.Tensor,
                       head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, s, _ = h.shape
-    q, k, v = (F.linear(h, w, bias).view(b, s, -1, head_dim).transpose(1, 2)
-               for w, bias in ((wq, bq), (wk, bk), (wv, bv)))
+    if one_matmul(h):
+        qkv = _concat_linear(h, (wq, wk, wv), (bq, bk, bv))
+    else:
+        qkv = [F.linear(h, w, bias) for w, bias in ((wq, bq), (wk, bk), (wv, bv))]
+    q, k, v = (t.view(b, s, -1, head_dim).transpose(1, 2) for t in qkv)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -136,13 +158,16 @@ def qkv_rope_backward(gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, wq: 
     gq, gk = gq * cos + unrotate(gq * sin), gk * cos + unrotate(gk * sin)
     b, _, s, _ = gq.shape
     dq, dk, dv = (g.transpose(1, 2).reshape(b, s, -1) for g in (gq, gk, gv))
+    if one_matmul(dq):
+        return torch.cat((dq, dk, dv), -1) @ torch.cat((wq, wk, wv)), dq, dk, dv
     return dq @ wq + dk @ wk + dv @ wv, dq, dk, dv
 
 
 def mlp_forward(h: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                  w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(out, and what B needs: the gate, silu(gate), the up projection, w2's input)."""
-    gate, up = F.linear(h, w1), F.linear(h, w3)
+    gate, up = (_concat_linear(h, (w1, w3), (None, None)) if one_matmul(h)
+                else (F.linear(h, w1), F.linear(h, w3)))
     act = F.silu(gate)
     a = act * up
     return F.linear(a, w2), gate, act, up, a
@@ -153,6 +178,8 @@ def mlp_backward(dy: torch.Tensor, gate: torch.Tensor, act: torch.Tensor, up: to
                   w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dh, and the output gradients of w1 and w3)."""
     dgate, dup = swiglu_backward(dy @ w2, gate, act, up)
+    if one_matmul(dy):
+        return torch.cat((dgate, dup), -1) @ torch.cat((w1, w3)), dgate, dup
     return dgate @ w1 + dup @ w3, dgate, dup
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from stp.models.compile_loss import applies
 from stp.models.decoder.kernels import EAGER, Kernels
 from stp.models.decoder.units import _norm_graph
 from stp.models.tp.layers import linear, vocab_ce_finish, vocab_embedding_partial
@@ -117,6 +118,9 @@ class LossUnit(Unit):
     ) -> torch.Tensor:
         if targets is None:
             raise ValueError("the loss unit needs targets")
+        if applies(self):  # compiled: one graph, no autograd (stp.models.compile_loss)
+            st = self._enter(mb, None, "F-partial")
+            return self.kernels.loss_graphs.forward_partial(self, st, mb, x, targets)
         st = self._states.get(mb)
         if st is not None and "gather" in st.saved:  # prepare_forward ran
             h_in, sink = st.saved.pop("gather").wait(), st.taps
@@ -163,11 +167,15 @@ class LossUnit(Unit):
 
     def forward_finish(self, mb: int, reduced: torch.Tensor) -> torch.Tensor:
         st = self._enter(mb, "F-partial", "F")
+        if "xhat" in st.saved:  # the compiled graphs' forward
+            return self.kernels.loss_graphs.forward_finish(st, reduced)
         loss, st.saved["lse"] = vocab_ce_finish(reduced, st.saved["targets"])
         return loss.detach()
 
     def backward_partial(self, mb: int, grad: torch.Tensor) -> torch.Tensor | None:
         st = self._enter(mb, "F", "B-partial")
+        if "xhat" in st.saved:
+            return self.kernels.loss_graphs.backward_partial(self, st, grad)
         if self.recompute == "full":  # the forward again, with its graph
             h, sink = _norm_graph(self, st, mb, st.saved.pop("x"))
             self._logits(st, h if self.one_graph else self._gathered(h.detach()), sink)
@@ -184,7 +192,10 @@ class LossUnit(Unit):
 
     def backward_finish(self, mb: int, reduced: torch.Tensor | None) -> torch.Tensor | None:
         st = self._enter(mb, "B-partial", "B")
-        if self.one_graph:
+        if "xhat" in st.saved:  # the compiled graphs, more TP ranks
+            assert reduced is not None
+            grad_x = self.kernels.loss_graphs.backward_finish(self, st, reduced)
+        elif self.one_graph:
             grad_x = st.saved.pop("grad")
         else:
             assert reduced is not None

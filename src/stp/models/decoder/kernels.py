@@ -32,6 +32,9 @@ class Kernels:
     """Eager kernels: each method is the plain PyTorch code the units always ran."""
 
     compiled = False
+    loss_graphs = None
+    """The loss unit as one graph per direction (stp.models.compile_loss.LossGraphs):
+    a compiled set only; eagerly the unit runs the pieces below."""
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
              sink: list[WGradEntry] | GradTaps | None) -> torch.Tensor:
