@@ -3,7 +3,6 @@ for the layers above (stp.models.family)."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -16,6 +15,7 @@ from stp.models.decoder.reference import build_reference
 from stp.models.decoder.shared_grads import SharedGrads
 from stp.models.decoder.stage import build_stage, check_model
 from stp.models.family import ModelFamily, StageBuilder, check_text_batch
+from stp.models.placement import placed_builder
 from stp.models.recompute import check_recompute
 from stp.schedule.placement import partition_layers
 from stp.shapes.decoder import ModelConfig
@@ -48,9 +48,8 @@ class DecoderFamily(ModelFamily):
             partition_layers(config.num_layers, num_stages, partition)  # ValueError
         check_recompute(recompute)
         read = {} if weights is None else {"weights": weights}
-        return functools.partial(build_stage, config, partition=partition,
-                                 sequence_parallel=sequence_parallel, recompute=recompute,
-                                 **read)
+        return placed_builder(build_stage, config, partition=partition,
+                              sequence_parallel=sequence_parallel, recompute=recompute, **read)
 
     def check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         check_text_batch(tokens, targets)
