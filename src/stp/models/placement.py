@@ -121,8 +121,8 @@ def placed_builder(build: Callable[..., Any], config: Any, *,
     the trainer's words for the stage and the mesh, with the placement fields the
     family fixed for the run. Keywords the builder is called with beyond the mesh's
     (an expert-parallel group: ModelFamily.builder_on_mesh) go to `build`."""
-    fixed = {"partition": partition, "sequence_parallel": sequence_parallel,
-             "recompute": recompute, "tp_overlap_chunks": tp_overlap_chunks}
+    fixed: dict[str, Any] = {"partition": partition, "sequence_parallel": sequence_parallel,
+                             "recompute": recompute, "tp_overlap_chunks": tp_overlap_chunks}
 
     def builder(stage: int, num_stages: int, *, tp_group: dist.ProcessGroup | None = None,
                 tp_size: int = 1, tp_rank: int = 0, device: torch.device | str = "cpu",

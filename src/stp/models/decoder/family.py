@@ -47,7 +47,7 @@ class DecoderFamily(ModelFamily):
         if partition is not None:
             partition_layers(config.num_layers, num_stages, partition)  # ValueError
         check_recompute(recompute)
-        read = {} if weights is None else {"weights": weights}
+        read: dict[str, Any] = {} if weights is None else {"weights": weights}
         return placed_builder(build_stage, config, partition=partition,
                               sequence_parallel=sequence_parallel, recompute=recompute, **read)
 

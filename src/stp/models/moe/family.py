@@ -73,7 +73,7 @@ class MoEFamily(ModelFamily):
             raise ValueError("--sequence-parallel: the MoE model has no sequence parallelism")
         if partition is not None:
             partition_layers(config.num_layers, num_stages, partition)  # ValueError
-        read = {} if weights is None else {"weights": weights}
+        read: dict[str, Any] = {} if weights is None else {"weights": weights}
         return placed_builder(build_moe_stage, config, partition=partition, **read)
 
     def check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
