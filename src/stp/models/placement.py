@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stp.models.family import StageBuilder
 from stp.models.recompute import check_recompute
 from stp.schedule.placement import partition_layers
 
@@ -116,7 +117,7 @@ def _device(device: Any) -> torch.device:
 def placed_builder(build: Callable[..., Any], config: Any, *,
                    partition: tuple[int, ...] | None = None,
                    sequence_parallel: bool = False, recompute: str = "none",
-                   tp_overlap_chunks: int = 1, **family_args: Any) -> Callable[..., Any]:
+                   tp_overlap_chunks: int = 1, **family_args: Any) -> StageBuilder:
     """A StageBuilder (stp.models.family) over `build(config, placement, **family_args)`:
     the trainer's words for the stage and the mesh, with the placement fields the
     family fixed for the run. Keywords the builder is called with beyond the mesh's
