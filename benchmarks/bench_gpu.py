@@ -6,7 +6,7 @@ the offload copier's overlap, single-GPU training with each memory lever.
 Three parts, each recorded under its key in the JSON (`--only` picks some):
 
   units    F, B and W of one decoder layer as stp's units run it (bf16, one TP
-           rank's shard: `build_stage(..., tp_size=t, tp_rank=0)` with an identity
+           rank's shard: `build_stage(..., StagePlacement(1, 3, tp_size=t))` with an identity
            all-reduce, so the FLOPs are exactly one rank's), timed with CUDA events
            (median of `--repeat`), against the cost model's prediction for the same
            layer on `h100-80g` (`stp.costmodel.decoder.costs.derive_decoder`). The
@@ -71,7 +71,7 @@ from stp.bench.step_counts import count_sides, counts_with_ratios
 from stp.costmodel.decoder.costs import derive_decoder
 from stp.costmodel.decoder.spec import layer_flops
 from stp.costmodel.presets import HARDWARE, MODELS
-from stp.models import ModelConfig, build_stage
+from stp.models import ModelConfig, StagePlacement, build_stage
 
 PEAK_BF16 = 989e12  # H100 SXM5 dense bf16 (datasheet), as `h100-80g` says
 
@@ -127,8 +127,8 @@ def bench_units(device: torch.device, names: list[str], repeat: int, smoke: bool
     rows = []
     for name in names:
         cfg, tp, seq = _layer_config(name, smoke)
-        stage = build_stage(cfg, 1, 3, tp_size=tp, tp_rank=0, allreduce=lambda a: a,
-                            dtype=dtype, device=device)
+        stage = build_stage(cfg, StagePlacement(1, 3, tp_size=tp, dtype=dtype, device=device),
+                            allreduce=lambda a: a)
         x = torch.randn(1, seq, cfg.hidden, dtype=dtype, device=device)
         times = _time_layer(stage, x, timed, repeat)
         spec = replace(MODELS[name], layers=1, micro_batch=1, sequence=seq)

@@ -68,7 +68,7 @@ def measure(path: str, stage: int, num_stages: int, tp: int, tp_rank: int) -> di
     """Load one rank's shard in this process: (shard bytes, peak RSS increase)."""
     import torch
 
-    from stp.models import build_stage
+    from stp.models import StagePlacement, build_stage
     from stp.models.hf import HFCheckpoint
 
     # torch's own lazy allocations before the baseline: its first parallel kernel
@@ -86,8 +86,8 @@ def measure(path: str, stage: int, num_stages: int, tp: int, tp_rank: int) -> di
         model = load(path)
         shard = sum(p.numel() * p.element_size() for p in model.parameters())
     else:
-        st = build_stage(ckpt.config, stage, num_stages, tp_size=tp, tp_rank=tp_rank,
-                         allreduce=lambda t: t, weights=ckpt.read)
+        where = StagePlacement(stage, num_stages, tp_size=tp, tp_rank=tp_rank)
+        st = build_stage(ckpt.config, where, allreduce=lambda t: t, weights=ckpt.read)
         shard = sum(p.numel() * p.element_size() for p in st.parameters())
     return {"shard_bytes": shard, "peak_increase_bytes": _status_bytes("VmHWM") - before}
 

@@ -8,7 +8,7 @@ For each tree, in a fresh process per measurement:
 
   build   the seconds (wall, and the process's CPU time, steadier on a shared
           machine) to build and initialise TP rank 0's stage of the whole model
-          (`build_stage(config, 0, 1, tp_size=t, tp_rank=0)`, an identity all-reduce),
+          (`build_stage(config, StagePlacement(0, 1, tp_size=t))`, an identity all-reduce),
           at each `--tp`: what one rank of a t-way run spends making its parameters;
   ttfs    time to first step of `stp train <flags> --steps 2 --json` (stp.train.run.startup's
           definition): from the spawn of the process to its first step's JSON row
@@ -33,12 +33,12 @@ from pathlib import Path
 
 BUILD = r"""
 import sys, time, torch
-from stp.models import ModelConfig, build_stage
+from stp.models import ModelConfig, StagePlacement, build_stage
 layers, hidden, heads, tp = (int(a) for a in sys.argv[1:5])
 cfg = ModelConfig(num_layers=layers, hidden=hidden, num_heads=heads, num_kv_heads=heads,
                   max_seq_len=64)
 t, c = time.perf_counter(), time.process_time()
-stage = build_stage(cfg, 0, 1, tp_size=tp, tp_rank=0, allreduce=lambda x: x)
+stage = build_stage(cfg, StagePlacement(0, 1, tp_size=tp), allreduce=lambda x: x)
 took, cpu = time.perf_counter() - t, time.process_time() - c
 n = sum(p.numel() for p in stage.parameters())
 print(took, cpu, n)

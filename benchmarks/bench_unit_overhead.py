@@ -30,11 +30,11 @@ from collections.abc import Callable
 import torch
 
 from stp.bench.peer_torch import DecoderPart
-from stp.models import ModelConfig, ModelStage, build_stage
+from stp.models import ModelConfig, ModelStage, StagePlacement, build_stage
 
 
 def _stage(cfg: ModelConfig, one_graph: bool, plain: bool, fused: bool = False) -> ModelStage:
-    st = build_stage(cfg, 1, 3, fuse_layers=fused)  # a middle stage
+    st = build_stage(cfg, StagePlacement(1, 3), fuse_layers=fused)  # a middle stage
     for unit in st.units if not fused else ():
         unit.one_graph = one_graph  # type: ignore[attr-defined]
     st.weights_in_backward(range(1) if plain else ())

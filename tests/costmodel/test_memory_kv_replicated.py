@@ -26,7 +26,7 @@ from stp.costmodel import HARDWARE
 from stp.costmodel.configs import spec_from_config
 from stp.costmodel.decoder.kept import stp_kept
 from stp.costmodel.memory import Features, Layout, estimate
-from stp.models import ModelConfig, build_stage
+from stp.models import ModelConfig, StagePlacement, build_stage
 from stp.models.moe.stage import build_moe_stage
 from stp.runtime.executor import Executor
 from stp.runtime.offload import ActivationOffloader, runtime_plan
@@ -71,9 +71,9 @@ def _stages(cfg: ModelConfig, tp: int, rank: int, dtype: torch.dtype,
         # build_moe_stage asks for a process group before it builds its all-reduce,
         # which building never calls: the shards are what is measured here
         monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-        return [build_moe_stage(cfg, rank, PP, tp_size=tp, tp_rank=t, dtype=dtype)
+        return [build_moe_stage(cfg, StagePlacement(rank, PP, tp_size=tp, tp_rank=t, dtype=dtype))
                 for t in range(tp)]
-    return [build_stage(cfg, rank, PP, tp_size=tp, tp_rank=t, dtype=dtype,
+    return [build_stage(cfg, StagePlacement(rank, PP, tp_size=tp, tp_rank=t, dtype=dtype),
                         allreduce=lambda a: a) for t in range(tp)]
 
 
@@ -137,7 +137,7 @@ def _census(cfg: ModelConfig, tp: int, dtype: torch.dtype) -> tuple[int, int]:
     the all-reduces are the identity, so the values are not the model's, but every
     tensor a TP rank keeps has its real shape, which is all the census counts."""
     sch = make_schedule("zb-v", 1, 1)
-    stages = {s: build_stage(cfg, s, 2, dtype=dtype, tp_size=tp, tp_rank=0,
+    stages = {s: build_stage(cfg, StagePlacement(s, 2, dtype=dtype, tp_size=tp, tp_rank=0),
                              allreduce=lambda a: a) for s in (0, 1)}
     off = ActivationOffloader(sch, 0, stages, runtime_plan(sch, "none"))
     ex = Executor(lower(sch), 0, stages, None, boundary_shape=(MBS, SEQ, cfg.hidden),

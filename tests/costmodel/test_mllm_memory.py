@@ -8,6 +8,7 @@ import torch
 from stp.costmodel import HARDWARE
 from stp.costmodel.memory import Features, Layout, estimate
 from stp.costmodel.mllm.memory import mllm_kept, mllm_stage_parameters
+from stp.models import StagePlacement
 from stp.models.mllm.family import MLLM
 from stp.models.mllm.stage import build_mllm_stage
 from stp.runtime.executor import Executor
@@ -39,8 +40,8 @@ def test_model_states_are_the_parameters_the_runtime_builds(tp, kv_heads, partit
     want = mllm_stage_parameters(_spec(cfg, tp), partition)
     for stage in range(len(partition)):
         for rank in range(tp):
-            built = build_mllm_stage(cfg, stage, len(partition), tp_size=tp, tp_rank=rank,
-                                     partition=partition)
+            built = build_mllm_stage(cfg, StagePlacement(stage, len(partition), tp_size=tp,
+                                                         tp_rank=rank, partition=partition))
             params = list(built.parameters())
             assert sum(p.numel() for p in params) == want[stage], (stage, rank)
             # a shard holds its own bytes only (no view of the unsharded matrix)
@@ -58,7 +59,8 @@ def _census(cfg, dtype, recompute="none"):
     per stage."""
     sch = make_schedule("zb-v", 1, 1)
     part = (cfg.vision.num_layers, cfg.decoder.num_layers)
-    stages = {s: build_mllm_stage(cfg, s, 2, dtype=dtype, partition=part, recompute=recompute)
+    stages = {s: build_mllm_stage(cfg, StagePlacement(s, 2, dtype=dtype, partition=part,
+                                                      recompute=recompute))
               for s in (0, 1)}
     off = ActivationOffloader(sch, 0, stages, runtime_plan(sch, "none"))
     seq = cfg.seq_len(TEXT)

@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 
-from stp.models import ModelConfig
+from stp.models import ModelConfig, StagePlacement
 from stp.models.compile import compile_stages, compile_stats
 from stp.models.decoder.stage import build_stage
 from stp.runtime.graph_saved import graph_saved
@@ -63,8 +63,9 @@ def _split_backward(stage, recompute: str = "none", at_once: bool = False) -> di
 @functools.cache
 def _stages(fuse: bool, recompute: str) -> tuple:
     """(eager stage, compiled stage) of the same weights."""
-    eager, compiled = (build_stage(CONFIG, 0, 1, dtype=torch.float64, fuse_layers=fuse,
-                                   recompute=recompute) for _ in range(2))
+    eager, compiled = (build_stage(CONFIG, StagePlacement(0, 1, dtype=torch.float64,
+                                                          recompute=recompute), fuse_layers=fuse)
+                       for _ in range(2))
     assert compile_stages([compiled]) > 0
     return eager, compiled
 

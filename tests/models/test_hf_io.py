@@ -14,7 +14,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from stp.models import ModelConfig, build_reference, build_stage, hf, valid_token_ratio
+from stp.models import (
+    ModelConfig,
+    StagePlacement,
+    build_reference,
+    build_stage,
+    hf,
+    valid_token_ratio,
+)
 
 F64 = torch.float64
 
@@ -107,7 +114,7 @@ def test_stage_from_checkpoint_with_ignored_targets_matches_reference(
     head's gradient adds to the embedding's)."""
     ckpt = hf.HFCheckpoint.open(checkpoints[kind])
     ref = hf.load(checkpoints[kind], dtype=F64)
-    stage = build_stage(ckpt.config, 0, 1, dtype=F64, weights=ckpt.read)
+    stage = build_stage(ckpt.config, StagePlacement(0, 1, dtype=F64), weights=ckpt.read)
     g = torch.Generator().manual_seed(2)
     tokens, targets = torch.randint(0, 90, (2, 16), generator=g), torch.randint(0, 90, (2, 16),
                                                                                  generator=g)

@@ -28,7 +28,7 @@ import re
 import pytest
 import torch
 
-from stp.models import ModelConfig, build_reference, build_stage
+from stp.models import ModelConfig, StagePlacement, build_reference, build_stage
 from stp.models.mllm.reference import build_mllm_reference
 from stp.models.mllm.stage import build_mllm_stage
 from stp.shapes.mllm import MLLMConfig, VisionConfig
@@ -128,7 +128,7 @@ def test_decoder_reference_follows_the_documented_init(cfg: ModelConfig) -> None
 def test_decoder_stage_follows_the_documented_init(cfg: ModelConfig) -> None:
     """What the Trainer builds (one stage, the whole model): the same distributions,
     and a tied head starts as a copy of the embedding."""
-    st = build_stage(cfg, 0, 1, dtype=torch.float64)
+    st = build_stage(cfg, StagePlacement(0, 1, dtype=torch.float64))
     params = dict(st.named_parameters())
     check_all(params, lambda n: decoder_spec(n, cfg.num_layers))
     if cfg.tie_embeddings:
@@ -142,7 +142,7 @@ def test_mllm_follows_the_documented_init() -> None:
     assert counts == {"ones": 1 + 2 * lv + 1 + 2 * ld + 1, "zeros": 0,
                       "normal": 2 + 6 * lv + 2 + 7 * ld + 2}
     check_independent(ref, lambda n: mllm_spec(n, MLLM))
-    st = dict(build_mllm_stage(MLLM, 0, 1, dtype=torch.float64).named_parameters())
+    st = dict(build_mllm_stage(MLLM, StagePlacement(0, 1, dtype=torch.float64)).named_parameters())
     assert set(st) == set(ref)
     check_all(st, lambda n: mllm_spec(n, MLLM))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stp.models import ModelConfig, build_stage
+from stp.models import ModelConfig, StagePlacement, build_stage
 from stp.models.decoder.chunk import LayerChunk
 
 D = torch.float64
@@ -18,7 +18,7 @@ CFG = ModelConfig(vocab_size=32, hidden=32, num_layers=6, num_heads=4, num_kv_he
 
 def _run(stage_index: int, fuse: bool, at_once: tuple[int, ...]) -> tuple[list, dict]:
     """Forward two microbatches through one stage of three, B of both, then W."""
-    st = build_stage(CFG, stage_index, 3, dtype=D, fuse_layers=fuse)
+    st = build_stage(CFG, StagePlacement(stage_index, 3, dtype=D), fuse_layers=fuse)
     assert any(isinstance(u, LayerChunk) for u in st.units) == fuse
     st.weights_in_backward(at_once)
     g = torch.Generator().manual_seed(stage_index)

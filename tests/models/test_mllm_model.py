@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stp.models import IGNORE_INDEX, ModelConfig
+from stp.models import IGNORE_INDEX, ModelConfig, StagePlacement
 from stp.models.mllm.reference import build_mllm_reference
 from stp.models.mllm.stage import build_mllm_stage
 from stp.shapes.mllm import MLLMConfig, VisionConfig
@@ -30,7 +30,7 @@ def test_stages_match_the_reference_in_loss_and_every_gradient(partition):
     expected.backward()
     grads = {k: v.grad for k, v in ref.named_full().items()}
     n = 1 if partition is None else len(partition)
-    stages = [build_mllm_stage(CFG, s, n, dtype=torch.float64, partition=partition)
+    stages = [build_mllm_stage(CFG, StagePlacement(s, n, dtype=torch.float64, partition=partition))
               for s in range(n)]
     x = inputs
     for st in stages:
@@ -54,7 +54,7 @@ def test_images_reach_the_loss_and_bad_inputs_are_refused():
     blank = inputs.clone()
     blank[:, : CFG.vision.pixels] = 0
     assert float(ref.loss(blank, targets)) != float(ref.loss(inputs, targets))
-    stage = build_mllm_stage(CFG, 0, 2)
+    stage = build_mllm_stage(CFG, StagePlacement(0, 2))
     with pytest.raises(ValueError, match="pixel bytes"):
         stage.check_input(inputs[:, :10], None)
     with pytest.raises(ValueError, match="must be <= the decoder hidden"):

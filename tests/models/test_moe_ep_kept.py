@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from stp.models import StagePlacement
 from stp.models.moe.dispatch import ExpertGroup, Routed
 from stp.models.moe.ep_units import RouteUnit, _Mb
 from stp.models.moe.stage import build_moe_stage
@@ -16,7 +17,7 @@ from stp.shapes import MoEConfig
 def test_the_route_unit_keeps_what_the_layer_units_share():
     cfg = MoEConfig(vocab_size=40, hidden=16, num_layers=1, num_heads=2, num_kv_heads=1,
                     ffn_hidden=32, max_seq_len=8, num_experts=4, top_k=2, expert_ffn=8)
-    stage = build_moe_stage(cfg, 0, 1, expert_group=ExpertGroup(None, 2, 0))
+    stage = build_moe_stage(cfg, StagePlacement(0, 1), expert_group=ExpertGroup(None, 2, 0))
     (route,) = [u for u in stage.units if isinstance(u, RouteUnit)]
     n, k, h = 6, 2, 16
     plan = Routed(torch.arange(n * k), torch.arange(n * k) // k, [6, 6], [5, 7],

@@ -7,6 +7,7 @@ import torch
 
 from stp.costmodel.configs import spec_from_config
 from stp.costmodel.decoder.kept import stp_kept
+from stp.models import StagePlacement
 from stp.models.moe.stage import build_moe_stage
 from stp.runtime.executor import Executor
 from stp.runtime.offload import ActivationOffloader, runtime_plan
@@ -25,7 +26,7 @@ def _config(layers: int, top_k: int, shared: int) -> MoEConfig:
 
 def _kept_on_stage_0(cfg: MoEConfig, schedule: str, dtype: torch.dtype) -> int:
     sch = make_schedule(schedule, 1, 1)
-    stages = {s: build_moe_stage(cfg, s, 2, dtype=dtype) for s in (0, 1)}
+    stages = {s: build_moe_stage(cfg, StagePlacement(s, 2, dtype=dtype)) for s in (0, 1)}
     off = ActivationOffloader(sch, 0, stages, runtime_plan(sch, "none"))
     ex = Executor(lower(sch), 0, stages, None, boundary_shape=(MBS, SEQ, HIDDEN), dtype=dtype,
                   offload=off)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stp.models import ModelConfig
+from stp.models import ModelConfig, StagePlacement
 from stp.models.decoder.stage import build_stage
 from stp.runtime.graph_saved import graph_saved
 
@@ -45,8 +45,9 @@ def test_decoder_stage_recomputes_the_same_bits_and_full_keeps_less(fuse: bool) 
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randint(0, 32, (2, 8), generator=gen) for _ in range(2)]
     targets = [torch.randint(0, 32, (2, 8), generator=gen) for _ in range(2)]
-    runs = {mode: _run(build_stage(CONFIG, 0, 1, dtype=torch.float64, fuse_layers=fuse,
-                                   recompute=mode), inputs, targets)
+    runs = {mode: _run(build_stage(CONFIG, StagePlacement(0, 1, dtype=torch.float64,
+                                                          recompute=mode), fuse_layers=fuse),
+                       inputs, targets)
             for mode in ("none", "selective", "full")}
     losses, grads, kept = runs["none"]
     for mode in ("selective", "full"):
@@ -73,7 +74,8 @@ def test_multimodal_stage_recomputes_the_same_bits() -> None:
                    microbatches=2, microbatch_size=1, dtype="float64")
     cfg = model_config(job)
     tokens, targets = mllm_batches(job, cfg).batch(0)
-    runs = {mode: _run(build_mllm_stage(cfg, 0, 1, dtype=torch.float64, recompute=mode),
+    runs = {mode: _run(build_mllm_stage(cfg, StagePlacement(0, 1, dtype=torch.float64,
+                                                            recompute=mode)),
                        tokens.split(1), targets.split(1))
             for mode in ("none", "selective", "full")}
     losses, grads, kept = runs["none"]
@@ -89,7 +91,7 @@ def test_a_bad_mode_is_one_line_naming_the_modes() -> None:
 
     with pytest.raises(ValueError, match=r"^recompute 'half': choose one of none, selective, "
                                          r"full$"):
-        build_stage(CONFIG, 0, 1, recompute="half")
+        build_stage(CONFIG, StagePlacement(0, 1, recompute="half"))
     with pytest.raises(ValueError, match=r"^recompute 'half': choose one of"):
         TrainerOptions(recompute="half")
 

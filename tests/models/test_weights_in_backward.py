@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stp.models import ModelConfig, build_stage
+from stp.models import ModelConfig, StagePlacement, build_stage
 
 D = torch.float64
 CFG = ModelConfig(vocab_size=32, hidden=32, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -25,7 +25,7 @@ def batch(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
 def run(num_stages: int, at_once: tuple[int, ...]) -> tuple[list[float], list[dict]]:
     """Forward two microbatches, B of both, then W; the gradients per stage. Checks on
     the way that B touched no `.grad` and what B kept for W."""
-    stages = [build_stage(CFG, s, num_stages, dtype=D) for s in range(num_stages)]
+    stages = [build_stage(CFG, StagePlacement(s, num_stages, dtype=D)) for s in range(num_stages)]
     for st in stages:
         st.weights_in_backward(at_once)
     losses = []

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-from stp.models import ModelConfig, build_stage
+from stp.models import ModelConfig, StagePlacement, build_stage
 from stp.runtime.braid import UnitRunner, stream_order
 from stp.schedule.ir import Block, Kind, Pass
 from stp.sim.units import braid, sequential_order
@@ -224,7 +224,7 @@ def test_braided_blocks_give_the_stage_methods_gradients(split):
     """F with a full backward (early W under the all-reduce) and F with B then a
     deferred W braided with F: gradients equal a pass-at-a-time run."""
     def grads(run) -> dict[str, torch.Tensor]:
-        st = build_stage(CFG, 0, 1, dtype=torch.float64)
+        st = build_stage(CFG, StagePlacement(0, 1, dtype=torch.float64))
         run(st)
         return {n: p.grad.clone() for n, p in st.named_parameters()}
 
@@ -260,7 +260,7 @@ def test_braided_blocks_give_the_stage_methods_gradients(split):
 
 
 def test_early_weight_is_refused_before_the_backward_started():
-    st = build_stage(CFG, 0, 1, dtype=torch.float64)
+    st = build_stage(CFG, StagePlacement(0, 1, dtype=torch.float64))
     st.forward(0, *_data(0))
     with pytest.raises(RuntimeError, match="before its backward finished"):
         st.units[1].weight(0)

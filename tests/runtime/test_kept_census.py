@@ -10,7 +10,7 @@ import torch
 
 from stp.costmodel.configs import spec_from_config
 from stp.costmodel.decoder.kept import stp_kept
-from stp.models import ModelConfig, build_stage
+from stp.models import ModelConfig, StagePlacement, build_stage
 from stp.runtime.executor import Executor
 from stp.runtime.offload import ActivationOffloader, runtime_plan
 from stp.schedule.lower import lower
@@ -30,7 +30,8 @@ def _census(layers: int, dtype: torch.dtype, recompute: str = "none"):
     what F keeps until B, and B until W, per (stage, microbatch)."""
     sch = make_schedule(SCHEDULE, 1, 1)
     cfg = _config(layers)
-    stages = {s: build_stage(cfg, s, 2, dtype=dtype, recompute=recompute) for s in (0, 1)}
+    stages = {s: build_stage(cfg, StagePlacement(s, 2, dtype=dtype, recompute=recompute))
+              for s in (0, 1)}
     off = ActivationOffloader(sch, 0, stages, runtime_plan(sch, "none"))
     ex = Executor(lower(sch), 0, stages, None, boundary_shape=(MBS, SEQ, HIDDEN), dtype=dtype,
                   offload=off)

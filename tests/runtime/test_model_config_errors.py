@@ -8,7 +8,7 @@ import re
 import pytest
 import torch.distributed as dist
 
-from stp.models import ModelConfig, build_stage
+from stp.models import ModelConfig, StagePlacement, build_stage
 
 CFG = ModelConfig(
     vocab_size=32, hidden=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden=64,
@@ -60,7 +60,7 @@ def test_bad_build_stage_arguments_raise(cfg: ModelConfig, args: dict, needle: s
     args = dict(args)
     stage, num_stages = args.pop("stage"), args.pop("num_stages")
     with pytest.raises(ValueError, match=re.escape(needle)):
-        build_stage(cfg, stage, num_stages, allreduce=lambda a: a, **args)
+        build_stage(cfg, StagePlacement(stage, num_stages, **args), allreduce=lambda a: a)
 
 
 def test_tp_without_a_process_group_is_refused(monkeypatch):
@@ -68,4 +68,4 @@ def test_tp_without_a_process_group_is_refused(monkeypatch):
     # down at exit), so stand in for a process that never initialised one.
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     with pytest.raises(ValueError, match="tp_size=2 needs torch.distributed"):
-        build_stage(CFG, 0, 1, tp_size=2)
+        build_stage(CFG, StagePlacement(0, 1, tp_size=2))

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-from stp.models import ModelConfig, ModelStage, build_reference, build_stage
+from stp.models import ModelConfig, ModelStage, StagePlacement, build_reference, build_stage
 from stp.models.tp import start_allreduce
 from stp.runtime.stage_api import PipelineStage
 from stp.schedule.placement import stage_layers
@@ -90,7 +90,7 @@ def run_pipeline(stages: list[ModelStage], num_mbs: int, mode: str) -> list[floa
 @pytest.mark.parametrize("num_stages", [1, 2, 3])
 @pytest.mark.parametrize("mode", ["B+W", "BW", "deferred"])
 def test_stages_match_reference(num_stages: int, mode: str):
-    stages = [build_stage(CFG, s, num_stages, dtype=D) for s in range(num_stages)]
+    stages = [build_stage(CFG, StagePlacement(s, num_stages, dtype=D)) for s in range(num_stages)]
     assert all(isinstance(st, PipelineStage) for st in stages)
     losses = run_pipeline(stages, 2, mode)
     ref_losses, grads = reference(2)
@@ -102,7 +102,7 @@ def test_stages_match_reference(num_stages: int, mode: str):
 
 def test_backward_input_touches_no_grad_and_backward_full_equals_b_then_w():
     x, targets = batch(0)
-    split, full = build_stage(CFG, 0, 1, dtype=D), build_stage(CFG, 0, 1, dtype=D)
+    split, full = (build_stage(CFG, StagePlacement(0, 1, dtype=D)) for _ in range(2))
     for st in (split, full):
         st.forward(0, x, targets)
     assert split.backward_input(0, None, SCALE) is None
@@ -117,7 +117,7 @@ def test_backward_input_touches_no_grad_and_backward_full_equals_b_then_w():
 def test_input_buffer_may_be_reused_after_forward():
     """The executor may recycle a receive buffer once forward returns (ModelStage doc)."""
     x, targets = batch(0)
-    first, last = build_stage(CFG, 0, 2, dtype=D), build_stage(CFG, 1, 2, dtype=D)
+    first, last = (build_stage(CFG, StagePlacement(s, 2, dtype=D)) for s in range(2))
     hidden = first.forward(0, x)
     received = hidden.clone()
     last.forward(0, received, targets)
@@ -130,7 +130,7 @@ def test_input_buffer_may_be_reused_after_forward():
 
 def test_float32_stage_tracks_reference():
     x, targets = batch(0)
-    st = build_stage(CFG, 0, 1)
+    st = build_stage(CFG, StagePlacement(0, 1))
     loss = st.forward(0, x, targets)
     st.backward_full(0, None, 1.0)
     ref = build_reference(CFG)
@@ -166,7 +166,8 @@ def lockstep(ranks: list[ModelStage], mb: int, x, targets, backward: bool):
 
 def test_tp2_in_lockstep_matches_reference_slices():
     tp, num_stages = 2, 2
-    grid = [[build_stage(CFG, s, num_stages, tp_size=tp, tp_rank=t, dtype=D, allreduce=lambda a: a)
+    grid = [[build_stage(CFG, StagePlacement(s, num_stages, tp_size=tp, tp_rank=t, dtype=D),
+                         allreduce=lambda a: a)
              for t in range(tp)] for s in range(num_stages)]
     losses = []
     for mb in range(2):
@@ -241,14 +242,16 @@ def _tp_worker(rank: int, port: int, world: int) -> None:
         group = dist.new_group([0, 1])
         ref_losses, grads = reference(2)
         # Stage-level protocol, pp=2 x tp=2, with W deferred past both B.
-        stages = [build_stage(CFG, s, 2, tp_group=group, tp_size=2, tp_rank=rank, dtype=D)
+        stages = [build_stage(CFG, StagePlacement(s, 2, tp_group=group, tp_size=2, tp_rank=rank,
+                                                  dtype=D))
                   for s in range(2)]
         losses = run_pipeline(stages, 2, "deferred")
         assert losses == pytest.approx(ref_losses, rel=1e-12), (losses, ref_losses)
         for st in stages:
             assert_grads_match(st, grads, 2, rank)
         # Braided units, pp=1: F0 alone, then F1 braided with B0, then B1, then W0, W1.
-        whole = build_stage(CFG, 0, 1, tp_group=group, tp_size=2, tp_rank=rank, dtype=D)
+        whole = build_stage(CFG, StagePlacement(0, 1, tp_group=group, tp_size=2, tp_rank=rank,
+                                                dtype=D))
         x0, t0 = batch(0)
         loss0 = whole.forward(0, x0, t0)
         loss1 = _braided_step(whole, 1, 0, group)
@@ -285,9 +288,8 @@ def test_init_is_mesh_independent(num_stages: int, tp: int):
     seen: list[str] = []
     for s in range(num_stages):
         for t in range(tp):
-            st = build_stage(
-                cfg, s, num_stages, tp_size=tp, tp_rank=t, dtype=D, allreduce=lambda a: a
-            )
+            st = build_stage(cfg, StagePlacement(s, num_stages, tp_size=tp, tp_rank=t, dtype=D),
+                             allreduce=lambda a: a)
             names = [n for n, _ in st.named_parameters()]
             if t == 0:
                 seen += names
@@ -299,7 +301,7 @@ def test_init_is_mesh_independent(num_stages: int, tp: int):
 
 
 def test_shard_dims_follow_megatron():
-    st = build_stage(CFG, 0, 1)
+    st = build_stage(CFG, StagePlacement(0, 1))
     dims = {n: st.shard_dim(n) for n, _ in st.named_parameters()}
     assert dims["embed.weight"] == 0 and dims["head.weight"] == 0
     assert dims["layers.1.attn.wq.weight"] == 0 and dims["layers.1.attn.wo.weight"] == 1
@@ -313,7 +315,7 @@ def test_shard_dims_follow_megatron():
 
 
 def test_wrong_inputs_raise_value_error():
-    first, last = build_stage(CFG, 0, 2, dtype=D), build_stage(CFG, 1, 2, dtype=D)
+    first, last = (build_stage(CFG, StagePlacement(s, 2, dtype=D)) for s in range(2))
     ids, targets = batch(0)
     with pytest.raises(ValueError, match="token ids"):
         first.forward(0, torch.zeros(2, 8, CFG.hidden, dtype=D))
@@ -330,7 +332,7 @@ def test_wrong_inputs_raise_value_error():
 
 
 def test_passes_out_of_order_raise_and_state_is_freed():
-    st = build_stage(CFG, 0, 2, dtype=D)
+    st = build_stage(CFG, StagePlacement(0, 2, dtype=D))
     ids, _ = batch(0)
     with pytest.raises(RuntimeError, match="microbatch 0"):
         st.backward_input(0, torch.ones(2, 8, CFG.hidden, dtype=D))

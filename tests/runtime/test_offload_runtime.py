@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from stp.models import ModelConfig, build_stage
+from stp.models import ModelConfig, StagePlacement, build_stage
 from stp.runtime.executor import Executor
 from stp.runtime.graph_saved import graph_saved
 from stp.runtime.offload import ActivationOffloader, HostCopier, runtime_plan
@@ -43,7 +43,7 @@ def _run(
     """One iteration of schedule `name` on one pipeline rank (float64); `braid`:
     braided blocks unit by unit (stp.runtime.braid) or pass by pass."""
     sch = make_schedule(name, 1, M)
-    stages = {s: build_stage(CONFIG, s, sch.num_stages, dtype=torch.float64)
+    stages = {s: build_stage(CONFIG, StagePlacement(s, sch.num_stages, dtype=torch.float64))
               for s in sch.stages_of(0)}
     off = None
     if policy is not None:
@@ -194,7 +194,7 @@ def test_the_host_copy_is_what_comes_back(poison: bool) -> None:
 
 def test_resident_bytes_is_recounted_after_every_pass() -> None:
     sch = make_schedule("zb-v", 1, M)
-    stages = {s: build_stage(CONFIG, s, sch.num_stages, dtype=torch.float64)
+    stages = {s: build_stage(CONFIG, StagePlacement(s, sch.num_stages, dtype=torch.float64))
               for s in sch.stages_of(0)}
     off = ActivationOffloader(sch, 0, stages, runtime_plan(sch, "all"))
     seen = []
@@ -273,7 +273,8 @@ def test_cuda_side_streams_bit_identical_and_bytes_leave() -> None:
     sch = make_schedule("stp", 1, M)
     out = {}
     for policy in ("none", "all"):
-        stages = {s: build_stage(CONFIG, s, sch.num_stages, dtype=torch.float32, device="cuda")
+        stages = {s: build_stage(CONFIG, StagePlacement(s, sch.num_stages, dtype=torch.float32,
+                                                        device="cuda"))
                   for s in sch.stages_of(0)}
         off = ActivationOffloader(sch, 0, stages, runtime_plan(sch, policy), device="cuda")
         ex = Executor(lower(sch), 0, stages, None, boundary_shape=(MBS, SEQ, CONFIG.hidden),

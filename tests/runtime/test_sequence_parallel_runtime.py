@@ -16,7 +16,7 @@ import torch.distributed as dist
 from _dist import run_dist
 from _parity import compare_with_reference, random_batch, sgd, two_steps
 
-from stp.models import ModelConfig
+from stp.models import ModelConfig, StagePlacement
 from stp.models.decoder.shared_grads import SharedGrads
 from stp.models.tp.sequence import SequenceParallel
 from stp.runtime.mesh import Mesh, ParallelDims
@@ -149,6 +149,6 @@ def test_sequence_parallel_at_one_tp_rank_is_the_fused_stage():
     from stp.models import build_stage
     from stp.models.decoder.chunk import LayerChunk
 
-    stage = build_stage(CONFIG, 0, 1, sequence_parallel=True)
+    stage = build_stage(CONFIG, StagePlacement(0, 1, sequence_parallel=True))
     assert not stage.sequence_parallel and stage.seq is None
     assert any(isinstance(u, LayerChunk) for u in stage.units)

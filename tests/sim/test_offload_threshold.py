@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stp.models import ModelConfig, build_stage
+from stp.models import ModelConfig, StagePlacement, build_stage
 from stp.runtime.executor import Executor
 from stp.runtime.offload import ActivationOffloader, runtime_plan
 from stp.schedule import validate
@@ -115,7 +115,7 @@ def test_selective_stops_at_the_first_prefix_that_meets_the_target_exactly() -> 
 def _run(sch: Schedule, policy: str) -> tuple[ActivationOffloader, dict[int, int]]:
     """One step of `sch` on one rank with a real stage, offloading by `policy`; with
     the bytes copied to the host right after each microbatch's forward."""
-    stages = {0: build_stage(CONFIG, 0, 1, dtype=torch.float32)}
+    stages = {0: build_stage(CONFIG, StagePlacement(0, 1, dtype=torch.float32))}
     off = ActivationOffloader(sch, 0, stages, runtime_plan(sch, policy))
     copied: dict[int, int] = {}
     after = off.after_pass

@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from _dist import run_dist
 
-from stp.models import ModelConfig, build_reference
+from stp.models import ModelConfig, StagePlacement, build_reference
 from stp.train.step.lr import adamw
 from stp.train.step.trainer import Trainer
 
@@ -112,7 +112,7 @@ def test_every_parameter_of_a_stage_is_folded_during_its_backward() -> None:
     from stp.models import build_stage
     from stp.train.step.precision import Precision
 
-    stage = build_stage(CONFIG, 0, 1, dtype=torch.bfloat16)
+    stage = build_stage(CONFIG, StagePlacement(0, 1, dtype=torch.bfloat16))
     prec = Precision(list(stage.named_parameters()), stage.units)
     tokens, targets = _batch()
     for mb in range(2):

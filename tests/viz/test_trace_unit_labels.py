@@ -5,6 +5,7 @@ the first MoE layer. Simulated spans keep the simulator's two units per layer.""
 
 from __future__ import annotations
 
+from stp.models import StagePlacement
 from stp.models.moe.dispatch import ExpertGroup
 from stp.models.moe.stage import build_moe_stage
 from stp.runtime.trace import Recorder
@@ -25,7 +26,7 @@ def test_expert_parallel_moe_units_are_labelled_by_their_layer_and_part():
     cfg = MoEConfig(vocab_size=40, hidden=16, num_layers=2, num_heads=2, num_kv_heads=1,
                     ffn_hidden=32, max_seq_len=8, num_experts=4, top_k=2, expert_ffn=8,
                     moe_every=2)
-    stage = build_moe_stage(cfg, 0, 1, expert_group=ExpertGroup(None, 2, 0))
+    stage = build_moe_stage(cfg, StagePlacement(0, 1), expert_group=ExpertGroup(None, 2, 0))
     rec = Recorder(0, [0])
     for u in range(len(stage.units)):  # embed, 2 dense, 4 MoE units, loss
         rec.unit(Pass(0, Kind.F, 0), "F", stage, u, float(u), u + 0.5, 0, False)

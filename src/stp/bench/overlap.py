@@ -33,7 +33,7 @@ from stp.bench.collectives import measure_allreduce
 from stp.bench.emulated_a2a import EmulatedA2AStage, ThreadLaunchedARStage
 from stp.bench.emulated_sp import EmulatedSPStage
 from stp.bench.world import in_world
-from stp.models import ModelConfig, build_stage
+from stp.models import ModelConfig, StagePlacement, build_stage
 from stp.models.emulated import EmulatedStage, UnitTimes
 from stp.runtime.braid import UnitRunner
 from stp.runtime.mesh import Mesh, ParallelDims
@@ -70,8 +70,8 @@ def _overlap_stage(mode: str, sp: bool, s: OverlapSettings, mesh: Mesh) -> Any:
         extra = {"tp_rank": mesh.coord.tp} if sp else {}
         return kind(0, 1, layers=s.model.num_layers, hidden=s.model.hidden, times=s.unit,
                     tp_group=mesh.tp_group, tp_size=2, **extra)
-    return build_stage(s.model, 0, 1, tp_group=mesh.tp_group, tp_size=2, tp_rank=mesh.coord.tp,
-                       sequence_parallel=sp)
+    return build_stage(s.model, StagePlacement(0, 1, tp_group=mesh.tp_group, tp_size=2,
+                                               tp_rank=mesh.coord.tp, sequence_parallel=sp))
 
 
 def _measure(stage: Any, s: OverlapSettings, mesh: Mesh, tokens: torch.Tensor,

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stp.models.placement import StagePlacement, placed_builder
 from stp.models.tp.comm import launch_sum
-from stp.schedule.placement import stage_layers
 from stp.sim.costs import Costs
 
 __all__ = ["UnitTimes", "parse_times", "parse_emulate", "unit_times", "hold", "EmulatedUnit",
@@ -224,14 +224,13 @@ class EmulatedStage(nn.Module):
 def emulated_builder(costs: Costs, chunks: int, num_layers: int, hidden: int) -> Any:
     """A Trainer stage builder (stp.train.step.trainer.StageBuilder) of emulated stages: the
     model's `num_layers` split over the stages as stp.models splits them
-    (stp.schedule.placement.stage_layers), each stage's units timed so that one pass
-    through it takes cost / chunks (`costs` in seconds, per microbatch per rank
+    (stp.models.placement.StagePlacement.layers), each stage's units timed so that one
+    pass through it takes cost / chunks (`costs` in seconds, per microbatch per rank
     share, as the simulator's)."""
-    def build(stage: int, num_stages: int, *, tp_group: Any = None, tp_size: int = 1,
-              tp_rank: int = 0, device: Any = "cpu", dtype: Any = torch.float32) -> EmulatedStage:
-        layers = len(stage_layers(num_layers, stage, num_stages))
-        return EmulatedStage(stage, num_stages, layers=layers, hidden=hidden,
-                             times=unit_times(costs, chunks, layers), tp_group=tp_group,
-                             tp_size=tp_size, dtype=dtype, device=device)
+    def build(_config: None, p: StagePlacement) -> EmulatedStage:
+        layers = len(p.layers(num_layers))
+        return EmulatedStage(p.stage, p.num_stages, layers=layers, hidden=hidden,
+                             times=unit_times(costs, chunks, layers), tp_group=p.tp_group,
+                             tp_size=p.tp_size, dtype=p.dtype, device=p.device)
 
-    return build
+    return placed_builder(build, None)

@@ -3,7 +3,6 @@ for the layers above (stp.models.family)."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,8 +14,8 @@ from stp.models.decoder.init import count_parameters, parameter_specs
 from stp.models.decoder.reference import build_reference
 from stp.models.decoder.shared_grads import SharedGrads
 from stp.models.decoder.stage import build_stage, check_model
-from stp.models.decoder.stage_setup import with_tp_overlap
 from stp.models.family import ModelFamily, StageBuilder, check_text_batch
+from stp.models.placement import placed_builder
 from stp.models.recompute import check_recompute
 from stp.schedule.placement import partition_layers
 from stp.shapes.decoder import ModelConfig
@@ -48,12 +47,11 @@ class DecoderFamily(ModelFamily):
         if partition is not None:
             partition_layers(config.num_layers, num_stages, partition)  # ValueError
         check_recompute(recompute)
-        read = {} if weights is None else {"weights": weights}
-        build = functools.partial(build_stage, config, partition=partition,
-                                  sequence_parallel=sequence_parallel, recompute=recompute,
-                                  **read)
-        # in-layer TP overlap (stp.models.decoder.chunked); needs sequence_parallel
-        return with_tp_overlap(build, tp_overlap_chunks) if tp_overlap_chunks else build
+        read: dict[str, Any] = {} if weights is None else {"weights": weights}
+        # in-layer TP overlap (stp.models.decoder.chunked) is a placement field, 0: off
+        return placed_builder(build_stage, config, partition=partition,
+                              sequence_parallel=sequence_parallel, recompute=recompute,
+                              tp_overlap_chunks=tp_overlap_chunks, **read)
 
     def check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         check_text_batch(tokens, targets)

@@ -25,16 +25,16 @@ from stp.models.decoder.init import ParamSpec, ShardSlice, init_shard, parameter
 from stp.models.decoder.stage_setup import (  # re-exported: stp.models names them
     check_model,
     check_tp,
+    set_overlap,
     set_recompute,
 )
 from stp.models.decoder.stage_shards import ShardSource, unshard
 from stp.models.decoder.units import AttentionUnit, MLPUnit, RopeCache, Unit
 from stp.models.documents import Documents
 from stp.models.param_names import register_dotted
-from stp.models.recompute import check_recompute
+from stp.models.placement import StagePlacement
 from stp.models.tp.comm import AllReduce, launch_sum, make_allreduce
 from stp.models.tp.sequence import SequenceParallel, ToScatter, check_sequence
-from stp.schedule.placement import partition_layers
 from stp.shapes.decoder import IGNORE_INDEX, ModelConfig
 
 __all__ = ["ModelStage", "ShardSource", "build_stage", "check_model", "check_tp", "set_recompute"]
@@ -56,48 +56,46 @@ class ModelStage(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        stage: int,
-        num_stages: int,
+        placement: StagePlacement,
         specs: list[ParamSpec],
         tensors: dict[str, torch.Tensor],
         *,
-        tp_size: int,
-        tp_rank: int,
         allreduce: AllReduce,
-        tp_group: dist.ProcessGroup | None = None,
         async_allreduce: bool = False,
-        partition: tuple[int, ...] | None = None,
         fuse_layers: bool | None = None,
-        sequence_parallel: bool = False,
-        recompute: str = "none",
     ) -> None:
         super().__init__()
         self.config = config
-        self.stage = stage
-        self.num_stages = num_stages
-        self.is_first = stage == 0
-        self.is_last = stage == num_stages - 1
-        self.layer_ids = partition_layers(config.num_layers, num_stages, partition)[stage]
-        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.placement = placement
+        self.stage, self.num_stages = placement.stage, placement.num_stages
+        self.is_first, self.is_last = placement.is_first, placement.is_last
+        self.layer_ids = placement.layers(self._layer_count())
+        self.tp_size, self.tp_rank = placement.tp_size, placement.tp_rank
         self.allreduce = allreduce
-        self.tp_group = tp_group
-        self._async = async_allreduce and tp_size > 1
+        self.tp_group = placement.tp_group
+        self._async = async_allreduce and self.tp_size > 1
         # One TP rank: nothing to braid, so the layers run as one unit (stp.models.decoder.chunk).
-        self.fuse_layers = tp_size == 1 if fuse_layers is None else fuse_layers
+        self.fuse_layers = self.tp_size == 1 if fuse_layers is None else fuse_layers
         self.specs = {s.name: s for s in specs}
         self._shard_dims = {s.name: s.shard_dim for s in specs}
-        self._slices = {s.name: tp_slice(config, s, tp_size, tp_rank) for s in specs}
+        self._slices = {s.name: tp_slice(config, s, self.tp_size, self.tp_rank) for s in specs}
         for spec in specs:
             register_dotted(self, spec.name, nn.Parameter(tensors[spec.name]))
         # A tuple, not a ModuleList: units reference the parameters registered above.
         self.units: tuple[Unit, ...] = tuple(self._make_units(dict(self.named_parameters())))
         # One TP rank: the sequence has one shard, so sequence parallelism is the identity.
-        self.sequence_parallel = self.prepares_gathers = sequence_parallel and tp_size > 1
+        self.sequence_parallel = self.prepares_gathers = placement.shards_sequence
         # (prepares_gathers: units launch their all-gather in prepare_*; stp.runtime.braid)
-        self.seq = SequenceParallel(tp_group, tp_size, tp_rank) if self.prepares_gathers else None
+        self.seq = (SequenceParallel(self.tp_group, self.tp_size, self.tp_rank)
+                    if self.prepares_gathers else None)
         for unit in self.units:
             unit.seq = self.seq
-        self.recompute = set_recompute(self.units, recompute)
+        self.recompute = set_recompute(self.units, placement.recompute)
+
+    def _layer_count(self) -> int:
+        """The layers `placement.partition` splits (a family with more than the
+        decoder's: its own count)."""
+        return self.config.num_layers
 
     def _make_units(self, p: dict[str, nn.Parameter]) -> list[Unit]:
         config, tp_size, tp_rank = self.config, self.tp_size, self.tp_rank
@@ -320,76 +318,69 @@ class ModelStage(nn.Module):
 
 def build_stage(
     config: ModelConfig,
-    stage: int,
-    num_stages: int,
+    placement: StagePlacement,
     *,
-    tp_group: dist.ProcessGroup | None = None,
-    tp_size: int = 1,
-    tp_rank: int = 0,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
     allreduce: AllReduce | None = None,
     weights: ShardSource = init_shard,
-    partition: tuple[int, ...] | None = None,
     fuse_layers: bool | None = None,
-    sequence_parallel: bool = False,
-    recompute: str = "none",
 ) -> ModelStage:
-    """Materialise only stage `stage` of `num_stages` on TP rank tp_rank of tp_size.
+    """Materialise only the stage `placement` names (stp.models.placement: its stage,
+    TP rank, device, dtype, partition, sequence parallelism, recomputation).
 
-    Layers are split contiguously: `partition` gives the layers of each global
-    stage (uneven stages), else the even split (stp.schedule.placement.
+    Layers are split contiguously: `placement.partition` gives the layers of each
+    global stage (uneven stages), else the even split (stp.schedule.placement.
     partition_layers: the first num_layers % num_stages stages get one extra).
     Stage 0 also holds the vocab-parallel embedding; the last stage the final
     RMSNorm, the vocab-sharded head and the vocab-parallel cross-entropy.
-    `allreduce` (default: a sum all-reduce on tp_group, identity when
+    `allreduce` (default: a sum all-reduce on the placement's tp_group, identity when
     tp_size == 1) runs between units. With tp_size > 1 and no tp_group, the
     default group is used if its size is tp_size.
     `weights(config, spec, tp_size, tp_rank, device=, dtype=)` gives each parameter's
     shard: the seeded init by default, or a checkpoint's slice (stp.models.hf).
     `fuse_layers` (default: when tp_size == 1) runs the stage's layers as one unit
     (stp.models.decoder.chunk): with one TP rank there is no all-reduce for units to hide.
-    `sequence_parallel`: shard the stream between TP regions along the sequence
-    (stp.models.tp.sequence; ignored at tp_size 1, where it is the identity); it needs
-    the TP process group, not a custom `allreduce`. `recompute`: activation
-    recomputation, none / selective / full (stp.models.recompute)."""
+    Sequence parallelism (stp.models.tp.sequence; the identity at tp_size 1) needs
+    the TP process group, not a custom `allreduce`."""
     if not isinstance(config, ModelConfig):
         raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
-    if num_stages > config.num_layers:
+    if not isinstance(placement, StagePlacement):
+        raise ValueError(f"placement must be a StagePlacement, got {type(placement).__name__}")
+    p = placement
+    if p.num_stages > config.num_layers:
         raise ValueError(
-            f"num_layers={config.num_layers} must be >= num_stages={num_stages} "
+            f"num_layers={config.num_layers} must be >= num_stages={p.num_stages} "
             "(every stage needs at least one layer)"
         )
-    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
-        raise ValueError(f"stage must be an int in [0, num_stages={num_stages}), got {stage!r}")
-    check_tp(config, tp_size, tp_rank)
-    check_recompute(recompute)
+    check_tp(config, p.tp_size, p.tp_rank)
     custom = allreduce is not None
-    if sequence_parallel and custom and tp_size > 1:
+    if p.sequence_parallel and custom and p.tp_size > 1:
         raise ValueError("sequence_parallel reduce-scatters on the TP group; it takes no "
                          "custom allreduce")
     if allreduce is None:
-        if tp_size > 1:
-            if not dist.is_initialized():
-                raise ValueError(f"tp_size={tp_size} needs torch.distributed initialised")
-            size = dist.get_world_size(tp_group)
-            rank = dist.get_rank(tp_group)
-            if (size, rank) != (tp_size, tp_rank):
-                raise ValueError(
-                    f"tp_size={tp_size}, tp_rank={tp_rank} disagree with the TP group "
-                    f"(size {size}, this rank {rank})"
-                )
-        allreduce = make_allreduce(tp_group, tp_size)
-    layers = partition_layers(config.num_layers, num_stages, partition)[stage]
-    specs = parameter_specs(config, layers, first=stage == 0, last=stage == num_stages - 1)
+        _check_tp_group(p)
+        allreduce = make_allreduce(p.tp_group, p.tp_size)
+    layers = p.layers(config.num_layers)
+    specs = parameter_specs(config, layers, first=p.is_first, last=p.is_last)
     tensors = {
-        s.name: weights(config, s, tp_size, tp_rank, device=device, dtype=dtype) for s in specs
+        s.name: weights(config, s, p.tp_size, p.tp_rank, device=p.device, dtype=p.dtype)
+        for s in specs
     }
-    return ModelStage(
-        config, stage, num_stages, specs, tensors,
-        tp_size=tp_size, tp_rank=tp_rank, allreduce=allreduce,
-        tp_group=tp_group, async_allreduce=not custom, partition=partition,
-        fuse_layers=fuse_layers, sequence_parallel=sequence_parallel, recompute=recompute,
-    )
+    stage = ModelStage(config, p, specs, tensors, allreduce=allreduce,
+                       async_allreduce=not custom, fuse_layers=fuse_layers)
+    if p.tp_overlap_chunks:  # in-layer TP overlap (stp.models.decoder.chunked)
+        set_overlap(stage.units, p.tp_overlap_chunks, p.recompute)
+    return stage
+
+
+def _check_tp_group(p: StagePlacement) -> None:
+    """ValueError unless the TP group (or the default one) has tp_size ranks, this one
+    at tp_rank: the all-reduce between units runs on it."""
+    if p.tp_size == 1:
+        return
+    p.check_distributed()
+    size, rank = dist.get_world_size(p.tp_group), dist.get_rank(p.tp_group)
+    if (size, rank) != (p.tp_size, p.tp_rank):
+        raise ValueError(
+            f"tp_size={p.tp_size}, tp_rank={p.tp_rank} disagree with the TP group "
+            f"(size {size}, this rank {rank})"
+        )

@@ -5,15 +5,14 @@ in-layer TP overlap handed to every unit."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
 
 from stp.models.decoder.chunked import ChunkedRegion
 from stp.models.decoder.units import Unit
 from stp.models.recompute import check_recompute
 from stp.shapes.decoder import ModelConfig
 
-__all__ = ["check_model", "check_tp", "set_overlap", "set_recompute", "with_tp_overlap"]
+__all__ = ["check_model", "check_tp", "set_overlap", "set_recompute"]
 
 
 def check_tp(config: ModelConfig, tp_size: int, tp_rank: int) -> None:
@@ -70,11 +69,3 @@ def set_overlap(units: Iterable[Unit], chunks: int, recompute: str) -> int:
         unit.overlap = chunks
     return chunks
 
-
-def with_tp_overlap(build: Callable[..., Any], chunks: int) -> Callable[..., Any]:
-    """A stage builder whose stages run in-layer TP overlap in `chunks` chunks."""
-    def build_overlapped(*args: Any, **kwargs: Any) -> Any:
-        stage = build(*args, **kwargs)
-        stage.tp_overlap_chunks = set_overlap(stage.units, chunks, stage.recompute)
-        return stage
-    return build_overlapped

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -16,6 +15,7 @@ from stp.models.decoder.shared_grads import SharedGrads
 from stp.models.family import ModelFamily, StageBuilder
 from stp.models.mllm.reference import build_mllm_reference
 from stp.models.mllm.stage import build_mllm_stage, check_mllm, mllm_specs
+from stp.models.placement import placed_builder
 from stp.models.recompute import check_recompute
 from stp.schedule.placement import partition_layers
 from stp.shapes.mllm import MLLMConfig
@@ -52,8 +52,8 @@ class MLLMFamily(ModelFamily):
                              "from; it starts from its seeded initialisation")
         if partition is not None:
             partition_layers(config.num_layers, num_stages, partition)  # ValueError
-        return functools.partial(build_mllm_stage, config, partition=partition,
-                                 sequence_parallel=sequence_parallel, recompute=recompute)
+        return placed_builder(build_mllm_stage, config, partition=partition,
+                              sequence_parallel=sequence_parallel, recompute=recompute)
 
     def check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         # an input row is pixel bytes + tokens, its targets cover the decoder's positions

@@ -16,21 +16,17 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from stp.models.decoder.end_units import LossUnit
 from stp.models.decoder.init import ParamSpec, init_full, init_slice, parameter_specs, tp_slice
-from stp.models.decoder.stage import ModelStage, check_tp, set_recompute
+from stp.models.decoder.stage import ModelStage, check_tp
 from stp.models.decoder.units import AttentionUnit, MLPUnit, RopeCache, Unit
 from stp.models.mllm.rows import check_mllm_sequence
 from stp.models.mllm.vision import MergerUnit, VisionAttentionUnit, VisionMLPUnit
 from stp.models.mllm.vision_input import InputUnit
-from stp.models.param_names import register_dotted
-from stp.models.recompute import check_recompute
+from stp.models.placement import StagePlacement
 from stp.models.tp.comm import make_allreduce
-from stp.models.tp.sequence import SequenceParallel
-from stp.schedule.placement import partition_layers
 from stp.shapes.decoder import IGNORE_INDEX, ModelConfig
 from stp.shapes.mllm import MLLMConfig
 
@@ -113,34 +109,19 @@ class MLLMStage(ModelStage):
     """Layers of one stage of the multimodal model on one TP rank (a PipelineStage cut
     into units; the decoder stage's protocol methods, other units and input check)."""
 
-    def __init__(self, cfg: MLLMConfig, stage: int, num_stages: int, specs: list[ParamSpec],
-                 tensors: dict[str, torch.Tensor], *, tp_size: int, tp_rank: int,
-                 tp_group: dist.ProcessGroup | None,
-                 partition: tuple[int, ...] | None = None,
-                 sequence_parallel: bool = False, recompute: str = "none") -> None:
-        nn.Module.__init__(self)
-        self.mllm, self.config = cfg, cfg.decoder
-        self.stage, self.num_stages = stage, num_stages
-        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
-        self.layer_ids = partition_layers(cfg.num_layers, num_stages, partition)[stage]
-        self.tp_size, self.tp_rank, self.tp_group = tp_size, tp_rank, tp_group
-        self.allreduce = make_allreduce(tp_group, tp_size)
-        self._async = tp_size > 1
-        self.specs = {s.name: s for s in specs}
-        self._shard_dims = {s.name: s.shard_dim for s in specs}
-        self._slices = {s.name: tp_slice(cfg.decoder, s, tp_size, tp_rank) for s in specs}
-        for spec in specs:
-            register_dotted(self, spec.name, nn.Parameter(tensors[spec.name]))
-        self.units: tuple[Unit, ...] = tuple(self._mllm_units(dict(self.named_parameters())))
-        # sequence parallelism (stp.models.mllm.rows): the identity at one TP rank
-        self.sequence_parallel = self.prepares_gathers = sequence_parallel and tp_size > 1
-        self.seq = SequenceParallel(tp_group, tp_size, tp_rank) if self.prepares_gathers else None
-        for unit in self.units:
-            unit.seq = self.seq
+    def __init__(self, cfg: MLLMConfig, placement: StagePlacement, specs: list[ParamSpec],
+                 tensors: dict[str, torch.Tensor]) -> None:
+        self.mllm = cfg
         # the input unit (patch and text embeddings) keeps its small inputs either way
-        self.recompute = set_recompute(self.units, recompute)
+        # under recomputation; sequence parallelism: stp.models.mllm.rows
+        super().__init__(cfg.decoder, placement, specs, tensors,
+                         allreduce=make_allreduce(placement.tp_group, placement.tp_size),
+                         async_allreduce=True, fuse_layers=False)
 
-    def _mllm_units(self, p: dict[str, nn.Parameter]) -> list[Unit]:
+    def _layer_count(self) -> int:
+        return self.mllm.num_layers
+
+    def _make_units(self, p: dict[str, nn.Parameter]) -> list[Unit]:
         cfg, dec, lv = self.mllm, self.mllm.decoder, self.mllm.vision.num_layers
         vocab_start = self.tp_rank * (dec.padded_vocab(self.tp_size) // self.tp_size)
         units: list[Unit] = []
@@ -222,28 +203,18 @@ class MLLMStage(ModelStage):
             raise ValueError(f"stage {self.stage} is not the last stage; it takes no targets")
 
 
-def build_mllm_stage(cfg: MLLMConfig, stage: int, num_stages: int, *,
-                     tp_group: dist.ProcessGroup | None = None, tp_size: int = 1,
-                     tp_rank: int = 0, device: torch.device | str = "cpu",
-                     dtype: torch.dtype = torch.float32,
-                     partition: tuple[int, ...] | None = None,
-                     sequence_parallel: bool = False, recompute: str = "none") -> MLLMStage:
-    """Materialise stage `stage` of `num_stages` of the multimodal model on TP rank
-    tp_rank of tp_size (a StageBuilder for stp.train.Trainer). `sequence_parallel`:
-    shard the packed stream along the sequence (stp.models.mllm.rows; ignored at
-    tp_size 1). `recompute`: activation recomputation, none / selective / full
-    (stp.models.recompute)."""
+def build_mllm_stage(cfg: MLLMConfig, placement: StagePlacement) -> MLLMStage:
+    """Materialise the stage `placement` names of the multimodal model (a StageBuilder
+    for stp.train.Trainer through its family). Sequence parallelism shards the packed
+    stream along the sequence (stp.models.mllm.rows; the identity at tp_size 1);
+    recomputation reaches the encoder's units too (stp.models.recompute)."""
     if not isinstance(cfg, MLLMConfig):
         raise ValueError(f"cfg must be an MLLMConfig, got {type(cfg).__name__}")
-    check_mllm(cfg, tp_size, num_stages)
-    check_recompute(recompute)
-    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
-        raise ValueError(f"stage must be an int in [0, num_stages={num_stages}), got {stage!r}")
-    check_tp(cfg.decoder, tp_size, tp_rank)
-    layers = partition_layers(cfg.num_layers, num_stages, partition)[stage]
-    specs = mllm_specs(cfg, layers, first=stage == 0, last=stage == num_stages - 1)
-    tensors = {s.name: _shard(cfg, s, tp_size, tp_rank, device, dtype) for s in specs}
-    return MLLMStage(cfg, stage, num_stages, specs, tensors, tp_size=tp_size, tp_rank=tp_rank,
-                     tp_group=tp_group, partition=partition,
-                     sequence_parallel=sequence_parallel, recompute=recompute)
-
+    if not isinstance(placement, StagePlacement):
+        raise ValueError(f"placement must be a StagePlacement, got {type(placement).__name__}")
+    p = placement
+    check_mllm(cfg, p.tp_size, p.num_stages)
+    check_tp(cfg.decoder, p.tp_size, p.tp_rank)
+    specs = mllm_specs(cfg, p.layers(cfg.num_layers), first=p.is_first, last=p.is_last)
+    tensors = {s.name: _shard(cfg, s, p.tp_size, p.tp_rank, p.device, p.dtype) for s in specs}
+    return MLLMStage(cfg, p, specs, tensors)

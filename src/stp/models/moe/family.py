@@ -28,6 +28,7 @@ from stp.models.moe.dispatch import ExpertGroup
 from stp.models.moe.init import moe_parameter_specs
 from stp.models.moe.reference import build_moe_reference
 from stp.models.moe.stage import build_moe_stage, check_moe_tp
+from stp.models.placement import placed_builder
 from stp.schedule.placement import partition_layers
 from stp.shapes.moe import MoEConfig
 
@@ -72,8 +73,8 @@ class MoEFamily(ModelFamily):
             raise ValueError("--sequence-parallel: the MoE model has no sequence parallelism")
         if partition is not None:
             partition_layers(config.num_layers, num_stages, partition)  # ValueError
-        read = {} if weights is None else {"weights": weights}
-        return functools.partial(build_moe_stage, config, partition=partition, **read)
+        read: dict[str, Any] = {} if weights is None else {"weights": weights}
+        return placed_builder(build_moe_stage, config, partition=partition, **read)
 
     def check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         check_text_batch(tokens, targets)

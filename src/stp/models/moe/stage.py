@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from stp.models.decoder.end_units import EmbedUnit, LossUnit
@@ -37,8 +36,8 @@ from stp.models.moe.dispatch import ExpertGroup, ToExchange
 from stp.models.moe.ep_units import RouteUnit, expert_parallel_units
 from stp.models.moe.init import moe_parameter_specs
 from stp.models.moe.units import Expert, MoEUnit
+from stp.models.placement import StagePlacement
 from stp.models.tp.comm import make_allreduce
-from stp.schedule.placement import partition_layers
 from stp.shapes.moe import MoEConfig
 
 __all__ = ["MoEStage", "build_moe_stage"]
@@ -157,44 +156,32 @@ class MoEStage(ModelStage):
 
 def build_moe_stage(
     config: MoEConfig,
-    stage: int,
-    num_stages: int,
+    placement: StagePlacement,
     *,
-    tp_group: dist.ProcessGroup | None = None,
-    tp_size: int = 1,
-    tp_rank: int = 0,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
     weights: ShardSource = init_shard,
-    partition: tuple[int, ...] | None = None,
-    sequence_parallel: bool = False,
     expert_group: ExpertGroup | None = None,
 ) -> MoEStage:
-    """Stage `stage` of `num_stages` of the MoE decoder on TP rank tp_rank of tp_size
-    (as stp.models.decoder.stage.build_stage; no sequence parallelism), holding the
-    experts of its rank of `expert_group` (None: all of them)."""
+    """The stage `placement` names of the MoE decoder (as stp.models.decoder.stage.
+    build_stage; no sequence parallelism, no recomputation yet), holding the experts
+    of its rank of `expert_group` (None: all of them)."""
     if not isinstance(config, MoEConfig):
         raise ValueError(f"config must be a MoEConfig, got {type(config).__name__}")
-    if sequence_parallel and tp_size > 1:
+    if not isinstance(placement, StagePlacement):
+        raise ValueError(f"placement must be a StagePlacement, got {type(placement).__name__}")
+    p = placement
+    if p.shards_sequence:
         raise ValueError("the MoE decoder has no sequence parallelism")
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
-    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
-        raise ValueError(f"stage must be an int in [0, num_stages={num_stages}), got {stage!r}")
-    check_moe_tp(config, tp_size, tp_rank)
-    if tp_size > 1 and not dist.is_initialized():
-        raise ValueError(f"tp_size={tp_size} needs torch.distributed initialised")
-    layers = partition_layers(config.num_layers, num_stages, partition)[stage]
+    if p.recompute != "none":
+        raise ValueError(f"recompute={p.recompute!r}: the MoE decoder does not recompute yet")
+    check_moe_tp(config, p.tp_size, p.tp_rank)
+    p.check_distributed()
     experts = None if expert_group is None else expert_group.experts(config.num_experts)
-    specs = moe_parameter_specs(config, layers, first=stage == 0, last=stage == num_stages - 1,
-                                experts=experts)
-    tensors = {s.name: weights(config, s, tp_size, tp_rank, device=device, dtype=dtype)
+    specs = moe_parameter_specs(config, p.layers(config.num_layers), first=p.is_first,
+                                last=p.is_last, experts=experts)
+    tensors = {s.name: weights(config, s, p.tp_size, p.tp_rank, device=p.device, dtype=p.dtype)
                for s in specs}
-    return MoEStage(
-        config, stage, num_stages, specs, tensors, tp_size=tp_size, tp_rank=tp_rank,
-        allreduce=make_allreduce(tp_group, tp_size), tp_group=tp_group, async_allreduce=True,
-        partition=partition, fuse_layers=False, expert_group=expert_group,
-    )
+    return MoEStage(config, p, specs, tensors, allreduce=make_allreduce(p.tp_group, p.tp_size),
+                    async_allreduce=True, fuse_layers=False, expert_group=expert_group)
 
 
 def check_moe_tp(config: MoEConfig, tp_size: int, tp_rank: int) -> None:
