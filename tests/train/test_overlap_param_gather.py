@@ -143,13 +143,13 @@ def _stale(trainer: Trainer) -> bool:
 def _waits(trainer: Trainer) -> list[float]:
     """Record when the executor asks for each stage's parameters: (stage, time)."""
     calls: list = []
-    asked = trainer.executor.params_needed
+    asked = trainer.parts.executor.params_needed
 
     def recorded(stage: int) -> None:
         calls.append((stage, time.perf_counter()))
         asked(stage)
 
-    trainer.executor.params_needed = recorded
+    trainer.parts.executor.params_needed = recorded
     return calls
 
 
@@ -157,9 +157,9 @@ def _order(trainer: Trainer, calls: list) -> dict:
     """Per stage of this rank in the last step: (asked once, before its first forward),
     (its DP-AG span ends before that forward), and when it was asked and its first
     forward started."""
-    rec = trainer.executor.recorder
+    rec = trainer.parts.executor.recorder
     spans, out = rec.spans(), {}
-    for stage in trainer.stages:
+    for stage in trainer.parts.stages:
         first_f = min(s.start for s in spans if s.lane == "compute" and s.kind == "F"
                       and s.stage == stage)
         asked = [t for s, t in calls if s == stage and t >= rec.origin]
@@ -177,7 +177,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
     for schedule in SCHEDULES:
         off = _trainer(mesh, schedule)
         out["hookless"].append(off.parts.param_gather is None
-                               and off.executor.params_needed is None)
+                               and off.parts.executor.params_needed is None)
         stats_off = train(off, range(STEPS))
         params_off = off.full_state_dict()
         on = _trainer(mesh, schedule, overlap_param_gather=True, trace=True)
@@ -209,7 +209,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
         out[schedule] = case
     unsharded = _trainer(mesh, "1f1b", shard_optimizer=False, overlap_param_gather=True)
     out["hookless"].append(unsharded.parts.param_gather is None
-                           and unsharded.executor.params_needed is None)
+                           and unsharded.parts.executor.params_needed is None)
     return out
 
 

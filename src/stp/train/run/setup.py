@@ -232,9 +232,6 @@ def _executor(schedule: Schedule, mesh: Mesh, stages: dict[int, Any],
     recorder = None
     if opts.trace:
         recorder = Recorder(mesh.rank, [schedule.chunk_of(s) for s in range(schedule.num_stages)])
-    return Executor(
-        lower(schedule, lookahead=opts.lookahead), mesh.coord.pp, stages, p2p,
-        boundary_shape=(1, 1, hidden), dtype=opts.dtype, device=device,
-        where=mesh.describe(), collective_peers=mesh.describe_group("tp"),
-        offload=offloader, braid=opts.braid, recorder=recorder,
-    )
+    return Executor(lower(schedule, lookahead=opts.lookahead), mesh.coord.pp, stages, p2p,
+                    opts.executor_options(mesh, hidden, device), offload=offloader,
+                    recorder=recorder)
