@@ -57,7 +57,6 @@ from stp.runtime.errors import RankError
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
 from stp.train.run.config import TrainJob
-from stp.train.run.loop import _options
 from stp.train.run.resolve import resolve
 from stp.train.step.grad_sync import collective
 from stp.train.step.param_gather import ParamGather
@@ -81,7 +80,8 @@ def test_the_flag_reaches_the_trainer_off_by_default() -> None:
     on = resolve(from_args(TrainJob, parser.parse_args([*args, "--overlap-param-gather",
                                                         "on"])))
     assert on.job.overlap_param_gather and not plain.job.overlap_param_gather
-    assert _options(on).overlap_param_gather and not _options(plain).overlap_param_gather
+    assert on.trainer_options().overlap_param_gather
+    assert not plain.trainer_options().overlap_param_gather
     with pytest.raises(ValueError, match="overlap_param_gather must be True or False, got 'on'"):
         TrainerOptions(overlap_param_gather="on")
 

@@ -51,7 +51,6 @@ from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
 from stp.train.checkpoint.shards import Box
 from stp.train.run.config import TrainJob
-from stp.train.run.loop import _options
 from stp.train.run.memory_check import run_estimate
 from stp.train.run.memory_measure import measure
 from stp.train.run.resolve import resolve
@@ -133,7 +132,7 @@ def test_the_flag_reaches_the_trainer_and_the_memory_check() -> None:
     plain = resolve(from_args(TrainJob, parser.parse_args(args)))
     sharded = resolve(from_args(TrainJob, parser.parse_args([*args, "--shard-optimizer"])))
     assert sharded.job.shard_optimizer and not plain.job.shard_optimizer
-    assert _options(sharded).shard_optimizer and not _options(plain).shard_optimizer
+    assert sharded.trainer_options().shard_optimizer and not plain.trainer_options().shard_optimizer
     before, after = run_estimate(plain).peak, run_estimate(sharded).peak
     assert after.masters == before.masters / 2 and after.optimizer == before.optimizer / 2
 
