@@ -122,7 +122,6 @@ class Parts:
     """Everything one rank trains with, built once by stp.train.run.setup.build."""
 
     mesh: Mesh
-    dims: ParallelDims
     schedule: Schedule
     options: TrainerOptions
     device: torch.device
@@ -153,6 +152,11 @@ class Parts:
         parameters: call before reading them between two steps (stp.train.step.param_gather)."""
         if self.param_gather is not None:
             self.param_gather.finish()
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The mesh's sizes (pp, tp, dp, ep)."""
+        return self.mesh.dims
 
     @property
     def seq_shards(self) -> int:

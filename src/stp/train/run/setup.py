@@ -161,7 +161,7 @@ def build(
         if offloader is not None:  # its copies measured with the activations
             offloader.held, sync.sampler = sync.held_bytes, offloader.sample
     param_gather = _param_gather(precision, sync, executor, opts.overlap_param_gather)
-    return Parts(mesh=mesh, dims=dims, schedule=schedule, options=opts, device=device,
+    return Parts(mesh=mesh, schedule=schedule, options=opts, device=device,
                  hidden=hidden, source=source, family=family, model_config=model_config,
                  stages=stages,
                  holds_loss=holds_loss, precision=precision, offloader=offloader,

@@ -51,7 +51,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, is_dataclass
 from math import prod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -76,6 +76,9 @@ from stp.train.step.gc_pause import StepGC, gc_paused
 from stp.train.step.lr import LRSchedule, make_scheduler
 from stp.train.step.peaks import world_peaks
 from stp.train.step.precision import UpdateStats, apply_update
+
+if TYPE_CHECKING:  # built on the first evaluate (its import kept off the step's path)
+    from stp.train.step.evaluate import Evaluator
 
 __all__ = ["Trainer", "TrainerOptions", "StageBuilder", "OptimizerFactory"]
 
@@ -163,7 +166,7 @@ class Trainer:
         """Objective terms beside the loss (an MoE's load balancing); None: none."""
         self.last_figures: dict[str, float] = {}
         """The last step's figures of those terms (`aux_loss`, `expert_load`)."""
-        self._evaluator: Any = None
+        self._evaluator: Evaluator | None = None
         self._data: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = (
             iter(data) if data is not None else None
         )
