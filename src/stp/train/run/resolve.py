@@ -36,7 +36,7 @@ from stp.train.families import TrainFamily, family_named, family_of
 from stp.train.run.config import TrainJob, default_lr
 from stp.train.run.schedules import job_schedule
 
-if TYPE_CHECKING:  # torch is imported when a Trainer is about to be built, not before
+if TYPE_CHECKING:  # imported in trainer_options: a run only priced (stp memory) does without
     from stp.train.run.parts import TrainerOptions
 
 __all__ = ["AUTO_HARDWARE", "Run", "resolve"]
