@@ -59,7 +59,7 @@ def _measure(args: argparse.Namespace, sp: bool) -> dict[str, int]:
     tr.step((tokens[:, :-1], tokens[:, 1:]))
     peak = tr.memory.peak_bytes
     # one microbatch's forward through the stage, then what its units keep
-    (stage,) = tr.stages.values()
+    (stage,) = tr.parts.stages.values()
     params = {id(p.untyped_storage()) for p in stage.parameters()}
     ids, tgt = tokens[:1, :-1], tokens[:1, 1:]
     params |= {id(ids.untyped_storage()), id(tgt.untyped_storage())}

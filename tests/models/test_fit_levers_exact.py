@@ -83,7 +83,7 @@ def _one(mesh: Mesh, case: Case, paths: dict[str, str]) -> dict | None:
     same = all(e == losses for e in every)
     if family != "mllm":
         return {"same": same, **_compare(paths[family], losses, grads, params)}
-    ref = mllm_reference(trainer.model_config, batches, mllm_sgd)
+    ref = mllm_reference(trainer.parts.model_config, batches, mllm_sgd)
     return {"same": same,
             "loss": max(abs(a - b) / abs(b) for a, b in
                         zip(losses, ref["losses"], strict=True)),

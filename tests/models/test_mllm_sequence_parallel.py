@@ -95,7 +95,7 @@ def _case(rank: int, world: int, mesh: Mesh, case: Case, trace: str | None) -> d
     return {"same": all(e == losses for e in every),
             "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
             "grad": _rel(grads, ref_grads), "param": _rel(params, ref_params),
-            "advanced": trainer.executor.runner.stats.advanced}
+            "advanced": trainer.parts.executor.runner.stats.advanced}
 
 
 def _worker(rank: int, world: int, cases: list[Case], planted: Case | None,

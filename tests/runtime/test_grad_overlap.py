@@ -54,7 +54,7 @@ def _run(mesh: Mesh, config, schedule: str, shard: bool, **kw) -> dict:
     trainer = _trainer(mesh, config, schedule, shard, **kw)
     batches = _batches(config, 2 * M)
     first = trainer.step(batches[0])
-    shards = [g.clone() for g in trainer.precision.grads()]
+    shards = [g.clone() for g in trainer.parts.precision.grads()]
     grads = trainer.full_state_dict(grads=True)
     second = trainer.step(batches[1])
     return {"trainer": trainer, "losses": [first, second], "grads": grads, "shards": shards,
@@ -64,7 +64,7 @@ def _run(mesh: Mesh, config, schedule: str, shard: bool, **kw) -> dict:
 def _launched_early(trainer: Trainer) -> list[tuple[int, bool]]:
     """(stage, its DP reduction started before the rank's last action did) for each
     stage of this rank whose last gradient pass is not the rank's last action."""
-    rec, ex = trainer.executor.recorder, trainer.executor
+    rec, ex = trainer.parts.executor.recorder, trainer.parts.executor
     spans = rec.spans()
     compute = [s for s in spans if s.lane == "compute"]
     last = max(s.action_index for s in compute)
@@ -85,7 +85,7 @@ def _worker(rank: int, world: int, cases: list[tuple[str, bool]], bf16: bool) ->
         plain = run if not shard else _run(mesh, TIED, schedule, False,
                                            overlap_grad_sync=False)
         dp = mesh.coord.dp
-        splits = getattr(run["trainer"].precision, "layout", None)
+        splits = getattr(run["trainer"].parts.precision, "layout", None)
         rows = plain["shards"] if splits is None else [
             g[slice(*s.rows_of(dp))] for g, s in zip(plain["shards"], splits.splits,
                                                      strict=True)]
@@ -95,7 +95,7 @@ def _worker(rank: int, world: int, cases: list[tuple[str, bool]], bf16: bool) ->
         dist.all_gather_object(every, run["losses"])
         case = {"same_on_every_rank": all(e == run["losses"] for e in every),
                 "shard_error": shard_error}
-        if run["trainer"].options.trace:
+        if run["trainer"].parts.options.trace:
             case["early"] = _launched_early(run["trainer"])
             off = _run(mesh, TIED, schedule, shard, trace=True, overlap_grad_sync=False)
             case["early_without_overlap"] = _launched_early(off["trainer"])

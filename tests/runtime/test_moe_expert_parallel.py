@@ -157,7 +157,7 @@ def _bf16_worker(rank: int, world: int) -> dict:
         for step in range(2):
             trainer.step(_batch(step, 4 * 4))
         params[shard] = trainer.full_state_dict()
-        packed = [len(pk.index) for pk in getattr(trainer.precision, "packed", [])]
+        packed = [len(pk.index) for pk in getattr(trainer.parts.precision, "packed", [])]
     same = params[False] is None or all(torch.equal(params[False][n], params[True][n])
                                         for n in params[False])
     return {"same": same, "packed": packed}

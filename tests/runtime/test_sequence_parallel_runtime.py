@@ -75,8 +75,8 @@ def _worker(rank: int, world: int, pp: int, tp: int, cases: list[Case],
             key = (name, "braid" if braid else "unbraided", f"offload={offload}",
                    "tied" if config.tie_embeddings else "untied")
             out[key] = {"same": all(e == losses for e in every), **diffs,
-                        "advanced": trainer.executor.runner.stats.advanced,
-                        "spans": sorted({sp.kind for sp in trainer.executor.recorder.spans()
+                        "advanced": trainer.parts.executor.runner.stats.advanced,
+                        "spans": sorted({sp.kind for sp in trainer.parts.executor.recorder.spans()
                                          if sp.lane == "tp"})}
     return out
 

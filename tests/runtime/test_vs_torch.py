@@ -81,7 +81,7 @@ def _compare_worker(rank: int, world: int) -> dict[str, tuple[float, float, int]
         trainer = Trainer(CONFIG, _no_step, schedule, pp=world, dtype=torch.float64,
                           timeout=60)
         if bug:  # planted: microbatch mb's loss gets microbatch mb + 1's targets
-            ex = trainer.executor
+            ex = trainer.parts.executor
             ex.runner.targets = lambda mb, ex=ex: ex._targets[(mb + 1) % M]
         side = TorchSide(name, schedule, rank, CONFIG, torch.float64, _no_step,
                          from_csv=from_csv)

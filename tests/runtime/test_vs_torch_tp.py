@@ -52,7 +52,7 @@ def _run(rank: int, broken: bool, compile: bool = False
     schedule = registry.make("1f1b", 2, M)
     trainer = Trainer(CONFIG, _sgd, schedule, pp=2, tp=2, dtype=torch.float64, timeout=60)
     if broken:  # planted: microbatch mb's loss gets microbatch mb + 1's targets
-        ex = trainer.executor
+        ex = trainer.parts.executor
         ex.runner.targets = lambda mb, ex=ex: ex._targets[(mb + 1) % M]
     side = TorchTPSide("1f1b", schedule, peer_mesh(2, 2), CONFIG, torch.float64, _sgd,
                        compile=compile)

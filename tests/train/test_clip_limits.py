@@ -74,7 +74,7 @@ def _untie(full: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | No
 def run_stp(trainer: Trainer, limit: float) -> dict:
     """The same two steps in stp (every rank calls it; the result is whole on rank 0)."""
     out: dict = {"stats": []}
-    for step, batch in enumerate(_batches(trainer.num_microbatches)):
+    for step, batch in enumerate(_batches(trainer.parts.schedule.num_microbatches)):
         loss = trainer.step(batch)
         out["stats"].append((loss, trainer.last_update.grad_norm))
         if step == 0:  # clipped in place: what the optimizer stepped with
@@ -116,7 +116,8 @@ def test_one_rank_holding_embedding_and_head(schedule: str, side: str) -> None:
     ZB-V: the first and the last stage)."""
     trainer = Trainer(TIED, sgd, registry.make(schedule, 1, 2), pp=1, dtype=torch.float64,
                       clip_grad=LIMITS[side])
-    r = compare(run_stp(trainer, LIMITS[side]), LIMITS[side], trainer.num_microbatches)
+    r = compare(run_stp(trainer, LIMITS[side]), LIMITS[side],
+                trainer.parts.schedule.num_microbatches)
     print(schedule, side, {k: f"{r[k]:.1e}" for k in ("stats", "grad", "param")})
     bad = _check(f"pp1 {schedule}", side, r)
     assert not bad, "\n".join(bad)

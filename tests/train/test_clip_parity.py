@@ -99,19 +99,19 @@ def _skip_step(mesh: Mesh, rank: int) -> dict:
     train(trainer, range(1))
     before = {n: p.detach().clone() for n, p in trainer.named_parameters()}
     lr = trainer.optimizer.param_groups[0]["lr"]
-    fold = trainer.precision.fold
+    fold = trainer.parts.precision.fold
 
     def poisoned() -> None:
         fold()
-        trainer.precision.grads()[0].view(-1)[0] = float("inf")
+        trainer.parts.precision.grads()[0].view(-1)[0] = float("inf")
 
     if rank == 3:
-        trainer.precision.fold = poisoned
+        trainer.parts.precision.fold = poisoned
     trainer.step(batch(1))
     skipped = trainer.last_update
     unchanged = all(torch.equal(before[n], p) for n, p in trainer.named_parameters())
     lr_kept = trainer.optimizer.param_groups[0]["lr"] == lr
-    trainer.precision.fold = fold
+    trainer.parts.precision.fold = fold
     trainer.step(batch(2))
     return {"skipped": skipped.skipped, "norm": skipped.grad_norm, "unchanged": unchanged,
             "lr_kept": lr_kept, "next_skipped": trainer.last_update.skipped}

@@ -49,21 +49,21 @@ def test_nonfinite_step_is_skipped_with_the_same_one_sync() -> None:
     trainer = Trainer(CONFIG, adamw(1e-3), "1f1b", microbatches=4, dtype=torch.bfloat16)
     trainer.step(_batch(0))
     before = {n: p.detach().clone() for n, p in trainer.named_parameters()}
-    masters = [p.detach().clone() for p in trainer.precision.params]
-    fold = trainer.precision.fold
+    masters = [p.detach().clone() for p in trainer.parts.precision.params]
+    fold = trainer.parts.precision.fold
 
     def poisoned(indices: Any = None) -> None:
         fold(indices)
-        trainer.precision.grads()[0].view(-1)[0] = float("nan")
+        trainer.parts.precision.grads()[0].view(-1)[0] = float("nan")
 
-    trainer.precision.fold = poisoned  # type: ignore[method-assign]
+    trainer.parts.precision.fold = poisoned  # type: ignore[method-assign]
     reads = _reads(trainer, _batch(1))
-    trainer.precision.fold = fold  # type: ignore[method-assign]
+    trainer.parts.precision.fold = fold  # type: ignore[method-assign]
     assert reads == ["tolist"], reads
     u = trainer.last_update
     assert u is not None and u.skipped and u.grad_norm != u.grad_norm  # NaN
     assert all(torch.equal(before[n], p) for n, p in trainer.named_parameters())
-    assert all(torch.equal(a, b) for a, b in zip(masters, trainer.precision.params,
+    assert all(torch.equal(a, b) for a, b in zip(masters, trainer.parts.precision.params,
                                                  strict=True))
     trainer.step(_batch(2))
     assert trainer.last_update is not None and not trainer.last_update.skipped

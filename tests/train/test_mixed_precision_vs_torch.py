@@ -92,7 +92,7 @@ def torch_mixed_precision() -> dict:
 
 
 def _masters(trainer: Trainer) -> dict[str, torch.Tensor]:
-    prec = trainer.precision
+    prec = trainer.parts.precision
     return {n: p.detach().clone() for n, p in zip(prec.names, prec.params, strict=True)}
 
 
@@ -137,7 +137,7 @@ def test_second_step_main_grads_hold_only_the_second_batch() -> None:
     trainer.step(first)
     weights = {n: p.detach().clone() for n, p in trainer.named_parameters()}
     trainer.step(second)  # no clipping: the main grads stay as the backward left them
-    got = dict(zip(trainer.precision.names, trainer.precision.grads(), strict=True))
+    got = dict(zip(trainer.parts.precision.names, trainer.parts.precision.grads(), strict=True))
     _, want = torch_main_grads(build_reference(CONFIG, torch.bfloat16, weights), *second)
     gap = rel(got, want)
     print(f"main grads of step 2 vs torch: {gap:.2e}")

@@ -57,7 +57,6 @@ from stp.runtime.errors import RankError
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
 from stp.train.run.config import TrainJob
-from stp.train.run.loop import _options
 from stp.train.run.resolve import resolve
 from stp.train.step.grad_sync import collective
 from stp.train.step.param_gather import ParamGather
@@ -81,7 +80,8 @@ def test_the_flag_reaches_the_trainer_off_by_default() -> None:
     on = resolve(from_args(TrainJob, parser.parse_args([*args, "--overlap-param-gather",
                                                         "on"])))
     assert on.job.overlap_param_gather and not plain.job.overlap_param_gather
-    assert _options(on).overlap_param_gather and not _options(plain).overlap_param_gather
+    assert on.trainer_options().overlap_param_gather
+    assert not plain.trainer_options().overlap_param_gather
     with pytest.raises(ValueError, match="overlap_param_gather must be True or False, got 'on'"):
         TrainerOptions(overlap_param_gather="on")
 
@@ -143,13 +143,13 @@ def _stale(trainer: Trainer) -> bool:
 def _waits(trainer: Trainer) -> list[float]:
     """Record when the executor asks for each stage's parameters: (stage, time)."""
     calls: list = []
-    asked = trainer.executor.params_needed
+    asked = trainer.parts.executor.params_needed
 
     def recorded(stage: int) -> None:
         calls.append((stage, time.perf_counter()))
         asked(stage)
 
-    trainer.executor.params_needed = recorded
+    trainer.parts.executor.params_needed = recorded
     return calls
 
 
@@ -157,9 +157,9 @@ def _order(trainer: Trainer, calls: list) -> dict:
     """Per stage of this rank in the last step: (asked once, before its first forward),
     (its DP-AG span ends before that forward), and when it was asked and its first
     forward started."""
-    rec = trainer.executor.recorder
+    rec = trainer.parts.executor.recorder
     spans, out = rec.spans(), {}
-    for stage in trainer.stages:
+    for stage in trainer.parts.stages:
         first_f = min(s.start for s in spans if s.lane == "compute" and s.kind == "F"
                       and s.stage == stage)
         asked = [t for s, t in calls if s == stage and t >= rec.origin]
@@ -177,7 +177,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
     for schedule in SCHEDULES:
         off = _trainer(mesh, schedule)
         out["hookless"].append(off.parts.param_gather is None
-                               and off.executor.params_needed is None)
+                               and off.parts.executor.params_needed is None)
         stats_off = train(off, range(STEPS))
         params_off = off.full_state_dict()
         on = _trainer(mesh, schedule, overlap_param_gather=True, trace=True)
@@ -209,7 +209,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
         out[schedule] = case
     unsharded = _trainer(mesh, "1f1b", shard_optimizer=False, overlap_param_gather=True)
     out["hookless"].append(unsharded.parts.param_gather is None
-                           and unsharded.executor.params_needed is None)
+                           and unsharded.parts.executor.params_needed is None)
     return out
 
 

@@ -39,7 +39,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
         trainer = Trainer(CONFIG, adamw(LR), "1f1b", pp=1, microbatches=2,
                           dtype=getattr(torch, name))
         out[name] = _drop([trainer.step(batch) for _ in range(STEPS)])
-    prec = trainer.precision  # the bf16 one
+    prec = trainer.parts.precision  # the bf16 one
     out["model"] = {p.dtype for p in prec.model}
     out["master"] = {p.dtype for p in prec.params}
     out["main_grad"] = {p.grad.dtype for p in prec.params}

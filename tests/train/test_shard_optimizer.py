@@ -51,7 +51,6 @@ from stp.runtime.mesh import Mesh, ParallelDims
 from stp.schedule import registry
 from stp.train.checkpoint.shards import Box
 from stp.train.run.config import TrainJob
-from stp.train.run.loop import _options
 from stp.train.run.memory_check import run_estimate
 from stp.train.run.memory_measure import measure
 from stp.train.run.resolve import resolve
@@ -133,7 +132,7 @@ def test_the_flag_reaches_the_trainer_and_the_memory_check() -> None:
     plain = resolve(from_args(TrainJob, parser.parse_args(args)))
     sharded = resolve(from_args(TrainJob, parser.parse_args([*args, "--shard-optimizer"])))
     assert sharded.job.shard_optimizer and not plain.job.shard_optimizer
-    assert _options(sharded).shard_optimizer and not _options(plain).shard_optimizer
+    assert sharded.trainer_options().shard_optimizer and not plain.trainer_options().shard_optimizer
     before, after = run_estimate(plain).peak, run_estimate(sharded).peak
     assert after.masters == before.masters / 2 and after.optimizer == before.optimizer / 2
 
@@ -159,15 +158,15 @@ def _moments(trainer: Trainer) -> int:
 def _first_step(trainer: Trainer) -> tuple[list[tuple[float, float, float]], list[torch.Tensor]]:
     """(step 0's (loss, grad_norm, lr), the gradients the optimizer read)."""
     stats = train(trainer, range(1))
-    return stats, [g.clone() for g in trainer.precision.grads()]
+    return stats, [g.clone() for g in trainer.parts.precision.grads()]
 
 
 def _four_ranks(rank: int, world: int, root: str) -> dict:
     mesh = Mesh.from_world(ParallelDims(2, 1, 2), timeout=60)
     plain, sharded = _trainer(mesh, False), _trainer(mesh, True)
-    assert isinstance(sharded.precision, ShardedPrecision)
+    assert isinstance(sharded.parts.precision, ShardedPrecision)
     (_, whole), (stats, shards) = _first_step(plain), _first_step(sharded)
-    splits = sharded.precision.layout.splits
+    splits = sharded.parts.precision.layout.splits
     rows = [whole[i][slice(*s.rows_of(mesh.coord.dp))] for i, s in enumerate(splits)]
     out: dict = {
         "grads_equal": all(torch.equal(a, b) for a, b in zip(shards, rows, strict=True)),
@@ -197,7 +196,7 @@ def _skip_step(trainer: Trainer, rank: int) -> dict:
     its reduce-scatter, which the overlap launches during the backward), then a
     clean step."""
     before = {n: p.detach().clone() for n, p in trainer.named_parameters()}
-    full_grads = trainer.precision.full_grads
+    full_grads = trainer.parts.precision.full_grads
 
     def poisoned(indices=None) -> list[torch.Tensor]:
         grads = full_grads(indices)
@@ -206,11 +205,11 @@ def _skip_step(trainer: Trainer, rank: int) -> dict:
         return grads
 
     if rank == 3:
-        trainer.precision.full_grads = poisoned
+        trainer.parts.precision.full_grads = poisoned
     trainer.step(batch(STEPS))
     skipped = trainer.last_update
     unchanged = all(torch.equal(before[n], p) for n, p in trainer.named_parameters())
-    trainer.precision.full_grads = full_grads
+    trainer.parts.precision.full_grads = full_grads
     trainer.step(batch(STEPS + 1))
     return {"skipped": skipped.skipped, "unchanged": unchanged,
             "next_skipped": trainer.last_update.skipped}

@@ -334,7 +334,7 @@ def _poison_step(run: Path) -> None:
     trainer.step(_batch(2))
     with torch.no_grad():
         dict(trainer.named_parameters())["embed.weight"][0, 0] = float("nan")
-    trainer.precision.params[0].data[0, 0] = float("nan")  # the optimizer's copy too
+    trainer.parts.precision.params[0].data[0, 0] = float("nan")  # the optimizer's copy too
     with pytest.raises(finite.NonFinite, match="embed.weight"):
         trainer.save(str(run))  # never written...
     assert not (run / "step-00000003").exists()

@@ -43,7 +43,6 @@ from stp.runtime.mesh import Mesh, ParallelDims
 from stp.shapes import ModelConfig
 from stp.train.run.config import ModelShape, TrainJob
 from stp.train.run.job import check
-from stp.train.run.loop import _options
 from stp.train.run.memory_measure import measure
 from stp.train.run.mfu import device_peak, mfu, step_flops
 from stp.train.step.lr import adamw
@@ -114,7 +113,7 @@ def _stp_side(spec: SingleSpec, compiled: bool, batches: list[Any], out: str) ->
     job = run.job
     mesh = Mesh.from_world(ParallelDims(1, 1, 1, 1), timeout=job.timeout)
     trainer = Trainer(run.stage_model(), adamw(job.lr, weight_decay=job.weight_decay),
-                      run.schedule, mesh=mesh, options=_options(run))
+                      run.schedule, mesh=mesh, options=run.trainer_options())
 
     def step(k: int) -> Any:  # the loop's per-step work (stp.train.run.loop.run)
         loss = trainer.step(batches[k % len(batches)])

@@ -39,7 +39,7 @@ import dataclasses
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from stp.cli.common import EXIT_USAGE
 from stp.cli.flags import add_flags, from_args
@@ -54,6 +54,9 @@ from stp.cli.train_supervise import (
     shared_settings,
 )
 from stp.train.run.config import TrainJob
+
+if TYPE_CHECKING:  # torch is imported when the command runs, not for --help
+    from stp.train.run.resolve import Run
 
 EXIT_AGREED = 4
 """A worker's status when every rank raised the same verdict (an exception class with
@@ -77,7 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_train)
 
 
-def _train_here(resolved: Any, as_json: bool) -> int:
+def _train_here(resolved: Run, as_json: bool) -> int:
     """Train as one rank of an initialised (or about to be) world; returns the exit
     status (stp.cli.train_supervise: what a failure or an interrupt prints)."""
     from stp.runtime.errors import exit_status
@@ -115,7 +118,7 @@ def _train_here(resolved: Any, as_json: bool) -> int:
     return 0
 
 
-def _worker(resolved: Any, as_json: bool) -> None:
+def _worker(resolved: Run, as_json: bool) -> None:
     """Entry point of a locally launched worker (module level: started by name), given
     the run resolved once by the launching process (stp.train.run.resolve.Run)."""
     code = _train_here(resolved, as_json)
@@ -138,7 +141,7 @@ def _check_job_secret() -> None:
                          "that stp trusts only its own ranks' heartbeats and settings")
 
 
-def _under_torchrun(job: Any, as_json: bool) -> int:
+def _under_torchrun(job: TrainJob, as_json: bool) -> int:
     """One rank started by torchrun: the nodes' settings compared, every rank
     checks, rank 0 alone reports, all exit 2 at once. (The default run directory is
     made by rank 0 once the ranks meet: stp.train.run.loop.)"""
@@ -168,7 +171,7 @@ def _under_torchrun(job: Any, as_json: bool) -> int:
     return 0
 
 
-def _announce(resolved: Any, *, quiet: bool = False) -> bool:
+def _announce(resolved: Run, *, quiet: bool = False) -> bool:
     """Say what the run reads and where it resumes (stderr: stdout keeps --json's lines);
     False when a resumed run has nothing left to train."""
     job = resolved.job

@@ -10,10 +10,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stp.cli.train_supervise import say
 from stp.train.run.metrics import step_row
+
+if TYPE_CHECKING:  # torch is imported when the command runs, not for --help
+    from stp.train.run.config import TrainJob
+    from stp.train.run.loop import RunSummary
 
 __all__ = ["Progress", "CompileProgress", "print_summary", "ran_line"]
 
@@ -123,7 +127,7 @@ def _on_off(flag: bool) -> str:
     return "on" if flag else "off"
 
 
-def _model_text(config: Any, parameters: int, job: Any) -> str:
+def _model_text(config: object, parameters: int, job: TrainJob) -> str:
     """The model as it ran: family, layers x width, parameters, an MoE's experts and
     its ep, a multimodal model's vision encoder (the family's words for it)."""
     from stp.cli.memory import format_count
@@ -138,7 +142,7 @@ def _model_text(config: Any, parameters: int, job: Any) -> str:
     return f"model {family.name} {words}"
 
 
-def ran_line(s: Any, config: Any) -> str:
+def ran_line(s: RunSummary, config: object) -> str:
     """One line stating the configuration as it ran (s: stp.train.run.loop.RunSummary;
     config: the model's, stp.train.run.resolve.Run.config)."""
     job = s.job
@@ -157,7 +161,7 @@ def ran_line(s: Any, config: Any) -> str:
             f"{_model_text(config, s.parameters, job)}")
 
 
-def print_summary(s: Any, as_json: bool, config: Any = None,
+def print_summary(s: RunSummary, as_json: bool, config: object = None,
              figures: tuple[dict[str, float] | None, dict[str, float] | None] = (None, None),
              ) -> None:
     """Rank 0's closing lines (s: stp.train.run.loop.RunSummary; config: the model's;
@@ -173,8 +177,8 @@ def print_summary(s: Any, as_json: bool, config: Any = None,
     if config is not None:
         text += "\n" + ran_line(s, config)
     start, end = figures
-    if end and "aux_loss" in end:
-        text += (f"\nmoe: aux loss {start['aux_loss']:.4g} -> {end['aux_loss']:.4g}, "  # type: ignore[index]
+    if start and end and "aux_loss" in end:  # an MoE: its first and last step report both
+        text += (f"\nmoe: aux loss {start['aux_loss']:.4g} -> {end['aux_loss']:.4g}, "
                  f"expert load {end.get('expert_load', 1.0):.2f} in the last step (busiest "
                  "expert over the mean; 1.00 is balanced)")
     if first > 1:

@@ -63,13 +63,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
 from stp.runtime.braid import UnitRunner
 from stp.runtime.errors import RankError, wrap
+from stp.runtime.executor_options import ExecutorOptions
 from stp.runtime.offload import ActivationOffloader
 from stp.runtime.p2p import P2P, Transfer
 from stp.runtime.stage_api import PipelineStage, as_unit_stage, weights_in_backward
@@ -103,30 +102,13 @@ def first_forward_actions(program: Sequence[Action | Comm]) -> dict[int, int]:
     return first
 
 
-@dataclass(frozen=True)
-class ExecutorOptions:
-    """How an Executor runs its program (what it runs: the program and stages)."""
-
-    boundary_shape: tuple[int, ...] = (1, 1, 1)
-    """Shape of the tensors crossing stage boundaries (hidden states [b, s, h] and
-    their gradients), for receive buffers; `run` may replace it."""
-    dtype: torch.dtype = torch.float32
-    device: torch.device | str = "cpu"
-    where: str = ""
-    """This rank as error messages name it (stp.runtime.mesh.Mesh.describe)."""
-    collective_peers: str = ""
-    """The group a stage's own collectives wait on, for timeout messages."""
-    braid: bool = True
-    """Run braided blocks braided (False: the unbraided baseline)."""
-
-
 class Executor:
     """Runs pipeline rank `pp_rank`'s program of `lowered` on its local stages.
 
     `stages` maps each global stage this rank holds (schedule.stage_to_rank)
     to its PipelineStage. `p2p` may be None when no action sends or receives
-    (one pipeline rank). `options` (ExecutorOptions), or any of its fields as
-    keywords. `offload` (stp.runtime.offload) measures resident activations
+    (one pipeline rank). `options` (ExecutorOptions), or its fields as keywords
+    (not both). `offload` (stp.runtime.offload) measures resident activations
     and moves them to the host and back as its plan says; `recorder`
     (stp.runtime.trace) records every unit, all-reduce, send and receive of
     each run; `grads_final(stage)` is told when a stage's gradients are final,
@@ -145,11 +127,21 @@ class Executor:
         recorder: Recorder | None = None,
         grads_final: Callable[[int], None] | None = None,
         params_needed: Callable[[int], None] | None = None,
-        **option_overrides: Any,
+        boundary_shape: Sequence[int] = (1, 1, 1),
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        where: str = "",
+        collective_peers: str = "",
+        braid: bool = True,
     ) -> None:
-        if "boundary_shape" in option_overrides:
-            option_overrides["boundary_shape"] = tuple(option_overrides["boundary_shape"])
-        opts = replace(options or ExecutorOptions(), **option_overrides)
+        given = ExecutorOptions(tuple(boundary_shape), dtype, device, where, collective_peers,
+                                braid)
+        if options is not None and given != ExecutorOptions():
+            raise ValueError("Executor takes options=ExecutorOptions(...) or its fields as "
+                             "keywords, not both")
+        opts = given if options is None else options
+        self.options = opts
+        """How this executor runs (an Evaluator reuses it for its forward-only program)."""
         sch = lowered.schedule
         mine = set(sch.stages_of(pp_rank))
         if set(stages) != mine:

@@ -13,7 +13,7 @@ import dataclasses
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stp.costmodel.peaks import check_hardware
 from stp.models.emulated import parse_emulate
@@ -32,6 +32,9 @@ from stp.train.run.metrics import check_log
 from stp.train.run.precheck import check_mesh_flags
 from stp.train.run.pretrained import check_pretrained
 from stp.train.run.resolve import Run, resolve
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = ["check", "check_output_file", "check_plan", "model_config"]
 
@@ -173,7 +176,7 @@ def check_output_file(path: str, flag: str) -> None:
                          f"{e.strerror or e}") from None
 
 
-def _check_training(job: TrainJob, config: Any) -> None:
+def _check_training(job: TrainJob, config: DataclassInstance) -> None:
     """Learning-rate schedule, evaluation, resume and --out (created, written to)."""
     if job.lr_schedule != "constant" and job.lr is not None and job.min_lr > job.lr:
         raise ValueError(f"--min-lr {job.min_lr:g} is above --lr {job.lr:g}; give --min-lr <= --lr")

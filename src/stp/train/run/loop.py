@@ -44,8 +44,8 @@ from stp.train.run.pretrained import copy_tokenizer
 from stp.train.run.resolve import Run
 from stp.train.run.startup import Startup
 from stp.train.step.finite import SkipCounter
-from stp.train.step.lr import LRSchedule, adamw
-from stp.train.step.trainer import Trainer, TrainerOptions
+from stp.train.step.lr import adamw
+from stp.train.step.trainer import Trainer
 
 __all__ = ["StepReport", "RunSummary", "run"]
 
@@ -186,35 +186,6 @@ def _shared_out(run: Run) -> Run:
     return dataclasses.replace(run, job=dataclasses.replace(run.job, out=box[0]))
 
 
-def _document_eos(run: Run) -> int | None:
-    """--document-mask's end-of-sequence id: --eos-id, else the tokenizer's."""
-    job = run.job
-    if not job.document_mask:
-        return None
-    if job.eos_id is not None:
-        return job.eos_id
-    return None if run.tokenizer is None else run.tokenizer.eos
-
-
-def _options(run: Run) -> TrainerOptions:
-    job = run.job
-    return TrainerOptions(
-        dtype=getattr(torch, job.dtype), timeout=job.timeout,
-        hidden=run.family.model.hidden(run.config),
-        offload=job.offload if job.emulate is None else None, braid=job.braid,
-        trace=job.trace is not None, clip_grad=job.clip_grad,
-        lr_schedule=LRSchedule(job.lr_schedule, job.steps, job.warmup, job.min_lr),
-        partition=run.built_partition, sequence_parallel=job.sequence_parallel,
-        tp_overlap_chunks=job.tp_overlap_chunks if job.tp_overlap and job.tp > 1 else 0,
-        shard_optimizer=job.shard_optimizer,
-        overlap_grad_sync=job.overlap_grad_sync,
-        overlap_param_gather=job.overlap_param_gather,
-        recompute=job.recompute,
-        compile=job.compile,
-        document_eos=_document_eos(run),
-    )
-
-
 def run(resolved: Run,
         on_step: Callable[[StepReport], None] | None = None, *,
         on_compile: Callable[[float | None], None] | None = None) -> RunSummary | None:
@@ -238,7 +209,7 @@ def run(resolved: Run,
     if job.lr is None:  # resolve() fills in the family's default
         raise AssertionError("a resolved run has its --lr")
     model, optimizer = resolved.stage_model(), adamw(job.lr, weight_decay=job.weight_decay)
-    options = _options(resolved)
+    options = resolved.trainer_options()
     trainer = (Trainer.resume(job.resume, model, optimizer, schedule, mesh=mesh, options=options,
                               init_from=job.init_from, allow_unverified=job.allow_unverified)
                if job.resume else
@@ -271,7 +242,7 @@ def run(resolved: Run,
             clock.at("step")
             startup = clock.parts(compile_stats().seconds,
                                   compile_stats().seconds - compiled_before)
-        compile_s = (_slowest(compile_stats().seconds - compiled_before, trainer.device)
+        compile_s = (_slowest(compile_stats().seconds - compiled_before, trainer.parts.device)
                      if job.compile else None)
         compiling += compile_s or 0.0
         if tell is not None and step == first_step:
@@ -347,8 +318,8 @@ def _measured_memory(trainer: Trainer, peaks: list[int] | None, rank: int,
     its pipeline rank, on global rank 0 (None elsewhere). Collective."""
     mine = measure(trainer, None if peaks is None else peaks[rank])
     mine["dp_copies"] = 0 if copies is None else copies[rank]
-    mine["pp"] = trainer.mesh.coord.pp
-    everyone: list[Any] = [None] * trainer.dims.world_size
+    mine["pp"] = trainer.parts.mesh.coord.pp
+    everyone: list[Any] = [None] * trainer.parts.dims.world_size
     dist.all_gather_object(everyone, mine)
     return everyone if rank == 0 else None
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from stp.costmodel import HARDWARE
 from stp.costmodel.budget import parse_size
@@ -32,6 +32,10 @@ from stp.costmodel.configs import spec_from_config
 from stp.costmodel.families import pricing_of_config
 from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.memory import Features, Layout, MemoryEstimate, estimate, format_bytes
+
+if TYPE_CHECKING:  # resolve imports the checks' callers; the types only
+    from stp.train.run.config import TrainJob
+    from stp.train.run.resolve import Run
 
 __all__ = ["available_host_bytes", "check_memory", "no_estimate_reason", "run_estimate",
            "run_features"]
@@ -49,7 +53,7 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def no_estimate_reason(run: Any) -> str | None:
+def no_estimate_reason(run: Run) -> str | None:
     """Why `run` has no byte estimate (None: it has one)."""
     job = run.job
     if job.emulate is not None:
@@ -60,7 +64,7 @@ def no_estimate_reason(run: Any) -> str | None:
     return None
 
 
-def run_features(job: Any, *, recompute: str | None = None,
+def run_features(job: TrainJob, *, recompute: str | None = None,
                  shard_optimizer: bool | None = None) -> Features:
     """What of `job` (a TrainJob) changes its memory; `recompute` and
     `shard_optimizer` given here stand in for the job's (`stp memory`'s own flags)."""
@@ -74,7 +78,7 @@ def run_features(job: Any, *, recompute: str | None = None,
                     overlap_grad_sync=bool(job.overlap_grad_sync))
 
 
-def run_estimate(run: Any, hardware: HardwareSpec | None = None,
+def run_estimate(run: Run, hardware: HardwareSpec | None = None,
                  features: Features | None = None,
                  mean_doc_len: int | None = None) -> MemoryEstimate | None:
     """The cost model's bytes per rank of `run` (stp.train.run.resolve.Run): its model,
@@ -106,7 +110,7 @@ def _largest(est: MemoryEstimate) -> str:
     return f"{name.replace('_', ' ')} {format_bytes(getattr(peak, name))}"
 
 
-def check_memory(run: Any, local_ranks: int | None = None) -> None:
+def check_memory(run: Run, local_ranks: int | None = None) -> None:
     """ValueError (one line) when the run's estimate exceeds `--memory-budget`, or with
     no budget when the ranks this machine runs exceed its available memory."""
     job = run.job

@@ -27,9 +27,12 @@ unsharded matrix, stp.models.decoder.init.init_shard, since fixed).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # the Trainer's module imports the loop that imports this
+    from stp.train.step.trainer import Trainer
 
 __all__ = ["CATEGORIES", "measure"]
 
@@ -49,12 +52,12 @@ def _bytes(tensors: Any, seen: set[int]) -> int:
     return total
 
 
-def measure(trainer: Any, activations_peak: int | None) -> dict[str, int]:
+def measure(trainer: Trainer, activations_peak: int | None) -> dict[str, int]:
     """This rank's bytes per category (the module doc); `activations_peak` from the
     run's StepMemory (None: not measured, counted 0)."""
     seen: set[int] = set()
     model = [p for _, p in trainer.named_parameters()]
-    precision = trainer.precision
+    precision = trainer.parts.precision
     weights = _bytes(model, seen)
     masters = _bytes(precision.params, seen) if precision.mixed else 0
     grads = _bytes(precision.grad_buffers(), seen)

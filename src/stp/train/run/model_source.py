@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stp.train.run.config import ModelShape
 
 __all__ = ["CORE_FIELDS", "MAX_CONFIG_BYTES", "check_shape_flags", "config_path",
            "differences", "file_sha256", "is_preset", "model_config", "shape_of"]
@@ -147,7 +150,7 @@ def _from_json(text: str, seq_len: int, seed: int) -> Any:
     return dataclasses.replace(config, seed=seed)
 
 
-def check_shape_flags(shape: Any, config: Any, text: str) -> None:
+def check_shape_flags(shape: ModelShape, config: object, text: str) -> None:
     """A model-shape flag (`--layers`, `--hidden`, `--heads`, `--kv-heads`) given with
     `--model` must agree with it (ValueError naming both)."""
     for flag, field in _FLAGS.items():

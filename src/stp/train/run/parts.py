@@ -21,7 +21,7 @@ from torch import nn
 
 from stp.models.hf import HFCheckpoint
 from stp.models.recompute import check_recompute
-from stp.runtime.executor import Executor
+from stp.runtime.executor import Executor, ExecutorOptions
 from stp.runtime.mesh import Mesh, ParallelDims
 from stp.runtime.offload import ActivationOffloader
 from stp.schedule import Schedule
@@ -123,13 +123,19 @@ class TrainerOptions:
         if self.lookahead < 1:
             raise ValueError(f"lookahead must be >= 1, got {self.lookahead}")
 
+    def executor_options(self, mesh: Mesh, hidden: int, device: torch.device) -> ExecutorOptions:
+        """The runtime's slice, what this rank's Executor runs with: the boundary width,
+        the dtype and braiding, and how errors name this rank and its TP peers."""
+        return ExecutorOptions(boundary_shape=(1, 1, hidden), dtype=self.dtype, device=device,
+                               where=mesh.describe(), collective_peers=mesh.describe_group("tp"),
+                               braid=self.braid)
+
 
 @dataclass(frozen=True)
 class Parts:
     """Everything one rank trains with, built once by stp.train.run.setup.build."""
 
     mesh: Mesh
-    dims: ParallelDims
     schedule: Schedule
     options: TrainerOptions
     device: torch.device
@@ -160,6 +166,11 @@ class Parts:
         parameters: call before reading them between two steps (stp.train.step.param_gather)."""
         if self.param_gather is not None:
             self.param_gather.finish()
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The mesh's sizes (pp, tp, dp, ep)."""
+        return self.mesh.dims
 
     @property
     def seq_shards(self) -> int:

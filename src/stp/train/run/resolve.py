@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stp.schedule import Schedule
 from stp.schedule.placement import partition_layers
@@ -35,6 +35,9 @@ from stp.train.data.tokens import Tokenizer, run_tokenizer
 from stp.train.families import TrainFamily, family_named, family_of
 from stp.train.run.config import TrainJob, default_lr
 from stp.train.run.schedules import job_schedule
+
+if TYPE_CHECKING:  # imported in trainer_options: a run only priced (stp memory) does without
+    from stp.train.run.parts import TrainerOptions
 
 __all__ = ["AUTO_HARDWARE", "Run", "resolve"]
 
@@ -71,6 +74,36 @@ class Run:
         return emulated_builder(parse_emulate(self.job.emulate), self.schedule.chunks,
                                 self.family.model.num_layers(self.config),
                                 self.family.model.hidden(self.config))
+
+    def trainer_options(self) -> TrainerOptions:
+        """How the Trainer runs this run: the one slice of the flags it reads (the
+        runtime's slice follows from it, TrainerOptions.executor_options)."""
+        import torch
+
+        from stp.train.run.parts import TrainerOptions
+        from stp.train.step.lr import LRSchedule
+
+        job = self.job
+        return TrainerOptions(
+            dtype=getattr(torch, job.dtype), timeout=job.timeout,
+            hidden=self.family.model.hidden(self.config),
+            offload=job.offload if job.emulate is None else None, braid=job.braid,
+            trace=job.trace is not None, clip_grad=job.clip_grad,
+            lr_schedule=LRSchedule(job.lr_schedule, job.steps, job.warmup, job.min_lr),
+            partition=self.built_partition, sequence_parallel=job.sequence_parallel,
+            tp_overlap_chunks=job.tp_overlap_chunks if job.tp_overlap and job.tp > 1 else 0,
+            shard_optimizer=job.shard_optimizer, overlap_grad_sync=job.overlap_grad_sync,
+            overlap_param_gather=job.overlap_param_gather, recompute=job.recompute,
+            compile=job.compile, document_eos=self.document_eos)
+
+    @property
+    def document_eos(self) -> int | None:
+        """--document-mask's end-of-sequence id: --eos-id, else the tokenizer's."""
+        if not self.job.document_mask:
+            return None
+        if self.job.eos_id is not None:
+            return self.job.eos_id
+        return None if self.tokenizer is None else self.tokenizer.eos
 
     @property
     def built_partition(self) -> tuple[int, ...] | None:

@@ -166,7 +166,7 @@ def build(
         if offloader is not None:  # its copies measured with the activations
             offloader.held, sync.sampler = sync.held_bytes, offloader.sample
     param_gather = _param_gather(precision, sync, executor, opts.overlap_param_gather)
-    return Parts(mesh=mesh, dims=dims, schedule=schedule, options=opts, device=device,
+    return Parts(mesh=mesh, schedule=schedule, options=opts, device=device,
                  hidden=hidden, source=source, family=family, model_config=model_config,
                  stages=stages,
                  holds_loss=holds_loss, precision=precision, offloader=offloader,
@@ -237,9 +237,6 @@ def _executor(schedule: Schedule, mesh: Mesh, stages: dict[int, Any],
     recorder = None
     if opts.trace:
         recorder = Recorder(mesh.rank, [schedule.chunk_of(s) for s in range(schedule.num_stages)])
-    return Executor(
-        lower(schedule, lookahead=opts.lookahead), mesh.coord.pp, stages, p2p,
-        boundary_shape=(1, 1, hidden), dtype=opts.dtype, device=device,
-        where=mesh.describe(), collective_peers=mesh.describe_group("tp"),
-        offload=offloader, braid=opts.braid, recorder=recorder,
-    )
+    return Executor(lower(schedule, lookahead=opts.lookahead), mesh.coord.pp, stages, p2p,
+                    opts.executor_options(mesh, hidden, device), offload=offloader,
+                    recorder=recorder)

@@ -45,10 +45,7 @@ class Evaluator:
         opts, mesh = parts.options, parts.mesh
         self.executor = Executor(
             lower(forward_only(parts.schedule), lookahead=opts.lookahead), mesh.coord.pp,
-            parts.stages, parts.executor.p2p, boundary_shape=(1, 1, parts.hidden),
-            dtype=opts.dtype, device=parts.device, where=mesh.describe(), braid=opts.braid,
-            collective_peers=mesh.describe_group("tp"),
-        )
+            parts.stages, parts.executor.p2p, parts.executor.options)
 
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         """Mean loss of the global batch (tokens, targets) [B, s]; the same on every rank."""

@@ -49,35 +49,36 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, is_dataclass, replace
+from dataclasses import asdict, is_dataclass
 from math import prod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from stp.models.family import check_text_batch
-from stp.models.hf import DEFAULT_SHARD_BYTES, HFCheckpoint, save_stages
+from stp.models.hf import DEFAULT_SHARD_BYTES, save_stages
 from stp.models.tp.layers import valid_token_ratio
-from stp.runtime.executor import Executor
-from stp.runtime.mesh import Mesh, ParallelDims
-from stp.runtime.offload import ActivationOffloader, StepMemory
+from stp.runtime.mesh import Mesh
+from stp.runtime.offload import StepMemory
 from stp.runtime.trace import gather_spans, write_trace
 from stp.schedule import Schedule
 from stp.train.checkpoint import sharded as checkpoint
 from stp.train.checkpoint.gather import gather_full_state
 from stp.train.checkpoint.save_full import full_layout, write_full
 from stp.train.data.corpus import split_batch
-from stp.train.families import TrainFamily
 from stp.train.run.parts import Parts, TrainerOptions
 from stp.train.run.setup import StageBuilder, build
 from stp.train.run.startup import load_clock
 from stp.train.step.aux_losses import AuxLosses
 from stp.train.step.documents import mask_documents
 from stp.train.step.gc_pause import StepGC, gc_paused
-from stp.train.step.lr import make_scheduler
+from stp.train.step.lr import LRSchedule, make_scheduler
 from stp.train.step.peaks import world_peaks
-from stp.train.step.precision import Precision, UpdateStats, apply_update
+from stp.train.step.precision import UpdateStats, apply_update
+
+if TYPE_CHECKING:  # built on the first evaluate (its import kept off the step's path)
+    from stp.train.step.evaluate import Evaluator
 
 __all__ = ["Trainer", "TrainerOptions", "StageBuilder", "OptimizerFactory"]
 
@@ -95,11 +96,13 @@ class Trainer:
     Schedule for pp ranks. `mesh`: reuse existing process groups (else they
     are created from the world; a world of one needs no launcher). `data`:
     an iterable of (tokens, targets) global batches for `step()` without an
-    argument. `options` (TrainerOptions), or any of its fields as keywords.
+    argument. `options` (TrainerOptions), or its fields as keywords (not both).
 
-    What is built once (stages, precision, executor, offloader, gradient
-    collectives) is `parts` (stp.train.run.setup.build); the Trainer holds what
-    running changes: the optimizer, the LR schedule, the step count.
+    What is built once (the mesh, schedule, stages, precision, executor,
+    offloader, gradient collectives, and the options they were built with) is
+    `parts` (stp.train.run.parts.Parts), read there: `trainer.parts.stages`; the
+    Trainer holds what running changes: the optimizer, the LR schedule, the step
+    count.
     """
 
     def __init__(
@@ -117,9 +120,39 @@ class Trainer:
         data: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None,
         options: TrainerOptions | None = None,
         init_from: str | os.PathLike[str] | None = None,
-        **option_overrides: Any,
+        # TrainerOptions' fields, for a call that gives them one by one (not with options=)
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        timeout: float = 300.0,
+        hidden: int | None = None,
+        lookahead: int = 1,
+        offload: str | None = None,
+        braid: bool = True,
+        trace: bool = False,
+        clip_grad: float | None = None,
+        lr_schedule: LRSchedule | None = None,
+        partition: tuple[int, ...] | None = None,
+        sequence_parallel: bool = False,
+        tp_overlap_chunks: int = 0,
+        shard_optimizer: bool = False,
+        recompute: str = "none",
+        document_eos: int | None = None,
+        compile: bool = False,
+        overlap_grad_sync: bool = True,
+        overlap_param_gather: bool = False,
+        gc_every: int = 50,
     ) -> None:
-        opts = replace(options or TrainerOptions(), **option_overrides)
+        given = TrainerOptions(
+            dtype=dtype, device=device, timeout=timeout, hidden=hidden, lookahead=lookahead,
+            offload=offload, braid=braid, trace=trace, clip_grad=clip_grad,
+            lr_schedule=lr_schedule, partition=partition, sequence_parallel=sequence_parallel,
+            tp_overlap_chunks=tp_overlap_chunks, shard_optimizer=shard_optimizer, recompute=recompute, document_eos=document_eos,
+            compile=compile, overlap_grad_sync=overlap_grad_sync,
+            overlap_param_gather=overlap_param_gather, gc_every=gc_every)
+        if options is not None and given != TrainerOptions():
+            raise ValueError("Trainer takes options=TrainerOptions(...) or its fields as "
+                             "keywords, not both")
+        opts = given if options is None else options
         self.parts: Parts = build(model, schedule, pp=pp, tp=tp, dp=dp, ep=ep,
                                   microbatches=microbatches, mesh=mesh, options=opts,
                                   init_from=init_from)
@@ -134,89 +167,14 @@ class Trainer:
         """Objective terms beside the loss (an MoE's load balancing); None: none."""
         self.last_figures: dict[str, float] = {}
         """The last step's figures of those terms (`aux_loss`, `expert_load`)."""
-        self._evaluator: Any = None
+        self._evaluator: Evaluator | None = None
         self._data: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = (
             iter(data) if data is not None else None
         )
         self.steps_done = 0
         self.step_gc = StepGC(opts.gc_every)
 
-    # -- what was built (stp.train.run.setup.build), read through the Trainer --------------
-
-    @property
-    def mesh(self) -> Mesh:
-        """The process groups this Trainer runs on."""
-        return self.parts.mesh
-
-    @property
-    def dims(self) -> ParallelDims:
-        return self.parts.dims
-
-    @property
-    def schedule(self) -> Schedule:
-        """The pipeline schedule, validated against pp."""
-        return self.parts.schedule
-
-    @property
-    def options(self) -> TrainerOptions:
-        return self.parts.options
-
-    @property
-    def device(self) -> torch.device:
-        """Where this rank's parameters and activations live."""
-        return self.parts.device
-
-    @property
-    def hidden(self) -> int:
-        """Width of the stage boundary tensors."""
-        return self.parts.hidden
-
-    @property
-    def source(self) -> HFCheckpoint | None:
-        """The Hugging Face checkpoint the weights were read from (init_from)."""
-        return self.parts.source
-
-    @property
-    def family(self) -> TrainFamily | None:
-        """The model family of `model` (stp.train.families); None for a stage builder."""
-        return self.parts.family
-
-    @property
-    def model_config(self) -> Any:
-        """The family's config (None for a stage builder)."""
-        return self.parts.model_config
-
-    @property
-    def stages(self) -> dict[int, Any]:
-        """This rank's PipelineStages by global stage index."""
-        return self.parts.stages
-
-    @property
-    def precision(self) -> Precision:
-        return self.parts.precision
-
-    @property
-    def offloader(self) -> ActivationOffloader | None:
-        """None without `offload`."""
-        return self.parts.offloader
-
-    @property
-    def executor(self) -> Executor:
-        """Runs this pipeline rank's lowered program."""
-        return self.parts.executor
-
-    @property
-    def holds_loss(self) -> bool:
-        """This pipeline rank runs the last stage."""
-        return self.parts.holds_loss
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.options.dtype
-
-    @property
-    def timeout(self) -> float:
-        return self.options.timeout
+    # -- what was built is `parts` (stp.train.run.parts.Parts): read it there ----------
 
     def finish_param_gather(self) -> None:
         """Wait for the parameter all-gathers the last step left in flight
@@ -229,27 +187,21 @@ class Trainer:
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters, stage by stage."""
         self.finish_param_gather()
-        return [p for st in self.stages.values() for p in st.parameters()]
-
-    def boundary_shape(self, targets: torch.Tensor) -> tuple[int, ...]:
-        """Shape of the hidden states sent between stages (stp.train.run.parts.Parts)."""
-        return self.parts.boundary_shape(targets)
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.schedule.num_microbatches
+        return [p for st in self.parts.stages.values() for p in st.parameters()]
 
     @property
     def memory(self) -> StepMemory | None:
         """This rank's activation bytes in the last step (None without `offload`)."""
-        return None if self.offloader is None else self.offloader.memory
+        offloader = self.parts.offloader
+        return None if offloader is None else offloader.memory
 
     def activation_peaks(self) -> list[int] | None:
         """Peak resident activation bytes of the last step on every global rank
         (collective: every rank calls it); None without `offload`."""
-        if self.offloader is None:
+        offloader = self.parts.offloader
+        if offloader is None:
             return None
-        peaks, self.copy_peaks = world_peaks(self.parts, self.offloader.memory)
+        peaks, self.copy_peaks = world_peaks(self.parts, offloader.memory)
         """`copy_peaks`: what the DP reductions' copies in flight added to each rank's
         peak (`StepMemory.peak_with_held`), set with the peaks."""
         return peaks
@@ -272,30 +224,31 @@ class Trainer:
             batch = next(self._data)
         tokens, targets = batch
         self._check_batch(tokens, targets)
-        d, m, c = self.dims, self.num_microbatches, self.mesh.coord
-        targets = mask_documents(self.parts, tokens, targets, m)  # with document masking
-        inputs = [t.to(self.device) for t in split_batch(tokens, d.dp, c.dp, m)]
-        tgts = [t.to(self.device) for t in split_batch(targets, d.dp, c.dp, m)]
-        for st in self.stages.values():
+        parts = self.parts
+        d, m, c = parts.dims, parts.schedule.num_microbatches, parts.mesh.coord
+        targets = mask_documents(parts, tokens, targets, m)  # with document masking
+        inputs = [t.to(parts.device) for t in split_batch(tokens, d.dp, c.dp, m)]
+        tgts = [t.to(parts.device) for t in split_batch(targets, d.dp, c.dp, m)]
+        for st in parts.stages.values():
             st.zero_grad()
-        self.precision.zero_grad()
+        parts.precision.zero_grad()
         self.parts.sync.start_step()
         # the mean over the valid (not ignored) targets of the whole global batch
         ratio = valid_token_ratio(targets)
         if self.aux is not None:
             self.aux.start(m)
-        losses = self.executor.run(inputs, tgts, scale=ratio / m,
-                                   boundary_shape=self.boundary_shape(tgts[0]))
+        losses = parts.executor.run(inputs, tgts, scale=ratio / m,
+                                    boundary_shape=parts.boundary_shape(tgts[0]))
         figures = None if self.aux is None else self.aux.reduce()
-        self.precision.fold()
+        parts.precision.fold()
         # the loss, the norm (whose finiteness decides the skip) and the aux figures
         # are read from the device at once: the step's one host sync
         loss, norm = self.parts.sync.after_backward(losses, m, ratio, figures)
         if self.aux is not None:
             self.last_figures = self.aux.figures(self.parts.sync.extra_values, m)
         gather = self.parts.param_gather
-        self.last_update = apply_update(self.precision, self.optimizer, self.scheduler, norm,
-                                        self.options.clip_grad,
+        self.last_update = apply_update(parts.precision, self.optimizer, self.scheduler, norm,
+                                        parts.options.clip_grad,
                                         None if gather is None else gather.launch)
         self.steps_done += 1
         return loss
@@ -303,8 +256,9 @@ class Trainer:
     def _check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         """ValueError unless the batch is one the model trains on (the family's rule;
         a stage builder's: token ids and targets of one shape)."""
-        if self.family is not None:
-            self.family.model.check_batch(tokens, targets)
+        family = self.parts.family
+        if family is not None:
+            family.model.check_batch(tokens, targets)
         else:
             check_text_batch(tokens, targets)
 
@@ -344,13 +298,14 @@ class Trainer:
     def write_trace(self, path: str, meta: dict[str, object] | None = None) -> None:
         """Write the last step's measured trace of every rank to `path` on global
         rank 0 (stp.runtime.trace; needs `trace=True`). Collective."""
-        rec = self.executor.recorder
+        rec = self.parts.executor.recorder
         if rec is None:
             raise ValueError("write_trace needs Trainer(..., trace=True)")
         spans = gather_spans(rec)
         if spans is not None:
-            pp_of = {r: self.dims.coord_of(r).pp for r in range(self.dims.world_size)}
-            write_trace(path, spans, self.schedule, pp_of, meta)
+            dims = self.parts.dims
+            pp_of = {r: dims.coord_of(r).pp for r in range(dims.world_size)}
+            write_trace(path, spans, self.parts.schedule, pp_of, meta)
 
     # -- gathering ------------------------------------------------------------------
 
@@ -362,24 +317,25 @@ class Trainer:
         as shards (`precision.grads()`): grads=True gives DP rank 0's own.
         Collective: every rank must call it."""
         self.finish_param_gather()
-        return gather_full_state(self.stages, self.mesh, self.parts.sync.collective,
+        return gather_full_state(self.parts.stages, self.parts.mesh, self.parts.sync.collective,
                                  grads=grads)
 
     def save_full(self, path: str | os.PathLike[str]) -> None:
         """Write the whole model as one safetensors file `path`, under the reference's
         names (what full_state_dict returns), stage by stage: no rank holds more than
         its shards and one full tensor (stp.train.checkpoint.save_full). Collective."""
-        config = self.model_config
+        config = self.parts.model_config
         meta = {} if not is_dataclass(config) or isinstance(config, type) else {
             "stp_model_config": json.dumps(asdict(config), sort_keys=True, default=str)}
         self.finish_param_gather()
-        write_full(path, self.stages, self.mesh, self.parts.sync.collective, meta)
+        write_full(path, self.parts.stages, self.parts.mesh, self.parts.sync.collective, meta)
 
     def parameter_count(self) -> int:
         """Elements of the whole model (each full tensor once, as full_state_dict would
         hold them), counted without gathering a tensor. Collective."""
-        return sum(prod(e.shape) for e in full_layout(self.stages, self.mesh,
-                                                      self.parts.sync.collective))
+        parts = self.parts
+        return sum(prod(e.shape) for e in full_layout(parts.stages, parts.mesh,
+                                                      parts.sync.collective))
 
     def save_hf(self, directory: str | os.PathLike[str], *,
                 max_shard_bytes: int | None = None) -> None:
@@ -387,10 +343,11 @@ class Trainer:
         safetensors files and their index, the init_from checkpoint's tokenizer files):
         each pipeline rank writes its own stages' files (stp.models.hf.save_stages).
         Collective."""
-        if self.family is None:
+        parts = self.parts
+        if parts.family is None:
             raise ValueError("save_hf needs a Trainer built from a ModelConfig or init_from")
         self.finish_param_gather()
-        if self.family.model.hf_refusal is not None:
-            raise ValueError(self.family.model.hf_refusal)
-        save_stages(os.fspath(directory), self.stages, self.mesh, self.model_config,
-                    source=self.source, max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)
+        if parts.family.model.hf_refusal is not None:
+            raise ValueError(parts.family.model.hf_refusal)
+        save_stages(os.fspath(directory), parts.stages, parts.mesh, parts.model_config,
+                    source=parts.source, max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)
