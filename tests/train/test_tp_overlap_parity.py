@@ -55,7 +55,7 @@ def _train(mesh: Mesh, name: str, chunks: int, braid: bool, extra: dict, rows: i
     batches = [random_batch(CONFIG.vocab_size, rows * sch.num_microbatches, SEQ, s)
                for s in range(2)]
     losses, grads, params = two_steps(trainer, batches)
-    spans = [sp.kind for sp in trainer.executor.recorder.spans() if sp.lane == "tp"]
+    spans = [sp.kind for sp in trainer.parts.executor.recorder.spans() if sp.lane == "tp"]
     return batches, losses, grads, params, spans
 
 

@@ -146,7 +146,8 @@ class Trainer:
             dtype=dtype, device=device, timeout=timeout, hidden=hidden, lookahead=lookahead,
             offload=offload, braid=braid, trace=trace, clip_grad=clip_grad,
             lr_schedule=lr_schedule, partition=partition, sequence_parallel=sequence_parallel,
-            tp_overlap_chunks=tp_overlap_chunks, shard_optimizer=shard_optimizer, recompute=recompute, document_eos=document_eos,
+            tp_overlap_chunks=tp_overlap_chunks, shard_optimizer=shard_optimizer,
+            recompute=recompute, document_eos=document_eos,
             compile=compile, overlap_grad_sync=overlap_grad_sync,
             overlap_param_gather=overlap_param_gather, gc_every=gc_every)
         if options is not None and given != TrainerOptions():
