@@ -179,7 +179,9 @@ def test_packed_main_grads_a_stage_at_a_time_in_flight() -> None:
     from their chunks, zero_grad missing the packed buffers, the packed main grads
     held by their flight as if a copy (`stp memory` and the trace would count them
     as bytes the reduction adds), a packed copy not held by its flight (the backend
-    would read freed memory), a subset's copy launched synchronously."""
+    would read freed memory), a subset's copy launched synchronously, a flight
+    finished without waiting for its work (or waiting outside DPGroup.run, or with
+    the action or peers dropped from what a timeout would name)."""
     world = _Threads(2)
 
     def rank_run(rank: int) -> dict:
@@ -223,6 +225,9 @@ def test_packed_main_grads_a_stage_at_a_time_in_flight() -> None:
     assert got[0]["rows"] == [(0, 3), (0, 1), (0, 1)]
     assert got[1]["rows"] == [(3, 5), (1, 2), (1, 1)]
     assert [a[3] for a in world.actions] == [True] * 4  # both launches, on both ranks
+    assert [w.waits for w in world.works] == [1] * 4
+    assert sorted(world.waited) == [(r, "DP gradient reduce-scatter", "a DP peer")
+                                    for r in (0, 0, 1, 1)]
 
 
 def test_experts_are_sharded_over_their_own_group_and_divided_by_dp() -> None:
