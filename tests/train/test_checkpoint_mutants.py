@@ -158,7 +158,7 @@ def test_keep_drops_the_oldest_and_a_resave_replaces(world_of_one, tmp_path: Pat
 def test_latest_and_the_complete_checkpoints(tmp_path: Path) -> None:
     """Kills: an incomplete directory (no .metadata or no stp.json) counted, a name
     without digits accepted, sorting by name instead of number, `latest` taking the
-    oldest (or the second: three complete ones here), the refusal's wording (missing
+    oldest (or the second: four complete ones here), the refusal's wording (missing
     vs empty), read_info reading another file than the checkpoint's stp.json."""
     def make(name: str, metadata: bool = True, info: bool = True) -> Path:
         p = tmp_path / name
@@ -173,14 +173,15 @@ def test_latest_and_the_complete_checkpoints(tmp_path: Path) -> None:
     (make("step-00000009") / "stp.json").write_text('{"step": 9, "pp": 2}')
     make("step-00000100")
     make("step-00000010")
+    make("step-100000000")  # past 8 digits: its name sorts before step-00000009's
     make("step-00000200", metadata=False)
     make("step-00000300", info=False)
     make("step-x")
     (tmp_path / "step-00000400").write_text("a file")
     assert [p.name for p in sharded.complete_checkpoints(tmp_path)] == [
-        "step-00000009", "step-00000010", "step-00000100"]
+        "step-00000009", "step-00000010", "step-00000100", "step-100000000"]
     assert sharded.read_info(tmp_path / "step-00000009") == {"step": 9, "pp": 2}
-    assert sharded.latest(tmp_path).name == "step-00000100"
+    assert sharded.latest(tmp_path).name == "step-100000000"
     assert sharded.latest(tmp_path / "step-00000009").name == "step-00000009"
     with pytest.raises(ValueError, match=r"'.*nowhere' does not exist: give a checkpoint"):
         sharded.latest(tmp_path / "nowhere")
@@ -190,6 +191,16 @@ def test_latest_and_the_complete_checkpoints(tmp_path: Path) -> None:
                                          r"directory \(step-N with .metadata and stp.json\)"):
         sharded.latest(empty)
     assert sharded.checkpoint_name(42) == "step-00000042"
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_parameter() -> None:
+    """Kills: the refusal's message lost when a parameter of this model is not in the
+    checkpoint (a user would not learn which parameter, nor why)."""
+    parts, _, _ = _trainer(torch.float32, seed=4)
+    with pytest.raises(ValueError) as err:
+        sharded._load_state(parts, {"model/other.weight": None}, "'ckpt/step-00000001'")
+    assert str(err.value) == ("checkpoint 'ckpt/step-00000001' has no parameter "
+                              "'embed.weight': it was saved from another model")
 
 
 def test_optimizer_state_keys_and_targets() -> None:

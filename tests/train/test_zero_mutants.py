@@ -391,3 +391,29 @@ def test_a_pure_model_is_sharded_in_place() -> None:
         p.grad = None
     grads = prec.grads()
     assert all(g is not None and g.data_ptr() >= prec.shard_grads.data_ptr() for g in grads)
+
+
+class _Unit:
+    """A unit as stp.models makes them: its W sets the weight's bf16 gradient."""
+
+    def __init__(self, w: nn.Parameter) -> None:
+        self.w = w
+
+    def weight(self, g: torch.Tensor) -> None:
+        self.w.grad = g.to(self.w.dtype)
+
+
+def test_a_units_weight_gradients_are_folded_into_the_packed_main_grads() -> None:
+    """Kills: the units not handed on to Precision (their W then folds nothing: the
+    second W's gradient replaces the first on the model's .grad, and the packed main
+    grad stays zero)."""
+    world = _Threads(1)
+    named = _model(torch.bfloat16)
+    unit = _Unit(named[0][1])
+    prec = ShardedPrecision(named, [unit], world.group(0))
+    prec.group_main_grads([[0, 2]])
+    g = _grads(0)[0]
+    unit.weight(g)
+    unit.weight(g)
+    assert named[0][1].grad is None
+    assert torch.equal(prec.full_grads([0])[0], 2 * g.to(torch.bfloat16).float())
