@@ -203,6 +203,17 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_parameter() -> None
                               "'embed.weight': it was saved from another model")
 
 
+def test_weights_without_optimizer_state_load_the_weights_alone() -> None:
+    """Kills: a parameter with no `optim/` key in the checkpoint (weights written
+    without optimizer state) failing the load (`optim.get(name)` without its empty
+    default) instead of asking for its weights alone."""
+    parts, _, _ = _trainer(torch.float32, seed=4)
+    keys = {"model/embed.weight": None, "model/norm.weight": None}
+    state, boxes, wholes = sharded._load_state(parts, keys, "'w'")
+    assert sorted(state) == sorted(boxes) == ["model/embed.weight", "model/norm.weight"]
+    assert wholes == {}
+
+
 def test_optimizer_state_keys_and_targets() -> None:
     """Kills: _optim_keys splitting the name wrong or taking non-optim keys, a state
     target not zero where the box holds padding, a scalar state given a tensor."""
