@@ -158,7 +158,7 @@ def test_keep_drops_the_oldest_and_a_resave_replaces(world_of_one, tmp_path: Pat
 def test_latest_and_the_complete_checkpoints(tmp_path: Path) -> None:
     """Kills: an incomplete directory (no .metadata or no stp.json) counted, a name
     without digits accepted, sorting by name instead of number, `latest` taking the
-    oldest (or the second: four complete ones here), the refusal's wording (missing
+    oldest (or the second: five complete ones here), the refusal's wording (missing
     vs empty), read_info reading another file than the checkpoint's stp.json."""
     def make(name: str, metadata: bool = True, info: bool = True) -> Path:
         p = tmp_path / name
@@ -173,13 +173,14 @@ def test_latest_and_the_complete_checkpoints(tmp_path: Path) -> None:
     (make("step-00000009") / "stp.json").write_text('{"step": 9, "pp": 2}')
     make("step-00000100")
     make("step-00000010")
-    make("step-100000000")  # past 8 digits: its name sorts before step-00000009's
+    make("step-20000000")
+    make("step-100000000")  # past 8 digits: by name it sorts before step-20000000
     make("step-00000200", metadata=False)
     make("step-00000300", info=False)
     make("step-x")
     (tmp_path / "step-00000400").write_text("a file")
     assert [p.name for p in sharded.complete_checkpoints(tmp_path)] == [
-        "step-00000009", "step-00000010", "step-00000100", "step-100000000"]
+        "step-00000009", "step-00000010", "step-00000100", "step-20000000", "step-100000000"]
     assert sharded.read_info(tmp_path / "step-00000009") == {"step": 9, "pp": 2}
     assert sharded.latest(tmp_path).name == "step-100000000"
     assert sharded.latest(tmp_path / "step-00000009").name == "step-00000009"
