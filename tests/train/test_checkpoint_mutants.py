@@ -215,6 +215,29 @@ def test_weights_without_optimizer_state_load_the_weights_alone() -> None:
     assert wholes == {}
 
 
+def test_an_empty_shard_still_asks_for_its_scalar_state() -> None:
+    """Kills: a DP shard holding no rows (rank 1 of 2, a one-row parameter) skipping
+    the rest of its optimizer state after the first moment (`continue` made `break`):
+    AdamW's step would not be restored on that rank."""
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+
+    from stp.train.step.zero import DPGroup, ShardedPrecision
+
+    params = {"embed.weight": nn.Parameter(torch.zeros(1, 3))}
+    prec = ShardedPrecision(list(params.items()), [], DPGroup(2, 1, None, lambda *a, **k: None))
+    parts = SimpleNamespace(stages={0: _Stage(params)}, precision=prec,
+                            dims=SimpleNamespace(pp=1, tp=1, dp=2),
+                            mesh=SimpleNamespace(rank=1, coord=SimpleNamespace(tp=0)))
+    f32 = TensorProperties(dtype=torch.float32)
+    rows = TensorStorageMetadata(f32, torch.Size([1, 3]), [])
+    keys = {"model/embed.weight": rows, "optim/embed.weight/exp_avg": rows,
+            "optim/embed.weight/step": TensorStorageMetadata(f32, torch.Size([]), [])}
+    state, _, wholes = sharded._load_state(parts, keys, "'c'")
+    assert sorted(state) == ["optim/embed.weight/step"]
+    assert wholes["optim/embed.weight/exp_avg"].shape == (0, 3)
+    assert wholes["optim/embed.weight/step"].shape == ()
+
+
 def test_optimizer_state_keys_and_targets() -> None:
     """Kills: _optim_keys splitting the name wrong or taking non-optim keys, a state
     target not zero where the box holds padding, a scalar state given a tensor."""

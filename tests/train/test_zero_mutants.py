@@ -403,17 +403,32 @@ class _Unit:
         self.w.grad = g.to(self.w.dtype)
 
 
-def test_a_units_weight_gradients_are_folded_into_the_packed_main_grads() -> None:
+def test_a_units_weight_gradients_are_folded_into_fp32_main_grads() -> None:
     """Kills: the units not handed on to Precision (their W then folds nothing: the
     second W's gradient replaces the first on the model's .grad, and the packed main
-    grad stays zero)."""
+    grad stays zero), whole main grads made in the model's bf16 instead of fp32
+    (1 + 2^-8, the sum of two W's, rounds to 1 in bf16)."""
     world = _Threads(1)
     named = _model(torch.bfloat16)
-    unit = _Unit(named[0][1])
-    prec = ShardedPrecision(named, [unit], world.group(0))
+    unit, whole_unit = _Unit(named[0][1]), _Unit(named[1][1])
+    prec = ShardedPrecision(named, [unit, whole_unit], world.group(0))
     prec.group_main_grads([[0, 2]])
     g = _grads(0)[0]
     unit.weight(g)
     unit.weight(g)
     assert named[0][1].grad is None
     assert torch.equal(prec.full_grads([0])[0], 2 * g.to(torch.bfloat16).float())
+    whole_unit.weight(torch.ones(2))
+    whole_unit.weight(torch.full((2,), 2.0 ** -8))
+    assert torch.equal(prec.full_grads([1])[0], torch.full((2,), 1 + 2.0 ** -8))
+
+
+def test_one_parameter_or_none() -> None:
+    """Kills: the device read from a second parameter (a rank holding one fails), or
+    from the first when there is none (a rank holding no parameter fails), or the
+    empty model's fallback device misspelt."""
+    world = _Threads(1)
+    one = ShardedPrecision([("w", nn.Parameter(torch.ones(2)))], [], world.group(0))
+    assert one.shard_grads.shape == (2,) and len(one.params) == 1
+    empty = ShardedPrecision([], [], world.group(0))
+    assert empty.params == [] and empty.grads() == [] and empty.shard_grads.numel() == 0
