@@ -238,6 +238,25 @@ def test_an_empty_shard_still_asks_for_its_scalar_state() -> None:
     assert wholes["optim/embed.weight/step"].shape == ()
 
 
+def test_loaded_state_moves_to_the_parameters_device_but_the_step() -> None:
+    """Kills: loaded moments left on the host (not moved to the parameter's device:
+    here torch's meta device, so a CPU tensor shows), AdamW's scalar step moved with
+    them (it stays on the host), a parameter group without saved hyperparameters
+    failing the load (`next` without its default)."""
+    params = {"embed.weight": nn.Parameter(torch.zeros(4, 3, device="meta"))}
+    prec = Precision(list(params.items()))
+    opt = torch.optim.AdamW(prec.params, lr=0.5)
+    parts = SimpleNamespace(stages={0: _Stage(params)}, precision=prec,
+                            dims=SimpleNamespace(tp=1),
+                            mesh=SimpleNamespace(coord=SimpleNamespace(tp=0)))
+    state = {"optim/embed.weight/exp_avg": torch.ones(4, 3),
+             "optim/embed.weight/step": torch.tensor(3.0), "model/embed.weight": None}
+    sharded._apply_optimizer_state(parts, opt, state)
+    loaded = opt.state[prec.params[0]]
+    assert loaded["exp_avg"].device.type == "meta" and loaded["step"].device.type == "cpu"
+    assert opt.param_groups[0]["lr"] == 0.5
+
+
 def test_optimizer_state_keys_and_targets() -> None:
     """Kills: _optim_keys splitting the name wrong or taking non-optim keys, a state
     target not zero where the box holds padding, a scalar state given a tensor."""
