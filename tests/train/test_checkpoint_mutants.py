@@ -259,7 +259,8 @@ def test_loaded_state_moves_to_the_parameters_device_but_the_step() -> None:
 
 def test_optimizer_state_keys_and_targets() -> None:
     """Kills: _optim_keys splitting the name wrong or taking non-optim keys, a state
-    target not zero where the box holds padding, a scalar state given a tensor."""
+    target not zero where the box holds padding, a scalar state given a tensor, the
+    target of a transposed parameter's state made with its strides, not contiguous."""
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         TensorProperties,
@@ -280,6 +281,8 @@ def test_optimizer_state_keys_and_targets() -> None:
     whole, target = sharded._state_target(scalar, opt, box)
     assert whole.shape == () and whole.dtype == torch.float64 and target is whole
     assert sharded._state_target(BytesStorageMetadata(), opt, box) == (None, None)
+    whole, _ = sharded._state_target(md, torch.ones(2, 3).t(), box)
+    assert whole.is_contiguous()  # a fresh contiguous buffer, whatever the strides
 
 
 def test_an_unwritable_directory_is_refused_naming_flag_and_path(tmp_path: Path) -> None:
