@@ -158,7 +158,8 @@ def test_keep_drops_the_oldest_and_a_resave_replaces(world_of_one, tmp_path: Pat
 def test_latest_and_the_complete_checkpoints(tmp_path: Path) -> None:
     """Kills: an incomplete directory (no .metadata or no stp.json) counted, a name
     without digits accepted, sorting by name instead of number, `latest` taking the
-    oldest, the refusal's wording (missing vs empty)."""
+    oldest (or the second: five complete ones here), the refusal's wording (missing
+    vs empty), read_info reading another file than the checkpoint's stp.json."""
     def make(name: str, metadata: bool = True, info: bool = True) -> Path:
         p = tmp_path / name
         p.mkdir()
@@ -169,15 +170,19 @@ def test_latest_and_the_complete_checkpoints(tmp_path: Path) -> None:
         return p
 
     assert sharded.complete_checkpoints(tmp_path / "nowhere") == []
-    make("step-00000009")
+    (make("step-00000009") / "stp.json").write_text('{"step": 9, "pp": 2}')
     make("step-00000100")
+    make("step-00000010")
+    make("step-20000000")
+    make("step-100000000")  # past 8 digits: by name it sorts before step-20000000
     make("step-00000200", metadata=False)
     make("step-00000300", info=False)
     make("step-x")
     (tmp_path / "step-00000400").write_text("a file")
     assert [p.name for p in sharded.complete_checkpoints(tmp_path)] == [
-        "step-00000009", "step-00000100"]
-    assert sharded.latest(tmp_path).name == "step-00000100"
+        "step-00000009", "step-00000010", "step-00000100", "step-20000000", "step-100000000"]
+    assert sharded.read_info(tmp_path / "step-00000009") == {"step": 9, "pp": 2}
+    assert sharded.latest(tmp_path).name == "step-100000000"
     assert sharded.latest(tmp_path / "step-00000009").name == "step-00000009"
     with pytest.raises(ValueError, match=r"'.*nowhere' does not exist: give a checkpoint"):
         sharded.latest(tmp_path / "nowhere")
@@ -189,9 +194,73 @@ def test_latest_and_the_complete_checkpoints(tmp_path: Path) -> None:
     assert sharded.checkpoint_name(42) == "step-00000042"
 
 
+def test_a_checkpoint_of_another_model_is_refused_naming_the_parameter() -> None:
+    """Kills: the refusal's message lost when a parameter of this model is not in the
+    checkpoint (a user would not learn which parameter, nor why)."""
+    parts, _, _ = _trainer(torch.float32, seed=4)
+    with pytest.raises(ValueError) as err:
+        sharded._load_state(parts, {"model/other.weight": None}, "'ckpt/step-00000001'")
+    assert str(err.value) == ("checkpoint 'ckpt/step-00000001' has no parameter "
+                              "'embed.weight': it was saved from another model")
+
+
+def test_weights_without_optimizer_state_load_the_weights_alone() -> None:
+    """Kills: a parameter with no `optim/` key in the checkpoint (weights written
+    without optimizer state) failing the load (`optim.get(name)` without its empty
+    default) instead of asking for its weights alone."""
+    parts, _, _ = _trainer(torch.float32, seed=4)
+    keys = {"model/embed.weight": None, "model/norm.weight": None}
+    state, boxes, wholes = sharded._load_state(parts, keys, "'w'")
+    assert sorted(state) == sorted(boxes) == ["model/embed.weight", "model/norm.weight"]
+    assert wholes == {}
+
+
+def test_an_empty_shard_still_asks_for_its_scalar_state() -> None:
+    """Kills: a DP shard holding no rows (rank 1 of 2, a one-row parameter) skipping
+    the rest of its optimizer state after the first moment (`continue` made `break`):
+    AdamW's step would not be restored on that rank."""
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+
+    from stp.train.step.zero import DPGroup, ShardedPrecision
+
+    params = {"embed.weight": nn.Parameter(torch.zeros(1, 3))}
+    prec = ShardedPrecision(list(params.items()), [], DPGroup(2, 1, None, lambda *a, **k: None))
+    parts = SimpleNamespace(stages={0: _Stage(params)}, precision=prec,
+                            dims=SimpleNamespace(pp=1, tp=1, dp=2),
+                            mesh=SimpleNamespace(rank=1, coord=SimpleNamespace(tp=0)))
+    f32 = TensorProperties(dtype=torch.float32)
+    rows = TensorStorageMetadata(f32, torch.Size([1, 3]), [])
+    keys = {"model/embed.weight": rows, "optim/embed.weight/exp_avg": rows,
+            "optim/embed.weight/step": TensorStorageMetadata(f32, torch.Size([]), [])}
+    state, _, wholes = sharded._load_state(parts, keys, "'c'")
+    assert sorted(state) == ["optim/embed.weight/step"]
+    assert wholes["optim/embed.weight/exp_avg"].shape == (0, 3)
+    assert wholes["optim/embed.weight/step"].shape == ()
+
+
+def test_loaded_state_moves_to_the_parameters_device_but_the_step() -> None:
+    """Kills: loaded moments left on the host (not moved to the parameter's device:
+    here torch's meta device, so a CPU tensor shows), AdamW's scalar step moved with
+    them (it stays on the host), a parameter group without saved hyperparameters
+    failing the load (`next` without its default)."""
+    params = {"embed.weight": nn.Parameter(torch.zeros(4, 3, device="meta"))}
+    prec = Precision(list(params.items()))
+    opt = torch.optim.AdamW(prec.params, lr=0.5)
+    parts = SimpleNamespace(stages={0: _Stage(params)}, precision=prec,
+                            dims=SimpleNamespace(tp=1),
+                            mesh=SimpleNamespace(coord=SimpleNamespace(tp=0)))
+    state = {"optim/embed.weight/exp_avg": torch.ones(4, 3),
+             "optim/embed.weight/step": torch.tensor(3.0), "model/embed.weight": None}
+    sharded._apply_optimizer_state(parts, opt, state)
+    loaded = opt.state[prec.params[0]]
+    assert loaded["exp_avg"].device.type == "meta" and loaded["step"].device.type == "cpu"
+    assert opt.param_groups[0]["lr"] == 0.5
+
+
 def test_optimizer_state_keys_and_targets() -> None:
     """Kills: _optim_keys splitting the name wrong or taking non-optim keys, a state
-    target not zero where the box holds padding, a scalar state given a tensor."""
+    target not zero where the box holds padding, a scalar state given a tensor, the
+    target of a transposed parameter's state made with its strides, not contiguous."""
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         TensorProperties,
@@ -212,6 +281,8 @@ def test_optimizer_state_keys_and_targets() -> None:
     whole, target = sharded._state_target(scalar, opt, box)
     assert whole.shape == () and whole.dtype == torch.float64 and target is whole
     assert sharded._state_target(BytesStorageMetadata(), opt, box) == (None, None)
+    whole, _ = sharded._state_target(md, torch.ones(2, 3).t(), box)
+    assert whole.is_contiguous()  # a fresh contiguous buffer, whatever the strides
 
 
 def test_an_unwritable_directory_is_refused_naming_flag_and_path(tmp_path: Path) -> None:

@@ -341,3 +341,31 @@ def test_stage_params_are_consecutive_in_stage_order() -> None:
     assert _stage_params(stages, 3) == {4: [0, 1], 2: [2]}
     with pytest.raises(AssertionError, match="3 stage parameters, 4 in the precision"):
         _stage_params(stages, 4)
+
+
+def test_the_loss_sum_is_float64_on_this_ranks_device(monkeypatch) -> None:
+    """Kills: the microbatch losses summed in float32 (2^24 + 1 is 2^24 there), the
+    sum or the total made on the default device instead of this rank's (here torch's
+    meta device, so a CPU tensor shows)."""
+    sync, _, _, _ = _setup(monkeypatch)
+    f64 = torch.float64
+    losses = {0: torch.tensor(2.0 ** 24, dtype=f64), 1: torch.tensor(1.0, dtype=f64)}
+    assert sync.world_loss(losses, 1, 1.0) == (2.0 ** 24 + 1) / 2 + OTHER
+    sync.device = torch.device("meta")
+    total = sync.world_loss_tensor({0: torch.tensor(1.0, device="meta")}, 1, 1.0)
+    assert total.device.type == "meta" and total.dtype == f64
+
+
+def test_a_lost_peer_in_the_loss_sum_is_named(monkeypatch) -> None:
+    """Kills: the loss all-reduce's default action name changed, or the action or the
+    peers dropped from the rank error a lost peer raises."""
+    sync, fake, _, _ = _setup(monkeypatch)
+
+    def lost(*args, **kw) -> None:  # noqa: ANN002, ANN003
+        raise RuntimeError("Connection closed by peer")
+
+    fake.all_reduce = lost
+    with pytest.raises(PeerLost) as err:
+        sync.after_backward({}, 1, 1.0)  # world_loss_tensor with its default action
+    assert str(err.value).startswith("rank 0 (pp 0, tp 0, dp 0) in loss all-reduce: "
+                                     "a rank in the world closed the connection")

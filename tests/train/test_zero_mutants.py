@@ -46,6 +46,10 @@ class _Threads:
         self.slots: list[Any] = [None] * size
         self.actions: list[tuple[int, str, str, bool]] = []
         self.works: list[_Work] = []
+        self.buffers: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []
+        """(rank, action, out, in) of each collective call."""
+        self.waited: list[tuple[int, str, str]] = []
+        """(rank, action, peers) of each work's wait run through DPGroup.run."""
         self.lock = threading.Lock()
 
     def group(self, rank: int, mean_over: int | None = None) -> DPGroup:
@@ -54,6 +58,8 @@ class _Threads:
                 return self._collective(rank, action, peers, self._reduce_scatter, *args, **kw)
             if fn is dist.all_gather_single:
                 return self._collective(rank, action, peers, self._all_gather, *args, **kw)
+            with self.lock:
+                self.waited.append((rank, action, peers))
             return fn(*args, **kw)  # a work's wait
 
         return DPGroup(self.size, rank, "the dp group", run, "a DP peer", mean_over)
@@ -64,6 +70,7 @@ class _Threads:
         assert group == "the dp group"
         with self.lock:
             self.actions.append((rank, action, peers, async_op))
+            self.buffers.append((rank, action, out, inp))
         self.slots[rank] = inp.clone()
         self.barrier.wait()
         how(rank, out)
@@ -169,7 +176,12 @@ def test_packed_main_grads_a_stage_at_a_time_in_flight() -> None:
     into the packed chunks lost, a group reduced twice or not at all when the indices
     cover it, a subset's result copied to the wrong places of the segment, async
     launches that wait at once, whole main grads of packed parameters not rebuilt
-    from their chunks, zero_grad missing the packed buffers."""
+    from their chunks, zero_grad missing the packed buffers, the packed main grads
+    held by their flight as if a copy (`stp memory` and the trace would count them
+    as bytes the reduction adds), a packed copy not held by its flight (the backend
+    would read freed memory), a subset's copy launched synchronously, a flight
+    finished without waiting for its work (or waiting outside DPGroup.run, or with
+    the action or peers dropped from what a timeout would name)."""
     world = _Threads(2)
 
     def rank_run(rank: int) -> dict:
@@ -186,33 +198,44 @@ def test_packed_main_grads_a_stage_at_a_time_in_flight() -> None:
         whole = [g.clone() for g in prec.full_grads()]
         first = prec.reduce_scatter([0, 2], async_op=True)
         waits_before = [f.work.waits for f in first]
+        packed_kept = any(t.untyped_storage().data_ptr() == buffers[0].untyped_storage().data_ptr()
+                          for f in first for t in f.keep)
         for f in first:
             f.finish()
-        prec.reduce_scatter([1])
+        rest = prec.reduce_scatter([1], async_op=True)  # from a packed copy
+        _, _, out, inp = [b for b in world.buffers if b[0] == rank][-1]
+        copy_kept = {t.data_ptr() for t in rest[0].keep} == {out.data_ptr(), inp.data_ptr()}
+        for f in rest:
+            f.finish()
         shards = [g.clone() for g in prec.grads()]
         prec.zero_grad()
         zeroed = all(float(b.abs().sum()) == 0 for b in prec.grad_buffers())
         return dict(whole=whole, waits=waits_before, shards=shards, zeroed=zeroed,
-                    rows=[prec._rows(i) for i in range(3)])
+                    rows=[prec._rows(i) for i in range(3)], packed_kept=packed_kept,
+                    copy_kept=copy_kept)
 
     got = world.each(rank_run)
     for rank, r in enumerate(got):
         for w, g in zip(r["whole"], _grads(rank), strict=True):
             assert torch.equal(w, g.to(torch.bfloat16).float())
-        assert r["waits"] == [0] and r["zeroed"]
+        assert r["waits"] == [0] and r["zeroed"] and not r["packed_kept"] and r["copy_kept"]
         for k, ((start, stop), shard) in enumerate(zip(r["rows"], r["shards"], strict=True)):
             mean = sum(_grads(q)[k].to(torch.bfloat16).float() for q in range(2)) / 2
             assert torch.allclose(shard, mean[start:stop], rtol=0, atol=1e-6)
     assert got[0]["rows"] == [(0, 3), (0, 1), (0, 1)]
     assert got[1]["rows"] == [(3, 5), (1, 2), (1, 1)]
-    assert [a[3] for a in world.actions].count(True) == 2  # the async one, on both ranks
+    assert [a[3] for a in world.actions] == [True] * 4  # both launches, on both ranks
+    assert [w.waits for w in world.works] == [1] * 4
+    assert sorted(world.waited) == [(r, "DP gradient reduce-scatter", "a DP peer")
+                                    for r in (0, 0, 1, 1)]
 
 
 def test_experts_are_sharded_over_their_own_group_and_divided_by_dp() -> None:
     """Kills: the expert section missing (experts sharded over DP), the expert
     indices taken from the dense names, a section's divisor its group size instead
-    of dp (mean_over ignored). EDP of one rank at dp 2: the expert's gradient is
-    its own sum, halved."""
+    of dp (mean_over ignored), a reduce-scatter of the experts alone skipped because
+    no dense parameter was wanted (`continue` made `break`). EDP of one rank at dp 2:
+    the expert's gradient is its own sum, halved."""
     world = _Threads(1)
     named = _model(torch.float32)
     experts = (world.group(0, mean_over=2), frozenset({"p1"}))
@@ -228,31 +251,89 @@ def test_experts_are_sharded_over_their_own_group_and_divided_by_dp() -> None:
     assert len(world.actions) == 1 and len(dense_world.actions) == 1
     prec.all_gather([1])
     assert len(world.actions) == 2 and len(dense_world.actions) == 1
+    named[1][1].grad = _grads(0)[1] * 3  # the experts alone: no dense parameter wanted
+    prec.reduce_scatter([1])
+    assert torch.equal(prec.grads()[1], _grads(0)[1] * 3 / 2)
+    assert len(world.actions) == 3 and len(dense_world.actions) == 1
 
 
 def test_a_subset_all_gather_rebuilds_only_its_parameters() -> None:
     """Kills: all_gather of a subset gathering every parameter (or the wrong ones),
-    its layout the section's, an async gather written before it is finished."""
+    its layout the section's (or the section's whole layout not used when the subset
+    is every parameter), an async gather written before it is finished, launched
+    synchronously, finished without waiting for its work (or waiting outside
+    DPGroup.run, or with the action or peers dropped: a stalled peer's timeout would
+    not say what it waited on), its send and receive buffers not kept by the flight
+    while in flight (the backend would write into freed memory)."""
     world = _Threads(2)
 
-    def rank_run(rank: int) -> list[torch.Tensor]:
+    def rank_run(rank: int) -> dict:
         named = _model(torch.bfloat16)  # masters apart from the model
         prec = ShardedPrecision(named, [], world.group(rank))
         with torch.no_grad():
             for shard in prec.params:
                 shard.fill_(rank + 1.0)
         flights = prec.all_gather([0], async_op=True)
+        _, _, out, inp = next(b for b in world.buffers if b[0] == rank)
+        kept = {t.data_ptr() for t in flights[0].keep} == {out.data_ptr(), inp.data_ptr()}
         before = named[0][1].detach().clone()
         for f in flights:
             f.finish()
-        return [before] + [p.detach().clone() for _, p in named]
+        after_first = [p.detach().clone() for _, p in named]
+        prec.all_gather([2, 1])
+        return dict(before=before, first=after_first, kept=kept,
+                    second=[p.detach().clone() for _, p in named])
 
-    for before, p0, p1, p2 in world.each(rank_run):
-        assert torch.equal(before, _model(torch.bfloat16)[0][1].detach())
-        assert torch.equal(p0.float(), torch.cat([torch.full((3, 3), 1.0),
-                                                 torch.full((2, 3), 2.0)]))
-        assert torch.equal(p1, _model(torch.bfloat16)[1][1].detach())
-        assert torch.equal(p2, _model(torch.bfloat16)[2][1].detach())
+    model = [p.detach() for _, p in _model(torch.bfloat16)]
+    gathered0 = torch.cat([torch.full((3, 3), 1.0), torch.full((2, 3), 2.0)])
+    for r in world.each(rank_run):
+        assert torch.equal(r["before"], model[0]) and r["kept"]
+        assert torch.equal(r["first"][0].float(), gathered0)
+        assert torch.equal(r["first"][1], model[1]) and torch.equal(r["first"][2], model[2])
+        assert torch.equal(r["second"][0].float(), gathered0)
+        assert torch.equal(r["second"][1].float(), torch.tensor([1.0, 2.0]))
+        assert torch.equal(r["second"][2].float(), torch.full((1, 4), 1.0))  # rank 1: no row
+    assert [a[3] for a in world.actions] == [True, True, False, False]
+    assert [w.waits for w in world.works] == [1, 1]
+    assert sorted(world.waited) == [(0, "parameter all-gather", "a DP peer"),
+                                    (1, "parameter all-gather", "a DP peer")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_collective_buffers_are_on_the_parameters_device_in_the_wire_dtype(
+        dtype: torch.dtype) -> None:
+    """Kills: a buffer handed to a reduce-scatter or an all-gather, or a packed main
+    grad rebuilt whole, made on the default device instead of the parameters' (a GPU
+    run would hand NCCL host memory; here the parameters are on torch's meta device,
+    so a CPU buffer shows), the reduce-scatter's packed copy made in the default dtype
+    (float32: a float64 run's gradients rounded), the all-gather's buffers in the
+    default dtype instead of the model's (a bf16 run would move twice the bytes), the
+    whole section's reduce-scatter written to a copy instead of straight into the
+    segment the shards' .grad view."""
+    world = _Threads(1)
+    named = [(f"p{k}", nn.Parameter(torch.zeros(s, dtype=dtype, device="meta")))
+             for k, s in enumerate(SHAPES)]
+    prec = ShardedPrecision(named, [], world.group(0))
+    for _, p in named:
+        p.grad = torch.zeros_like(p)
+    if prec.mixed:
+        prec.fold()
+    prec.reduce_scatter()  # the whole section, from a packed copy
+    assert world.buffers[-1][2] is prec.shard_grads
+    prec.reduce_scatter([1])  # a subset
+    if prec.mixed:
+        prec.group_main_grads([[2, 0]])
+        prec.reduce_scatter([0, 2])  # straight from the packed main grads
+        whole = prec.full_grads([0])[0]
+        assert (whole.device.type, whole.dtype, whole.shape) == ("meta", torch.float32, (5, 3))
+    prec.all_gather([1])
+    prec.copy_to_model()
+    grad_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
+    assert len(world.buffers) == 4 + prec.mixed
+    for _, action, out, inp in world.buffers:
+        wire = grad_dtype if action == "DP gradient reduce-scatter" else dtype
+        assert (out.device.type, inp.device.type) == ("meta", "meta")
+        assert (out.dtype, inp.dtype) == (wire, wire)
 
 
 def test_norm_keys_and_boxes_carry_the_shards_rows() -> None:
@@ -310,3 +391,44 @@ def test_a_pure_model_is_sharded_in_place() -> None:
         p.grad = None
     grads = prec.grads()
     assert all(g is not None and g.data_ptr() >= prec.shard_grads.data_ptr() for g in grads)
+
+
+class _Unit:
+    """A unit as stp.models makes them: its W sets the weight's bf16 gradient."""
+
+    def __init__(self, w: nn.Parameter) -> None:
+        self.w = w
+
+    def weight(self, g: torch.Tensor) -> None:
+        self.w.grad = g.to(self.w.dtype)
+
+
+def test_a_units_weight_gradients_are_folded_into_fp32_main_grads() -> None:
+    """Kills: the units not handed on to Precision (their W then folds nothing: the
+    second W's gradient replaces the first on the model's .grad, and the packed main
+    grad stays zero), whole main grads made in the model's bf16 instead of fp32
+    (1 + 2^-8, the sum of two W's, rounds to 1 in bf16)."""
+    world = _Threads(1)
+    named = _model(torch.bfloat16)
+    unit, whole_unit = _Unit(named[0][1]), _Unit(named[1][1])
+    prec = ShardedPrecision(named, [unit, whole_unit], world.group(0))
+    prec.group_main_grads([[0, 2]])
+    g = _grads(0)[0]
+    unit.weight(g)
+    unit.weight(g)
+    assert named[0][1].grad is None
+    assert torch.equal(prec.full_grads([0])[0], 2 * g.to(torch.bfloat16).float())
+    whole_unit.weight(torch.ones(2))
+    whole_unit.weight(torch.full((2,), 2.0 ** -8))
+    assert torch.equal(prec.full_grads([1])[0], torch.full((2,), 1 + 2.0 ** -8))
+
+
+def test_one_parameter_or_none() -> None:
+    """Kills: the device read from a second parameter (a rank holding one fails), or
+    from the first when there is none (a rank holding no parameter fails), or the
+    empty model's fallback device misspelt."""
+    world = _Threads(1)
+    one = ShardedPrecision([("w", nn.Parameter(torch.ones(2)))], [], world.group(0))
+    assert one.shard_grads.shape == (2,) and len(one.params) == 1
+    empty = ShardedPrecision([], [], world.group(0))
+    assert empty.params == [] and empty.grads() == [] and empty.shard_grads.numel() == 0
