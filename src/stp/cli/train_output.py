@@ -143,11 +143,13 @@ def ran_line(s: Any, config: Any) -> str:
     config: the model's, stp.train.run.resolve.Run.config)."""
     job = s.job
     sp = job.sequence_parallel and job.tp > 1  # no effect at --tp 1
+    chunks = job.tp_overlap_chunks if job.tp_overlap and sp else 0
     shard = job.shard_optimizer and job.dp > 1
     gather = job.overlap_param_gather and shard  # only with a sharded optimizer
     return (f"ran: pp{job.pp} tp{job.tp} dp{job.dp} schedule {job.schedule} "
             f"m{s.microbatches} mb{job.microbatch_size} seq {job.model.seq_len} | "
-            f"{job.dtype} | sp {_on_off(sp)} | recompute {job.recompute} | "
+            f"{job.dtype} | sp {_on_off(sp)}"
+            f"{f' | tp-overlap {chunks} chunks' if chunks else ''} | recompute {job.recompute} | "
             f"shard-optimizer {_on_off(shard)} | overlap grad-sync "
             f"{_on_off(job.overlap_grad_sync)}, param-gather {_on_off(gather)} | "
             f"offload {job.offload}{' | compile' if job.compile else ''}"
@@ -207,6 +209,9 @@ def print_summary(s: Any, as_json: bool, config: Any = None,
         from stp.train.run.loop import memory_summary
 
         compiled = {} if getattr(s, "compile_s", None) is None else {"compile_s": s.compile_s}
-        print(json.dumps({"summary": True, "steps": len(s.step_times_s), **compiled,
+        sp = job.sequence_parallel and job.tp > 1
+        overlap = {"tp_overlap": bool(job.tp_overlap and sp),
+                   "tp_overlap_chunks": job.tp_overlap_chunks if job.tp_overlap and sp else 0}
+        print(json.dumps({"summary": True, "steps": len(s.step_times_s), **compiled, **overlap,
                           "mfu": getattr(s, "mfu", None), **memory_summary(s.memory)}),
               flush=True)

@@ -12,12 +12,19 @@ from typing import Any
 
 import torch
 
-from stp.models.tp.sequence import SequenceParallel, ToScatter
+from stp.models.tp.overlap import ChunkedGather
+from stp.models.tp.sequence import PendingGather, SequenceParallel, ToScatter
 from stp.models.tp.wgrad import GradTaps, ReadyGrad, WGradEntry, WGradStore
 
 __all__ = ["Unit", "input_grad"]
 
 _ENGINE = torch.autograd.Variable._execution_engine
+
+
+def input_grads(outputs: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...],
+                grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """`input_grad` for several outputs (each with its gradient) and several inputs."""
+    return _ENGINE.run_backward(outputs, grads, False, False, inputs, False, False)
 
 
 def input_grad(output: torch.Tensor, inp: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -52,6 +59,9 @@ class Unit:
     seq: SequenceParallel | None = None
     """Sequence parallelism (stp.models.tp.sequence), set by the stage: the stream
     between units holds this rank's s/t rows; None: every rank holds all s rows."""
+    overlap: int = 0
+    """In-layer TP overlap (stp.models.tp.overlap), set by the stage under sequence
+    parallelism: the chunks K each TP region's collectives are cut into; 0: off."""
     recompute: str = "none"
     """Activation recomputation (stp.models.recompute), set by the stage: "none",
     "selective" (the attention core again in B) or "full" (the unit's forward again
@@ -100,7 +110,14 @@ class Unit:
         (this rank's rows) with sequence parallelism."""
         st = self._states.get(mb)
         if self.seq is not None and st is not None and st.phase == "F":
-            st.saved["grad_gather"] = self.seq.launch_gather(grad)
+            st.saved["grad_gather"] = self._launch_gather(grad)
+
+    def _launch_gather(self, rows: torch.Tensor) -> PendingGather | ChunkedGather:
+        """The all-gather of this rank's rows, in `overlap` chunks when on."""
+        assert self.seq is not None
+        if self.overlap:
+            return ChunkedGather(self.seq, rows, self.overlap)
+        return self.seq.launch_gather(rows)
 
     def weights(self) -> list[torch.Tensor]:
         """The parameters this unit's forward uses (for a plain-autograd backward)."""

@@ -15,6 +15,7 @@ from stp.models.decoder.init import count_parameters, parameter_specs
 from stp.models.decoder.reference import build_reference
 from stp.models.decoder.shared_grads import SharedGrads
 from stp.models.decoder.stage import build_stage, check_model
+from stp.models.decoder.stage_setup import with_tp_overlap
 from stp.models.family import ModelFamily, StageBuilder, check_text_batch
 from stp.models.recompute import check_recompute
 from stp.schedule.placement import partition_layers
@@ -43,14 +44,16 @@ class DecoderFamily(ModelFamily):
                       partition: tuple[int, ...] | None,
                       weights: Callable[..., torch.Tensor] | None = None,
                       sequence_parallel: bool = False,
-                      recompute: str = "none") -> StageBuilder:
+                      recompute: str = "none", tp_overlap_chunks: int = 0) -> StageBuilder:
         if partition is not None:
             partition_layers(config.num_layers, num_stages, partition)  # ValueError
         check_recompute(recompute)
         read = {} if weights is None else {"weights": weights}
-        return functools.partial(build_stage, config, partition=partition,
-                                 sequence_parallel=sequence_parallel, recompute=recompute,
-                                 **read)
+        build = functools.partial(build_stage, config, partition=partition,
+                                  sequence_parallel=sequence_parallel, recompute=recompute,
+                                  **read)
+        # in-layer TP overlap (stp.models.decoder.chunked); needs sequence_parallel
+        return with_tp_overlap(build, tp_overlap_chunks) if tp_overlap_chunks else build
 
     def check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         check_text_batch(tokens, targets)

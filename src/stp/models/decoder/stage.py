@@ -167,7 +167,7 @@ class ModelStage(nn.Module):
         or the synchronous `allreduce` build_stage was given. A `ToScatter` partial (SP)
         is reduce-scattered instead: the tensor is this rank's rows."""
         if isinstance(partial, ToScatter):
-            return self.seq.launch_scatter(partial.partial)  # type: ignore[union-attr]
+            return partial.launch(self.seq)  # type: ignore[arg-type]
         if not self._async:
             return self.allreduce(partial), None
         tensor = partial.contiguous()
@@ -180,7 +180,10 @@ class ModelStage(nn.Module):
     def _reduce(self, partial: torch.Tensor | ToScatter | None) -> torch.Tensor | None:
         """The synchronous hand-off between units: all-reduce, or reduce-scatter."""
         if isinstance(partial, ToScatter):
-            return self.seq.scatter(partial.partial)  # type: ignore[union-attr]
+            out, work = partial.launch(self.seq)  # type: ignore[arg-type]
+            if work is not None:
+                work.wait()
+            return out
         return None if partial is None else self.allreduce(partial)
 
     def load_documents(self, docs: Sequence[Documents]) -> None:

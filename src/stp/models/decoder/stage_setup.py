@@ -1,17 +1,19 @@
 """What the decoder's stage builders (and those built on it: the multimodal and
 the MoE stages) run around a stage: the config checked against the TP split and
-the stage count, with one clear ValueError, and the recomputation mode handed
-to every unit."""
+the stage count, with one clear ValueError, and the recomputation mode and the
+in-layer TP overlap handed to every unit."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
+from stp.models.decoder.chunked import ChunkedRegion
 from stp.models.decoder.units import Unit
 from stp.models.recompute import check_recompute
 from stp.shapes.decoder import ModelConfig
 
-__all__ = ["check_model", "check_tp", "set_recompute"]
+__all__ = ["check_model", "check_tp", "set_overlap", "set_recompute", "with_tp_overlap"]
 
 
 def check_tp(config: ModelConfig, tp_size: int, tp_rank: int) -> None:
@@ -52,3 +54,27 @@ def set_recompute(units: Iterable[Unit], mode: str) -> str:
         for part in (unit, *getattr(unit, "parts", ())):
             part.recompute = mode
     return mode
+
+
+def set_overlap(units: Iterable[Unit], chunks: int, recompute: str) -> int:
+    """In-layer TP overlap in `chunks` chunks (stp.models.decoder.chunked) for every
+    attention and MLP unit that runs sequence parallelism (none at one TP rank, where
+    it has no collective to cut); 0: off. ValueError where it cannot run."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 0:
+        raise ValueError(f"tp_overlap_chunks must be an integer >= 0 (0: off), got {chunks!r}")
+    regions = [u for u in units if isinstance(u, ChunkedRegion) and u.seq is not None]
+    if chunks and regions and recompute == "full":
+        raise ValueError("--tp-overlap does not run with --recompute full (its forward runs "
+                         "again in B, unchunked); use --recompute selective or none")
+    for unit in regions:
+        unit.overlap = chunks
+    return chunks
+
+
+def with_tp_overlap(build: Callable[..., Any], chunks: int) -> Callable[..., Any]:
+    """A stage builder whose stages run in-layer TP overlap in `chunks` chunks."""
+    def build_overlapped(*args: Any, **kwargs: Any) -> Any:
+        stage = build(*args, **kwargs)
+        stage.tp_overlap_chunks = set_overlap(stage.units, chunks, stage.recompute)
+        return stage
+    return build_overlapped

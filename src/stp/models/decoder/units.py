@@ -35,6 +35,13 @@ from typing import Protocol
 
 import torch
 
+from stp.models.decoder.chunked import (
+    ChunkedRegion,
+    attention_chunk_body,
+    attention_chunk_grads,
+    mlp_chunk_body,
+    mlp_chunk_grads,
+)
 from stp.models.decoder.doc_masks import DocumentMasks
 from stp.models.decoder.kernels import EAGER, Kernels
 from stp.models.decoder.rope import RopeCache, apply_rope
@@ -70,7 +77,7 @@ def _norm_graph(unit: _Normed, st: _MbState, mb: int,
     return h, sink
 
 
-class _ResidualUnit(Unit):
+class _ResidualUnit(ChunkedRegion, Unit):
     """x -> x + f(RMSNorm(x)), f ending in a row-parallel matrix. Two autograd graphs,
     x -> h (the norm) and h -> partial (the TP body), so the all-reduce of dh sits
     between them, outside autograd. `one_graph` (one TP rank: the all-reduce is the
@@ -174,7 +181,7 @@ class _ResidualUnit(Unit):
         runner can hide the gather under the partner's unit (stp.runtime.braid)."""
         if self.seq is not None:
             st, h, _ = self._norm(mb, x)
-            st.saved["gather"] = self.seq.launch_gather(h.detach())
+            st.saved["gather"] = self._launch_gather(h.detach())
 
     def forward_partial(
         self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None
@@ -182,6 +189,8 @@ class _ResidualUnit(Unit):
         full = self.recompute == "full"
         st = self._states.get(mb)
         if st is not None and "gather" in st.saved:  # prepare_forward ran
+            if self.overlap:
+                return self._chunked_forward(st, st.saved.pop("gather"))
             h_in = st.saved.pop("gather").wait()
         else:
             st, h, sink = self._norm(mb, x)
@@ -191,6 +200,8 @@ class _ResidualUnit(Unit):
                 del st.saved["h"]  # one graph: x_in -> out
                 st.saved["out"] = out
                 return out.detach()
+            if self.overlap:
+                return self._chunked_forward(st, self._launch_gather(h.detach()))
             # SP: the column-parallel matrices read it; W gathers the rows again
             h_in = self._gathered(h.detach())
         if full:
@@ -214,6 +225,9 @@ class _ResidualUnit(Unit):
             st.saved["grad"] = grad + self._input_grad(st, out, x_in, grad)
             return None
         gather = st.saved.pop("grad_gather", None)  # prepare_backward ran
+        if self.overlap:
+            st.saved["grad"] = grad
+            return self._chunked_backward(st, gather or self._launch_gather(grad))
         full = gather.wait() if gather is not None else self._gathered(grad)
         grad_h = input_grad(st.saved.pop("out"), st.saved.pop("h_in"), full)
         st.saved["grad"] = grad  # the residual's gradient: this rank's rows under SP
@@ -263,10 +277,11 @@ class AttentionUnit(_ResidualUnit):
     """The stage's document-masking tables when the run masks documents (set by
     ModelStage.load_documents); None: plain causal attention at positions 0..s-1."""
 
-    def _tables(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(cos, sin, mask) for the microbatch being computed."""
+    def _tables(self, h: torch.Tensor, seq_len: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(cos, sin, mask) for the microbatch being computed (seq_len: h's rows)."""
         if self.documents is None:
-            cos, sin = self.rope.get(h.shape[1], h.device, h.dtype)
+            cos, sin = self.rope.get(seq_len or h.shape[1], h.device, h.dtype)
             return cos, sin, None
         return self.documents.tables()
 
@@ -293,6 +308,9 @@ class AttentionUnit(_ResidualUnit):
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         o = attention_core(q, k, v, causal=True, gqa=True, recompute=self.recompute, mask=mask)
         return self.kernels.attn_out(o, self.wo, sink)  # [b, s, h], partial over TP
+
+    _chunk_body = attention_chunk_body
+    _chunk_grads = attention_chunk_grads
 
     def prepare_forward(self, mb: int, x: torch.Tensor) -> None:
         self.at(mb)
@@ -335,6 +353,9 @@ class MLPUnit(_ResidualUnit):
 
     def _body(self, h: torch.Tensor, sink: list[WGradEntry] | None) -> torch.Tensor:
         return self.kernels.mlp(h, self.w1, self.w3, self.w2, sink)  # [b, s, h], partial over TP
+
+    _chunk_body = mlp_chunk_body
+    _chunk_grads = mlp_chunk_grads
 
     def branch(self, x: torch.Tensor, sink: GradTaps | None) -> torch.Tensor:
         return self.kernels.norm_mlp(x, self.norm_w, self.eps, self.w1, self.w3, self.w2, sink)

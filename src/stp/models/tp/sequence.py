@@ -78,6 +78,12 @@ class ToScatter:
     collective = "RS"
     """Its name in a measured trace (stp.runtime.trace), next to the all-reduce's AR."""
 
+    def launch(self, seq: SequenceParallel) -> tuple[torch.Tensor, Any]:
+        """Start the reduce-scatter: (this rank's rows, filled when the work completes;
+        the work). In-layer overlap's ChunkedScatter (stp.models.tp.overlap) also
+        carries the reduce-scatters of its earlier chunks."""
+        return seq.launch_scatter(self.partial)
+
 
 def check_sequence(seq_len: int, tp: int) -> None:
     """ValueError (one line) unless the sequence splits evenly over the TP ranks:

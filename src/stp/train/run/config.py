@@ -224,6 +224,14 @@ class TrainJob:
         False, "Megatron-style sequence parallelism (arXiv 2205.05198): between TP regions "
         "each TP rank holds --seq-len / --tp rows; reduce-scatter and all-gather replace "
         "the all-reduce (--seq-len must divide by --tp; no effect at --tp 1)")
+    tp_overlap: bool = option(
+        False, "in-layer TP overlap (async TP, as Megatron-LM's --tp-comm-overlap): each TP "
+        "region's all-gather and reduce-scatter cut into --tp-overlap-chunks pieces along "
+        "the sequence, each under the next piece's matmul (needs --sequence-parallel; no "
+        "effect at --tp 1; the decoder family only)")
+    tp_overlap_chunks: int = option(
+        4, "chunks of --tp-overlap: each TP rank's --seq-len / --tp rows must divide by it",
+        minimum=1, metavar="K")
     shard_optimizer: bool = option(
         False, "ZeRO stage 1 (arXiv 1910.02054): fp32 master weights and AdamW moments split "
         "over the --dp ranks, gradients reduce-scattered and parameters all-gathered instead "

@@ -17,6 +17,7 @@ from typing import Any
 
 from stp.costmodel.peaks import check_hardware
 from stp.models.emulated import parse_emulate
+from stp.models.tp.overlap import check_chunks
 from stp.runtime.mesh import ParallelDims
 from stp.schedule.offload import parse_policy
 from stp.train.checkpoint.checks import check_resume, check_writable
@@ -111,6 +112,8 @@ def check_plan(job: TrainJob, world_size: int | None = None, config: object = No
                              "drop --compile or --emulate-compute")
     if job.sequence_parallel and job.tp > 1:
         _check_sequence_parallel(job)
+    if job.tp_overlap:
+        _check_tp_overlap(job, run)
     if job.ep > 1:
         _check_expert_parallel(job, run)
     return run
@@ -130,6 +133,26 @@ def _check_sequence_parallel(job: TrainJob) -> None:
     if job.emulate is not None:
         raise ValueError("--emulate-compute stages have no sequence to shard; drop "
                          "--sequence-parallel or --emulate-compute")
+
+
+def _check_tp_overlap(job: TrainJob, run: Run) -> None:
+    """--tp-overlap cuts sequence parallelism's collectives: refused in one line where
+    there are none to cut or where its chunks cannot run yet."""
+    if not job.sequence_parallel:
+        raise ValueError("--tp-overlap cuts the all-gather and reduce-scatter of sequence "
+                         "parallelism: add --sequence-parallel")
+    if job.tp < 2:
+        return  # no effect at --tp 1, as --sequence-parallel
+    if run.family.name != "decoder":
+        raise ValueError(f"--tp-overlap runs on the decoder family only; --arch "
+                         f"{run.family.name} is refused")
+    check_chunks(job.model.seq_len, job.tp, job.tp_overlap_chunks)
+    if job.compile:
+        raise ValueError("--tp-overlap does not run with --compile yet (its chunks call the "
+                         "linears one by one); drop one of them")
+    if job.recompute == "full":
+        raise ValueError("--tp-overlap does not run with --recompute full (its forward runs "
+                         "again in B, unchunked); use --recompute selective or none")
 
 
 def check_output_file(path: str, flag: str) -> None:

@@ -205,6 +205,7 @@ def _options(run: Run) -> TrainerOptions:
         trace=job.trace is not None, clip_grad=job.clip_grad,
         lr_schedule=LRSchedule(job.lr_schedule, job.steps, job.warmup, job.min_lr),
         partition=run.built_partition, sequence_parallel=job.sequence_parallel,
+        tp_overlap_chunks=job.tp_overlap_chunks if job.tp_overlap and job.tp > 1 else 0,
         shard_optimizer=job.shard_optimizer,
         overlap_grad_sync=job.overlap_grad_sync,
         overlap_param_gather=job.overlap_param_gather,

@@ -67,6 +67,10 @@ class TrainerOptions:
     sequence_parallel: bool = False
     """Megatron-style sequence parallelism (stp.models.tp.sequence): between TP regions
     each TP rank holds s/t rows of the sequence; ignored at tp=1 (the identity)."""
+    tp_overlap_chunks: int = 0
+    """In-layer TP overlap (stp.models.tp.overlap): with `sequence_parallel`, each TP
+    region's all-gather and reduce-scatter cut into this many chunks along the
+    sequence, each under the next chunk's matmul; 0: off. No effect at tp=1."""
     shard_optimizer: bool = False
     """ZeRO stage 1 (stp.train.step.zero): fp32 masters and optimizer state split over the
     DP ranks, gradients reduce-scattered, parameters all-gathered; nothing at dp=1."""
@@ -106,6 +110,16 @@ class TrainerOptions:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise ValueError(f"clip_grad must be > 0 (or None: no clipping), got {self.clip_grad}")
+        if isinstance(self.tp_overlap_chunks, bool) or not isinstance(
+                self.tp_overlap_chunks, int) or self.tp_overlap_chunks < 0:
+            raise ValueError("tp_overlap_chunks must be an integer >= 0 (0: off), got "
+                             f"{self.tp_overlap_chunks!r}")
+        if self.tp_overlap_chunks and not self.sequence_parallel:
+            raise ValueError("--tp-overlap needs --sequence-parallel (it cuts the "
+                             "all-gather and reduce-scatter that sequence parallelism runs)")
+        if self.tp_overlap_chunks and self.compile:
+            raise ValueError("--tp-overlap does not run with --compile yet (its chunks call "
+                             "the linears one by one); drop one of them")
         if self.lookahead < 1:
             raise ValueError(f"lookahead must be >= 1, got {self.lookahead}")
 

@@ -41,7 +41,7 @@ PLAN_KEYS: dict[str, type] = {
     "model_name": str, "pp": int, "tp": int, "dp": int, "schedule": str, "microbatches": int,
     "microbatch_size": int, "seq_len": int, "dtype": str, "partition": str,
     "sequence_parallel": bool, "recompute": str, "shard_optimizer": bool, "offload": str,
-    "ep": int, "braid": bool,
+    "ep": int, "braid": bool, "tp_overlap": bool, "tp_overlap_chunks": int,
 }
 """The settings a plan may carry, and their JSON types."""
 _NESTED = {"seq_len"}

@@ -83,6 +83,11 @@ def stage_builder(model: Any, opts: TrainerOptions, num_stages: int, tp: int,
                               else {})
         if opts.recompute != "none":
             sp["recompute"] = opts.recompute
+        if opts.tp_overlap_chunks and tp > 1:
+            if family.name != "decoder":
+                raise ValueError(f"--tp-overlap runs on the decoder family only; "
+                                 f"--arch {family.name} is refused")
+            sp["tp_overlap_chunks"] = opts.tp_overlap_chunks
         builder = family.model.stage_builder(model, num_stages, partition=opts.partition,
                                              weights=weights, **sp)
         return builder, family.model.hidden(model)
