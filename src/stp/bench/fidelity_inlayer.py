@@ -10,7 +10,7 @@ K pieces as stp.models.tp.overlap issues them (all K gathers launched at once;
 K scatters). `call_s`, what one more collective call costs over the whole one,
 is (K pieces' time - the whole one's) / (K - 1), gathers and scatters averaged;
 `launch_s` the compute stream's launch calls per chunk (a gather piece and a
-scatter piece). Then every configuration (schedule, K; K = 0: no in-layer
+scatter piece). Medians over `repeats`, the kinds interleaved. Then every configuration (schedule, K; K = 0: no in-layer
 overlap, stp.bench.emulated_sp; else stp.bench.emulated_chunked) runs one
 warm-up step and `rounds` timed steps, the configurations alternating within a
 round (reversed every other round, so drift in the machine's load falls on
@@ -53,10 +53,10 @@ class InLayerSettings:
     microbatches: int = 8
     layers: int = 2
     """Layers per chunk (stage): a pass is 2 x layers units."""
-    hidden: int = 512
-    seq_len: int = 256
+    hidden: int = 256
+    seq_len: int = 128
     microbatch_size: int = 4
-    unit: UnitTimes = UnitTimes(8e-3, 8e-3, 6e-3)
+    unit: UnitTimes = UnitTimes(10e-3, 10e-3, 8e-3)
     rounds: int = 5
     warmup: int = 1
     braid: bool = True
@@ -64,27 +64,32 @@ class InLayerSettings:
     timeout: float = 180.0
 
 
-def _timed(launch: Any, after: float, repeats: int) -> tuple[float, float]:
-    """(mean launch-call seconds, mean seconds from launch to completion) of
-    `launch()`, which starts collectives and returns a function waiting for them;
-    each after an emulated unit of `after` seconds."""
-    calls, totals = [], []
-    for k in range(repeats + 3):
-        hold(after)
-        start = time.perf_counter()
-        wait = launch()
-        mid = time.perf_counter()
-        wait()
-        if k >= 3:
-            calls.append(mid - start)
-            totals.append(time.perf_counter() - start)
-    return statistics.mean(calls), statistics.mean(totals)
+def _timed(launchers: dict[str, Any], after: float, repeats: int
+           ) -> dict[str, tuple[float, float]]:
+    """name -> (median launch-call seconds, median seconds from launch to completion)
+    of each `launchers[name]()`, which starts collectives and returns a function
+    waiting for them; each after an emulated unit of `after` seconds, the kinds
+    interleaved within a repeat so that the machine's load falls on all alike
+    (medians: a loaded machine's stalls are outliers, not the cost)."""
+    calls: dict[str, list[float]] = {k: [] for k in launchers}
+    totals: dict[str, list[float]] = {k: [] for k in launchers}
+    for rep in range(repeats + 3):
+        for name, launch in launchers.items():
+            hold(after)
+            start = time.perf_counter()
+            wait = launch()
+            mid = time.perf_counter()
+            wait()
+            if rep >= 3:
+                calls[name].append(mid - start)
+                totals[name].append(time.perf_counter() - start)
+    return {k: (statistics.median(calls[k]), statistics.median(totals[k])) for k in launchers}
 
 
 def measure_sp_collectives(seq: SequenceParallel, shape: tuple[int, int, int], chunks: int,
                            after: float, repeats: int) -> dict[str, float]:
     """One unit's all-gather and reduce-scatter, whole and in `chunks` pieces
-    (module doc); seconds, this rank's means."""
+    (module doc); seconds, this rank's medians."""
     b, s, h = shape
     rows, partial = torch.zeros((b, s // seq.size, h)), torch.zeros((b, s, h))
 
@@ -97,15 +102,18 @@ def measure_sp_collectives(seq: SequenceParallel, shape: tuple[int, int, int], c
         works = [seq.launch_scatter(partial.narrow(1, i * p, p))[1] for i in range(k)]
         return lambda: [w.wait() for w in works]
 
-    g_call, g_whole = _timed(lambda: gather(1), after, repeats)
-    s_call, s_whole = _timed(lambda: scatter(1), after, repeats)
-    out = {"gather_s": g_whole, "scatter_s": s_whole, "launch_whole_s": g_call + s_call}
+    kinds = {"ag": lambda: gather(1), "rs": lambda: scatter(1)}
     if chunks > 1:
-        gk_call, g_k = _timed(lambda: gather(chunks), after, repeats)
-        sk_call, s_k = _timed(lambda: scatter(chunks), after, repeats)
+        kinds.update(ag_k=lambda: gather(chunks), rs_k=lambda: scatter(chunks))
+    t = _timed(kinds, after, repeats)
+    out = {"gather_s": t["ag"][1], "scatter_s": t["rs"][1],
+           "launch_whole_s": t["ag"][0] + t["rs"][0]}
+    if chunks > 1:
+        g_k, s_k = t["ag_k"][1], t["rs_k"][1]
         out.update(gather_chunked_s=g_k, scatter_chunked_s=s_k,
-                   call_s=max(0.0, (g_k - g_whole + s_k - s_whole) / 2 / (chunks - 1)),
-                   launch_chunk_s=(gk_call + sk_call) / chunks)
+                   call_s=max(0.0, (g_k - out["gather_s"] + s_k - out["scatter_s"]) / 2
+                              / (chunks - 1)),
+                   launch_chunk_s=(t["ag_k"][0] + t["rs_k"][0]) / chunks)
     return out
 
 
