@@ -14,7 +14,9 @@ scatter piece). Medians over `repeats`, the kinds interleaved. Then every config
 overlap, stp.bench.emulated_sp; else stp.bench.emulated_chunked) runs one
 warm-up step and `rounds` timed steps, the configurations alternating within a
 round (reversed every other round, so drift in the machine's load falls on
-all alike); the median step of each is its measured time.
+all alike); the median step of each is its measured time. An F unit is also
+timed whole and as one of K slices (`hold_s`, `slice_s`): the emulated
+compute's own cost of being cut.
 
 Runs under stp.runtime.launch.launch_local (`entry`); global rank 0 returns the
 figures, stp.cli.bench predicts and prints them.
@@ -84,6 +86,19 @@ def _timed(launchers: dict[str, Any], after: float, repeats: int
                 calls[name].append(mid - start)
                 totals[name].append(time.perf_counter() - start)
     return {k: (statistics.median(calls[k]), statistics.median(totals[k])) for k in launchers}
+
+
+def measure_holds(unit: float, chunks: int, repeats: int) -> dict[str, float]:
+    """Median seconds an emulated unit of `unit` seconds takes, whole and cut in
+    `chunks` slices (one slice's): on a loaded machine each wait overshoots by a
+    wake-up, so K slices take more than the whole."""
+    whole, piece = [], []
+    for _ in range(repeats):
+        for out, seconds in ((whole, unit), (piece, unit / chunks)):
+            start = time.perf_counter()
+            hold(seconds)
+            out.append(time.perf_counter() - start)
+    return {"hold_s": statistics.median(whole), "slice_s": statistics.median(piece)}
 
 
 def measure_sp_collectives(seq: SequenceParallel, shape: tuple[int, int, int], chunks: int,
@@ -157,6 +172,9 @@ def inlayer_worker(s: InLayerSettings) -> dict[str, Any] | None:
         if k > 1:
             measured["chunked"][str(k)] = {key: figures[key] for key in (
                 "gather_chunked_s", "scatter_chunked_s", "call_s", "launch_chunk_s")}
+            holds = measure_holds(s.unit.f, k, s.repeats)
+            measured["chunked"][str(k)].update(
+                {key: mean_over(mesh, v) for key, v in holds.items()})
     measured["p2p_s"] = measure_p2p(mesh, (s.microbatch_size, s.seq_len // 2, s.hidden))
     ids = torch.randint(0, 256, (s.microbatch_size, s.seq_len),
                         generator=torch.Generator().manual_seed(0))

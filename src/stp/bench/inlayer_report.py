@@ -28,16 +28,25 @@ def predict_rows(res: dict[str, Any], unit: UnitTimes, *, layers: int, microbatc
         sch, k = make_schedule(r["schedule"], 2, microbatches), r["chunks"]
         piece = res["chunked"].get(str(k), {})
         launch = piece.get("launch_chunk_s", 0.0) if k > 1 else res["launch_whole_s"]
-        sim = predict_emulated(sch, (unit.f, unit.b, unit.w), layers=layers,
-                               gather_s=res["gather_s"], scatter_s=res["scatter_s"],
-                               comm_s=res["p2p_s"], launch_s=launch, chunks=k,
-                               call_s=piece.get("call_s", 0.0), braid=braid)
+        common = {"layers": layers, "gather_s": res["gather_s"], "scatter_s": res["scatter_s"],
+                  "comm_s": res["p2p_s"], "launch_s": launch, "chunks": k,
+                  "call_s": piece.get("call_s", 0.0), "braid": braid}
+        nominal = predict_emulated(sch, (unit.f, unit.b, unit.w), **common)
+        sim = predict_emulated(sch, (unit.f, unit.b, unit.w), efficiency=_efficiency(piece, k),
+                               **common) if k > 1 else nominal
         rows.append({"schedule": r["schedule"], "chunks": k, "label": label(r["schedule"], k),
-                     "predicted": sim.makespan, "measured": r["measured"],
+                     "predicted": sim.makespan, "predicted_nominal": nominal.makespan,
+                     "efficiency": _efficiency(piece, k) if k > 1 else 1.0,
+                     "measured": r["measured"],
                      "ratio": r["measured"] / sim.makespan, "steps": r["steps"],
                      "spread": (max(r["steps"]) - min(r["steps"])) / r["measured"],
                      "pieces_per_step": r["pieces_per_step"]})
     return rows
+
+
+def _efficiency(piece: dict[str, float], chunks: int) -> float:
+    """A unit's measured time over K times one slice's (stp.sim.inlayer's e), at most 1."""
+    return min(1.0, piece["hold_s"] / (chunks * piece["slice_s"]))
 
 
 def format_report(res: dict[str, Any], rows: list[dict[str, Any]], unit: UnitTimes, *,
@@ -57,12 +66,16 @@ def format_report(res: dict[str, Any], rows: list[dict[str, Any]], unit: UnitTim
         lines.append(f"  in {k} pieces: all-gather {piece['gather_chunked_s'] * ms:.2f} ms, "
                      f"reduce-scatter {piece['scatter_chunked_s'] * ms:.2f} ms; one more call "
                      f"{piece['call_s'] * ms:.3f} ms, launch calls per chunk "
-                     f"{piece['launch_chunk_s'] * ms:.3f} ms")
+                     f"{piece['launch_chunk_s'] * ms:.3f} ms; an F unit {piece['hold_s'] * ms:.2f}"
+                     f" ms whole, {piece['slice_s'] * ms:.2f} ms a slice (e = "
+                     f"{_efficiency(piece, int(k)):.3f})")
     lines.append(f"{'configuration':26s} {'predicted':>10s} {'measured':>10s} {'ratio':>7s} "
-                 f"{'spread':>7s}")
+                 f"{'spread':>7s} {'at e = 1':>10s} {'ratio':>7s}")
     for r in rows:
+        nom = r["predicted_nominal"]
         lines.append(f"{r['label']:26s} {r['predicted'] * ms:7.1f} ms {r['measured'] * ms:7.1f} ms "
-                     f"{r['ratio']:7.3f} {r['spread']:7.1%}")
+                     f"{r['ratio']:7.3f} {r['spread']:7.1%} {nom * ms:7.1f} ms "
+                     f"{r['measured'] / nom:7.3f}")
     worst = max(abs(r["ratio"] - 1) for r in rows)
     lines.append(f"measured: median of {len(rows[0]['steps'])} rounds (configurations "
                  f"alternating); spread: (max - min) / median; worst |ratio - 1| "
