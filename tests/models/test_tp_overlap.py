@@ -196,3 +196,70 @@ def test_chunks_must_divide_each_ranks_rows(seq_len: int, tp: int, chunks: int, 
     with pytest.raises(ValueError, match=f"--tp-overlap-chunks {chunks}:") as e:
         check_chunks(seq_len, tp, chunks)
     assert "\n" not in str(e.value) and f"--seq-len {seq_len}" in str(e.value)
+
+
+def _mlp_ranks(chunks: int, t: int = 2, h: int = 4, ffn: int = 8):
+    """t simulated TP ranks of one MLP unit (same seeded weights, split as TP splits them)."""
+    from stp.models.decoder.units import MLPUnit
+
+    gen = torch.Generator().manual_seed(11)
+    norm = torch.rand(h, dtype=D, generator=gen) + 0.5
+    w1, w3 = (torch.randn(ffn, h, dtype=D, generator=gen) for _ in range(2))
+    w2 = torch.randn(h, ffn, dtype=D, generator=gen)
+    units = []
+    for r, seq in enumerate(_ranks(t)):
+        cut = slice(r * ffn // t, (r + 1) * ffn // t)
+        unit = MLPUnit(0, norm, w1[cut], w3[cut], w2[:, cut], eps=1e-6)
+        unit.seq, unit.overlap = seq, chunks
+        units.append(unit)
+    return units
+
+
+def _mlp_step(units, x: torch.Tensor, g: torch.Tensor):  # noqa: ANN001
+    """Every rank's forward output and input gradient (this rank's rows), the ranks
+    interleaved as real ones would be: each collective launched by all before a wait."""
+    def reduced(parts):  # noqa: ANN001
+        launched = [p.launch(u.seq) for p, u in zip(parts, units, strict=True)]
+        for _, work in launched:
+            work.wait()
+        return [out for out, _ in launched]
+
+    for u in units:
+        u.prepare_forward(0, u.seq.rows(x))
+    ys = [u.forward_finish(0, r) for u, r in zip(units, reduced(
+        [u.forward_partial(0, u.seq.rows(x)) for u in units]), strict=True)]
+    for u in units:
+        u.prepare_backward(0, u.seq.rows(g))
+    dxs = [u.backward_finish(0, r) for u, r in zip(units, reduced(
+        [u.backward_partial(0, u.seq.rows(g)) for u in units]), strict=True)]
+    return ys, dxs
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_a_chunked_mlp_unit_equals_the_unchunked_one(chunks: int) -> None:
+    """Kills: a chunk's partial sum scattered into another chunk's rows, the last chunk
+    not handed to the runner, B's chunks walked against the wrong output gradient.
+    Reference: the same unit with sequence parallelism and no chunks."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 8, 4, dtype=D, generator=gen)
+    g = torch.randn(2, 8, 4, dtype=D, generator=gen)
+    want_y, want_dx = _mlp_step(_mlp_ranks(0), x, g)
+    got_y, got_dx = _mlp_step(_mlp_ranks(chunks), x, g)
+    for a, b in zip([*got_y, *got_dx], [*want_y, *want_dx], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_set_overlap_reaches_the_sequence_parallel_units_and_refuses_full_recompute() -> None:
+    """Kills: the chunks given to units without sequence parallelism (one TP rank: no
+    collective to cut), full recomputation let through (its rebuild is unchunked)."""
+    from stp.models.decoder.stage_setup import set_overlap
+
+    units = _mlp_ranks(0)
+    lone = _mlp_ranks(0)[0]
+    lone.seq = None
+    assert set_overlap([*units, lone], 4, "selective") == 4
+    assert [u.overlap for u in units] == [4, 4] and lone.overlap == 0
+    with pytest.raises(ValueError, match="--recompute full"):
+        set_overlap(units, 2, "full")
+    with pytest.raises(ValueError, match="tp_overlap_chunks"):
+        set_overlap(units, -1, "none")

@@ -47,6 +47,10 @@ That W gather is waited for at once (W has no collective of its own for the
 braid to hide; it costs compute-stream time, counted with the other gathers):
 memory bought with communication, as in Megatron-LM.
 
+In-layer TP overlap (stp.models.tp.overlap) cuts both collectives into chunks
+along the sequence, each under the next chunk's matmul; a unit then hands the
+runner its last chunk (`ChunkedScatter`, a ToScatter that carries the others).
+
 The collectives sit between autograd graphs, outside them, like the TP
 all-reduce (stp.models.tp.layers); the one in W runs at the same point of
 every TP rank's program, so the ranks issue it in the same order.
