@@ -37,10 +37,10 @@ class _ChunkedUnit(_SPUnit):
 
     def prepare_forward(self, mb: int, x: torch.Tensor) -> None:
         if self._gathers_input():
-            self.pending[(mb, "F")] = self._launch(mb)  # type: ignore[assignment]
+            self.pending[(mb, "F")] = self._launch(mb)  # type: ignore[assignment]  # chunked here
 
     def prepare_backward(self, mb: int, grad: torch.Tensor) -> None:
-        self.pending[(mb, "B")] = self._launch(mb)  # type: ignore[assignment]
+        self.pending[(mb, "B")] = self._launch(mb)  # type: ignore[assignment]  # chunked here
 
     def _run_chunks(self, mb: int, pass_kind: str, seconds: float,
                     gathers: bool) -> ChunkedScatter:

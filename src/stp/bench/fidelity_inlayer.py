@@ -10,11 +10,11 @@ K pieces as stp.models.tp.overlap issues them (all K gathers launched at once;
 K scatters). `call_s`, what one more collective call costs over the whole one,
 is (K pieces' time - the whole one's) / (K - 1), gathers and scatters averaged;
 `launch_s` the compute stream's launch calls per chunk (a gather piece and a
-scatter piece). Medians over `repeats`, the kinds interleaved. Then every configuration (schedule, K; K = 0: no in-layer
-overlap, stp.bench.emulated_sp; else stp.bench.emulated_chunked) runs one
-warm-up step and `rounds` timed steps, the configurations alternating within a
-round (reversed every other round, so drift in the machine's load falls on
-all alike); the median step of each is its measured time. An F unit is also
+scatter piece). Medians over `repeats`, the kinds interleaved. Then every
+configuration (schedule, K; K = 0: no in-layer overlap, stp.bench.emulated_sp;
+else stp.bench.emulated_chunked) runs one warm-up step and `rounds` timed
+steps, the configurations alternating within a round (reversed every other
+round, so drift in the machine's load falls on all alike); the median step of each is its measured time. An F unit is also
 timed whole and as one of K slices (`hold_s`, `slice_s`): the emulated
 compute's own cost of being cut.
 
@@ -92,7 +92,8 @@ def measure_holds(unit: float, chunks: int, repeats: int) -> dict[str, float]:
     """Median seconds an emulated unit of `unit` seconds takes, whole and cut in
     `chunks` slices (one slice's): on a loaded machine each wait overshoots by a
     wake-up, so K slices take more than the whole."""
-    whole, piece = [], []
+    whole: list[float] = []
+    piece: list[float] = []
     for _ in range(repeats):
         for out, seconds in ((whole, unit), (piece, unit / chunks)):
             start = time.perf_counter()

@@ -47,10 +47,9 @@ def run_inlayer_fidelity(args: argparse.Namespace, names: tuple[str, ...], unit:
                         seq_len=args.seq_len, microbatch_size=args.microbatch_size, unit=unit,
                         rounds=args.rounds, braid=args.braid == "on")
     res = launch(s)
-    common = {"layers": s.layers, "microbatches": s.microbatches, "braid": s.braid}
-    rows = predict_rows(res, unit, **common)
-    print(format_report(res, rows, unit, shape=(s.microbatch_size, s.seq_len, s.hidden),
-                        **common))
+    rows = predict_rows(res, unit, layers=s.layers, microbatches=s.microbatches, braid=s.braid)
+    print(format_report(res, rows, unit, layers=s.layers, microbatches=s.microbatches,
+                        shape=(s.microbatch_size, s.seq_len, s.hidden), braid=s.braid))
     if args.json:
         figures = {k: v for k, v in res.items() if k != "rows"}
         print(json.dumps({"rows": rows, **figures, "unit_s": [unit.f, unit.b, unit.w],
