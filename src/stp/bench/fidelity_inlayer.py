@@ -14,9 +14,9 @@ scatter piece). Medians over `repeats`, the kinds interleaved. Then every
 configuration (schedule, K; K = 0: no in-layer overlap, stp.bench.emulated_sp;
 else stp.bench.emulated_chunked) runs one warm-up step and `rounds` timed
 steps, the configurations alternating within a round (reversed every other
-round, so drift in the machine's load falls on all alike); the median step of each is its measured time. An F unit is also
-timed whole and as one of K slices (`hold_s`, `slice_s`): the emulated
-compute's own cost of being cut.
+round, so drift in the machine's load falls on all alike); the median step of
+each is its measured time. An F unit is also timed whole and as one of K
+slices (`hold_s`, `slice_s`): the emulated compute's own cost of being cut.
 
 Runs under stp.runtime.launch.launch_local (`entry`); global rank 0 returns the
 figures, stp.cli.bench predicts and prints them.
