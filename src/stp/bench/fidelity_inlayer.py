@@ -195,7 +195,8 @@ def inlayer_worker(s: InLayerSettings) -> dict[str, Any] | None:
 
 
 def _pieces(stages: dict[int, Any]) -> int:
-    return sum(getattr(st, "pieces_launched", 0) for st in stages.values())
+    return sum(st.pieces_launched for st in stages.values()
+               if isinstance(st, EmulatedChunkedStage))
 
 
 def entry(settings: InLayerSettings) -> dict[str, Any] | None:
