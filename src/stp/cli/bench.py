@@ -111,7 +111,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "collectives and compute cut into K chunks (in-layer TP overlap)")
     f.add_argument("--rounds", type=int_in(1, 100), default=5,
                    help="with --sequence-parallel: timed rounds, one step of each "
-                   "configuration per round (default 5)")
+                   "configuration per round, in place of --steps (default 5)")
     f.add_argument("--trace-dir", default=None, metavar="DIR",
                    help="also write DIR/<schedule>.measured.json and .simulated.json")
     f.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
