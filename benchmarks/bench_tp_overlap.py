@@ -234,6 +234,17 @@ PROSE = """\
 """
 
 
+MEASURED = "## Measured against predicted"
+
+
+def measured_section(out: Path) -> str:
+    """The file's measured section (written by hand from `stp bench fidelity
+    --sequence-parallel`, not generated here), kept when the tables are regenerated."""
+    old = out.read_text() if out.exists() else ""
+    at = old.find("\n" + MEASURED)
+    return "" if at < 0 else old[at:].lstrip("\n").rstrip("\n") + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "tp_overlap.md"))
@@ -254,7 +265,7 @@ def main() -> None:
     tables += uniform_tables(summary)
     lines += ["## Summary", ""] + summary_table(summary) + PROSE.splitlines() + [""]
     lines += tables
-    text = "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n" + measured_section(Path(args.out))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(args.out, text)
     print(text)

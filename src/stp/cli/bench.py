@@ -2,6 +2,7 @@
 
     stp bench overlap [--json]    # tp=2: F then B, against F braided with B
     stp bench fidelity [--json]   # pp=2 x tp=2: measured step time vs the simulator
+    stp bench fidelity --sequence-parallel --tp-overlap-chunks 4   # ... with in-layer overlap
     stp bench peer [--json]       # pp=2 x tp=1|2, eager|compiled: stp vs torch pipelining
 
 overlap: the all-reduce time left on the compute stream when F and B of two
@@ -101,6 +102,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--steps", type=positive_int, default=3, help="timed steps (default 3)")
     f.add_argument("--braid", choices=("on", "off"), default="on",
                    help="run braided blocks braided (default on)")
+    f.add_argument("--sequence-parallel", action="store_true",
+                   help="reduce-scatter + all-gather in place of each all-reduce; each schedule "
+                   "runs without and (with --tp-overlap-chunks) with in-layer TP overlap, "
+                   "--rounds alternating rounds, median against the simulator's prediction")
+    f.add_argument("--tp-overlap-chunks", type=int_in(2, 64), default=None, metavar="K",
+                   help="with --sequence-parallel: also run each schedule with every unit's "
+                   "collectives and compute cut into K chunks (in-layer TP overlap)")
+    f.add_argument("--rounds", type=int_in(1, 100), default=5,
+                   help="with --sequence-parallel: timed rounds, one step of each "
+                   "configuration per round, in place of --steps (default 5)")
     f.add_argument("--trace-dir", default=None, metavar="DIR",
                    help="also write DIR/<schedule>.measured.json and .simulated.json")
     f.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
@@ -148,10 +159,10 @@ def peer_settings(text: str) -> list[tuple[int, bool]]:
 
 def _launch(kind: str, settings: Any, nprocs: int) -> dict[str, Any]:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see stp.cli.train
-    from stp.bench import fidelity, overlap
+    from stp.bench import fidelity, fidelity_inlayer, overlap
     from stp.runtime.launch import launch_local
 
-    entry = overlap.entry if kind == "overlap" else fidelity.entry
+    entry = {"overlap": overlap.entry, "inlayer": fidelity_inlayer.entry}.get(kind, fidelity.entry)
     result = launch_local(entry, (settings,), nprocs)
     if result.exitcode:
         raise ValueError(f"bench {kind}: rank(s) {result.failed_ranks} failed with status "
@@ -232,6 +243,10 @@ def run_fidelity(args: argparse.Namespace) -> int:
     for n in names:
         get(n)  # ValueError listing the schedules
     unit = UnitTimes(*_unit_ms(args.unit_ms))
+    if args.sequence_parallel or args.tp_overlap_chunks:
+        from stp.bench.inlayer_cli import run_inlayer_fidelity
+
+        return run_inlayer_fidelity(args, names, unit, lambda s: _launch("inlayer", s, 4))
     s = FidelitySettings(
         schedules=names, microbatches=args.microbatches, layers=args.layers,
         hidden=args.hidden, seq_len=args.seq_len, microbatch_size=args.microbatch_size,

@@ -27,14 +27,17 @@ __all__ = ["predict_emulated"]
 
 def predict_emulated(schedule: Schedule, unit_s: tuple[float, float, float], *, layers: int,
                      gather_s: float, scatter_s: float, comm_s: float, launch_s: float = 0.0,
-                     chunks: int = 0, call_s: float = 0.0, braid: bool = True) -> SimResult:
+                     chunks: int = 0, call_s: float = 0.0, braid: bool = True,
+                     efficiency: float = 1.0) -> SimResult:
     """Seconds of one step of `schedule` (module doc); `unit_s`: the emulated F, B,
-    W time of one unit; `chunks` 0: no in-layer overlap."""
+    W time of one unit; `chunks` 0: no in-layer overlap; `efficiency`: a unit's
+    time over K times one chunk's (1: a chunk takes 1/K of the unit; a measured
+    value where waits cut in K pieces cost more than one, as on a loaded machine)."""
     n = schedule.chunks * 2 * layers  # units per microbatch per rank share
     f, b, w = unit_s
     launches = launch_s * max(1, chunks)
     costs = Costs(f=(f + launches) * n, b=(b + launches) * n, w=w * n, ag=gather_s * n,
                   rs=scatter_s * n, comm=comm_s)
-    plan = InLayer(chunks, call_s, 1.0) if chunks else None
+    plan = InLayer(chunks, call_s, efficiency) if chunks else None
     return simulate(schedule, costs, layers=layers, record_spans=False, braid=braid,
                     in_layer=plan)
