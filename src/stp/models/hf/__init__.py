@@ -23,14 +23,13 @@ from typing import Any
 
 import torch
 
-from stp.models.decoder.reference import ReferenceModel, build_reference
+from stp.models.decoder.reference import ReferenceModel
 from stp.models.hf.checkpoint import RUN_FIELDS, TOKENIZER_FILES, HFCheckpoint
 from stp.models.hf.config import SUPPORTED_TYPES, config_from_hf, config_to_hf, eos_token_id
+from stp.models.hf.formats import format_of
 from stp.models.hf.names import hf_name, stp_name
 from stp.models.hf.save import DEFAULT_SHARD_BYTES, save_stages, save_state
-from stp.models.moe.reference import build_moe_reference
 from stp.shapes.decoder import ModelConfig
-from stp.shapes.moe import MoEConfig
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",
@@ -54,9 +53,9 @@ def load(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> Re
     """The checkpoint at `path` as stp's single-process reference model (a MoEReference
     for a Qwen2-MoE or Mixtral checkpoint)."""
     ckpt = HFCheckpoint.open(path)
-    if isinstance(ckpt.config, MoEConfig):
-        return build_moe_reference(ckpt.config, dtype, ckpt.full_tensors(dtype))
-    return build_reference(ckpt.config, dtype, ckpt.full_tensors(dtype))
+    reference: ReferenceModel = format_of(ckpt.config).reference(
+        ckpt.config, dtype, ckpt.full_tensors(dtype))
+    return reference
 
 
 def agreeing_config(model: Any, ckpt: HFCheckpoint) -> ModelConfig:

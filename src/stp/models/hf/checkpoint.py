@@ -22,14 +22,14 @@ from typing import Any
 import torch
 
 from stp.files import read_json_object
-from stp.models.decoder.init import ParamSpec, parameter_specs, tp_slice
+from stp.models.decoder.init import ParamSpec, tp_slice
 from stp.models.hf.config import config_from_hf
+from stp.models.hf.formats import format_of
 from stp.models.hf.moe_config import moe_config_from_hf
 from stp.models.hf.names import hf_name, stp_name
 from stp.models.hf.slices import StoredTensor, read_header, read_slice
-from stp.models.moe.init import moe_parameter_specs
 from stp.shapes.decoder import ModelConfig
-from stp.shapes.moe import HF_MOE_TYPES, MoEConfig
+from stp.shapes.moe import HF_MOE_TYPES
 
 __all__ = ["HFCheckpoint", "RUN_FIELDS", "TOKENIZER_FILES", "same_weights"]
 
@@ -52,14 +52,12 @@ def read_config(raw: dict[str, Any], where: str) -> ModelConfig:
 
 def layout_of(config: ModelConfig) -> str:
     """The key layout of `config`'s checkpoint for stp.models.hf.names ("" for a decoder)."""
-    return config.hf_type if isinstance(config, MoEConfig) else ""
+    return format_of(config).layout(config)
 
 
 def specs_of(config: ModelConfig) -> list[ParamSpec]:
     """Every parameter of the model `config` describes."""
-    if isinstance(config, MoEConfig):
-        return moe_parameter_specs(config)
-    return parameter_specs(config)
+    return format_of(config).specs(config)
 
 
 def same_weights(a: ModelConfig, b: ModelConfig) -> bool:

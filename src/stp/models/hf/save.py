@@ -26,14 +26,12 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from stp.models.hf.checkpoint import INDEX, HFCheckpoint, layout_of
-from stp.models.hf.config import config_to_hf
-from stp.models.hf.moe_config import moe_config_to_hf
+from stp.models.hf.formats import format_of
 from stp.models.hf.names import hf_name
 from stp.models.hf.stream import Entry as Tensor
 from stp.models.hf.stream import create, header, write_at
 from stp.runtime.stage_api import expert_names
 from stp.shapes.decoder import ModelConfig
-from stp.shapes.moe import MoEConfig
 
 __all__ = ["DEFAULT_SHARD_BYTES", "save_state", "save_stages"]
 
@@ -83,9 +81,8 @@ def _write_metadata(
         total = sum(e[2] for group in files for e in group)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    to_hf = moe_config_to_hf if isinstance(config, MoEConfig) else config_to_hf
-    raw = to_hf(config, str(dtype).removeprefix("torch."),  # type: ignore[arg-type]
-                None if source is None else source.raw_config)
+    raw = format_of(config).to_hf(config, str(dtype).removeprefix("torch."),
+                                  None if source is None else source.raw_config)
     (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
     for f in [] if source is None else source.tokenizer_files():
         shutil.copyfile(f, out / f.name)
