@@ -83,9 +83,12 @@ def _write_metadata(
         total = sum(e[2] for group in files for e in group)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    to_hf = moe_config_to_hf if isinstance(config, MoEConfig) else config_to_hf
-    raw = to_hf(config, str(dtype).removeprefix("torch."),  # type: ignore[arg-type]
-                None if source is None else source.raw_config)
+    dtype_name = str(dtype).removeprefix("torch.")
+    base = None if source is None else source.raw_config
+    if isinstance(config, MoEConfig):
+        raw = moe_config_to_hf(config, dtype_name, base)
+    else:
+        raw = config_to_hf(config, dtype_name, base)
     (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
     for f in [] if source is None else source.tokenizer_files():
         shutil.copyfile(f, out / f.name)
