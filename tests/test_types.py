@@ -2,10 +2,10 @@
 [tool.mypy]) finds no error in stp.train, stp.runtime and stp.plan, every function
 there annotated (`disallow_untyped_defs`).
 
-Two rules mypy does not state: a `# type: ignore` says on its line why the
-checker is wrong there, and few parameters that name a run's objects (job, run,
-config, spec, stage, family) are left typed `Any`: their types are what a reader
-of the signature learns the contract from.
+Two rules mypy does not state: a `# type: ignore` anywhere in src/stp says on
+its line why the checker is wrong there, and few parameters that name a run's
+objects (job, run, config, spec, stage, family) are left typed `Any`: their
+types are what a reader of the signature learns the contract from.
 """
 
 import ast
@@ -64,9 +64,18 @@ def _bare_ignores(path: Path) -> list[str]:
     return bad
 
 
-def test_every_type_ignore_says_why():
-    bad = [b for p in _checked_files() for b in _bare_ignores(p)]
-    assert bad == []
+NOT_YET_SAYING_WHY: set[str] = set()
+"""Files left out of the check (none: every ignore in src/stp says why)."""
+
+
+def test_every_type_ignore_in_stp_says_why():
+    """All of src/stp, not only the mypy-checked packages: an ignore anywhere hides an error."""
+    pkg = ROOT / "src" / "stp"
+    files = [p for p in sorted(pkg.rglob("*.py"))
+             if p.relative_to(pkg).as_posix() not in NOT_YET_SAYING_WHY]
+    assert len(files) > 100  # the walk found the package
+    bad = [f"{p.relative_to(pkg).parent}/{b}" for p in files for b in _bare_ignores(p)]
+    assert bad == [], "a `# type: ignore` needs its reason after it on the line:\n" + "\n".join(bad)
 
 
 def test_the_rules_see_what_they_refuse(tmp_path):

@@ -57,7 +57,7 @@ class EmulatedA2AStage(EmulatedStage):
         self._received: list[torch.Tensor] = []
         self._splits: list[int] = []
 
-    def buffer(self, mb: int) -> ToExchange:  # type: ignore[override]
+    def buffer(self, mb: int) -> ToExchange:  # type: ignore[override]  # gets its own units' type back
         """The exchange a unit hands the runner: [top_k b s, h] rows to send and the
         buffer they arrive in, from rings (see EmulatedStage), made in the unit's
         step as an expert-parallel MoE unit makes its exchange."""
@@ -73,11 +73,11 @@ class EmulatedA2AStage(EmulatedStage):
         rows, into = self._ring[self._next], self._received[self._next]
         return ToExchange(rows, self._splits, self._splits, self.tp_group, into=into)
 
-    def launch_allreduce(self, partial: ToExchange) -> tuple[torch.Tensor, Any]:  # type: ignore[override]
+    def launch_allreduce(self, partial: ToExchange) -> tuple[torch.Tensor, Any]:  # type: ignore[override]  # gets its own units' type back
         """Start a unit's all-to-all: (the received rows, work)."""
         return partial.launch()
 
-    def _reduce(self, partial: ToExchange) -> torch.Tensor:  # type: ignore[override]
+    def _reduce(self, partial: ToExchange) -> torch.Tensor:  # type: ignore[override]  # gets its own units' type back
         return partial.exchange()
 
 

@@ -45,7 +45,10 @@ def gather(value: Any) -> list[Any]:
 
 def _rss_kib(field: str) -> int:
     with open("/proc/self/status") as f:
-        return int(re.search(rf"^{field}:\s+(\d+)", f.read(), re.MULTILINE)[1])  # type: ignore[index]
+        found = re.search(rf"^{field}:\s+(\d+)", f.read(), re.MULTILINE)
+    if found is None:
+        raise RuntimeError(f"/proc/self/status has no {field} line")
+    return int(found[1])
 
 
 def peak_growth_mib(fn: Callable[[], Any]) -> float | None:

@@ -12,8 +12,12 @@ sequence parallelism count.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from stp.sim.result import SimResult
+
+if TYPE_CHECKING:
+    from stp.costmodel.decoder.spec import ModelSpec
 
 __all__ = ["add_budget_arg", "budget_from_args", "check_budget", "limit_from_budget"]
 
@@ -37,13 +41,12 @@ def budget_from_args(args: argparse.Namespace) -> float | None:
     return size
 
 
-def _spec_and_unit(args: argparse.Namespace, pp: int) -> tuple[object, float]:
+def _spec_and_unit(args: argparse.Namespace, pp: int) -> tuple[ModelSpec, float]:
     from stp.cli.common import model_from_args
     from stp.costmodel import derive, parse_hardware
     from stp.costmodel.decoder.spec import decoder_only
 
-    spec = model_from_args(args)
-    spec = decoder_only(spec, "--memory-budget")
+    spec = decoder_only(model_from_args(args), "--memory-budget")
     from dataclasses import replace
 
     # memory figures are in units of M_B without recomputation when the search chose it
@@ -61,9 +64,9 @@ def check_budget(args: argparse.Namespace, res: SimResult) -> None:
     from stp.costmodel.memory import Features
 
     spec, unit = _spec_and_unit(args, res.schedule.num_ranks)
-    feats = Features(sequence_parallel=spec.sequence_parallel,  # type: ignore[attr-defined]
+    feats = Features(sequence_parallel=spec.sequence_parallel,
                      offload=getattr(args, "offload", "none"))
-    est = memory_of_run(spec, res, unit, feats)  # type: ignore[arg-type]
+    est = memory_of_run(spec, res, unit, feats)
     verdict = over_budget(est, budget)
     if verdict is not None:
         raise ValueError(f"{res.schedule.name}: {verdict} (--memory-budget)")
@@ -76,11 +79,11 @@ def limit_from_budget(args: argparse.Namespace, budget: float) -> float:
     from stp.costmodel.memory import Features, Layout, estimate, format_bytes
 
     spec, unit = _spec_and_unit(args, args.pp)
-    lay = Layout(pp=args.pp, tp=spec.tp, microbatches=args.microbatches,  # type: ignore
-                 microbatch_size=spec.micro_batch, seq_len=spec.sequence,  # type: ignore
+    lay = Layout(pp=args.pp, tp=spec.tp, microbatches=args.microbatches,
+                 microbatch_size=spec.micro_batch, seq_len=spec.sequence,
                  schedule="zb-v")
-    est = estimate(spec, parse_hardware(args.hardware or "a100-80g"), lay,  # type: ignore
-                   Features(sequence_parallel=spec.sequence_parallel))  # type: ignore
+    est = estimate(spec, parse_hardware(args.hardware or "a100-80g"), lay,
+                   Features(sequence_parallel=spec.sequence_parallel))
     states = max(r.total - r.activations_peak for r in est.ranks)
     if states >= budget:
         raise ValueError(f"--memory-budget {format_bytes(budget)}: the model states and "

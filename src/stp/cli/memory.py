@@ -42,6 +42,7 @@ from stp.costmodel import derive
 from stp.costmodel.budget import over_budget, parse_size
 from stp.costmodel.decoder.spec import RECOMPUTE_MODES, ModelSpec, decoder_only
 from stp.costmodel.families import config_facts
+from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.memory import (
     CATEGORIES,
     Features,
@@ -255,7 +256,7 @@ def _describe(run: Any) -> str:
             f"vocab {c.vocab_size}{moe})")
 
 
-def _partition(text: str, spec: ModelSpec, hardware: object, layout: Layout,
+def _partition(text: str, spec: ModelSpec, hardware: HardwareSpec, layout: Layout,
                feats: Features) -> tuple[int, ...]:
     """--partition: explicit counts, or `auto` (`stp.search.partition`: the even
     and balanced splits, then single-layer moves while the step shortens)."""
@@ -265,13 +266,13 @@ def _partition(text: str, spec: ModelSpec, hardware: object, layout: Layout,
     from stp.sim.layered import parse_partition
 
     part = parse_partition(text)
-    if part != "auto":
-        return part  # type: ignore[return-value]
+    if isinstance(part, tuple):  # parse_partition's only other answer is "auto"
+        return part
     priced = replace(spec, tp=layout.tp, sequence=layout.seq_len,
                      micro_batch=layout.microbatch_size,
                      sequence_parallel=feats.sequence_parallel, recompute=feats.recompute)
-    d = derive(priced, hardware, layout.pp)  # type: ignore[arg-type]
-    layered = layered_costs(priced, hardware, layout.pp, d.costs, d.mem)  # type: ignore
+    d = derive(priced, hardware, layout.pp)
+    layered = layered_costs(priced, hardware, layout.pp, d.costs, d.mem)
     sch = generate(layout.schedule, layout.pp, layout.microbatches,
                    **({} if layout.chunks is None else {"chunks": layout.chunks}))
     if priced.layers < sch.num_stages:

@@ -30,10 +30,14 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stp.cli.common import EXIT_USAGE, int_in, mean_doc_len
 from stp.plan.request import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SEQ_LEN
+
+if TYPE_CHECKING:
+    from stp.costmodel.hardware import HardwareSpec
+    from stp.plan import PlanRequest, PlanResult
 
 __all__ = ["register", "run", "request_from_args", "local_hardware", "ProgressLine",
            "PROGRESS_EVERY_S"]
@@ -129,7 +133,7 @@ _LOCAL_MODEL = {"layers": 4, "hidden": 64, "heads": 4, "seq_len": 64, "microbatc
 """The model `--hardware local` trains for a few steps to measure this machine."""
 
 
-def local_hardware() -> object:
+def local_hardware() -> HardwareSpec:
     """This machine, measured: a traced 3-step run of a small decoder on
     pp 2 x tp 2 local workers (`stp train --trace`), fitted by
     `stp.plan.calibrate` (compute efficiency against a nominal 1e11 FLOP/s
@@ -193,7 +197,7 @@ def gemm_seconds(width: int = 512, repeats: int = 5) -> dict[int, float]:
     return out
 
 
-def _hardware(args: argparse.Namespace) -> object:
+def _hardware(args: argparse.Namespace) -> HardwareSpec:
     from stp.costmodel import parse_hardware
     from stp.plan.calibrate import calibrated
 
@@ -204,11 +208,11 @@ def _hardware(args: argparse.Namespace) -> object:
     else:
         base = parse_hardware(args.hardware)
     if args.calibrate:  # traces of this machine: its matmuls are timed here too
-        base = calibrated(base, args.calibrate, gemm_seconds())  # type: ignore[arg-type]
+        base = calibrated(base, args.calibrate, gemm_seconds())
     return base
 
 
-def request_from_args(args: argparse.Namespace) -> object:
+def request_from_args(args: argparse.Namespace) -> PlanRequest:
     from dataclasses import replace
 
     from stp.cli.memory import model_spec
@@ -220,7 +224,7 @@ def request_from_args(args: argparse.Namespace) -> object:
     spec = spec.with_ep(1)  # the planner chooses ep (a preset says ep=8)
     budget = None if args.memory_budget is None else parse_size(args.memory_budget)
     return PlanRequest(
-        model=replace(spec, tp=1, mean_doc_len=args.mean_doc_len),  # type: ignore
+        model=replace(spec, tp=1, mean_doc_len=args.mean_doc_len),
         hardware=_hardware(args), gpus=args.gpus,
         global_batch=args.global_batch, seq_len=args.seq_len,
         gpus_per_node=args.gpus_per_node, memory_budget=budget, top=args.top,
@@ -251,7 +255,7 @@ class ProgressLine:
         self.start = self.last = time.monotonic()
         self.shown = False
 
-    def __call__(self, result: Any) -> None:
+    def __call__(self, result: PlanResult) -> None:
         now = time.monotonic()
         if now - self.last < self.every_s:
             return
@@ -271,7 +275,7 @@ class ProgressLine:
             self.stream.flush()
 
 
-def _write_schedule_files(result: object, folder: str) -> None:
+def _write_schedule_files(result: PlanResult, folder: str) -> None:
     """The schedule file of every row that runs from one (v != 2 chunks:
     `stp train` has no --chunks), beside the plan, named as its job names it."""
     from stp.files import write_text_atomic
@@ -279,7 +283,7 @@ def _write_schedule_files(result: object, folder: str) -> None:
     from stp.schedule import generate, validate
     from stp.schedule.io import dump_json
 
-    for p in result.plans:  # type: ignore[attr-defined]
+    for p in result.plans:
         name = schedule_file(p)
         if name is None:
             continue
@@ -297,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
     tty = not args.json and sys.stderr.isatty()
     line = ProgressLine(sys.stderr, PROGRESS_EVERY_S) if tty else None
     try:
-        result = plan(request, line)  # type: ignore[arg-type]
+        result = plan(request, line)
     except NoPlan as e:
         if line is not None:
             line.clear()

@@ -9,7 +9,9 @@ offload ratio), a multimodal model's in stp.costmodel.mllm.costs.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import fields, replace
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from stp.costmodel.decoder.costs import Derived
 from stp.costmodel.decoder.spec import ModelSpec
@@ -18,7 +20,12 @@ from stp.costmodel.hardware import HardwareSpec
 from stp.costmodel.mllm.spec import MLLM_MODELS, MLLMSpec
 from stp.costmodel.presets import HARDWARE, MODELS
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 __all__ = ["Derived", "derive", "parse_model", "parse_hardware"]
+
+_Spec = TypeVar("_Spec", bound="DataclassInstance")
 
 
 def derive(model: ModelSpec | MLLMSpec, hardware: HardwareSpec, pp: int) -> Derived:
@@ -47,7 +54,7 @@ def _convert(cls: type, key: str, raw: str, what: str) -> object:
     return raw
 
 
-def _parse(text: str, presets: dict, cls: type, what: str) -> object:
+def _parse(text: str, presets: Mapping[str, _Spec], cls: type[_Spec], what: str) -> _Spec:
     """`NAME`, `NAME,key=val,...` or `key=val,...` (all fields given)."""
     items = [x.strip() for x in text.split(",") if x.strip()]
     if not items:
@@ -59,7 +66,7 @@ def _parse(text: str, presets: dict, cls: type, what: str) -> object:
             raise ValueError(f"unknown {what} preset {name!r}; choose one of: {', '.join(presets)}")
         base = presets[name]
         cls = type(base)  # a preset's own fields (a mixture of experts': experts, ep, ..)
-    vals: dict[str, object] = {}
+    vals: dict[str, Any] = {}  # each of the field's own type, by _convert
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep:
@@ -81,10 +88,11 @@ def parse_model(text: str) -> ModelSpec | MLLMSpec:
     `mllm-qwen2vl-7b,images=2` -> MLLMSpec (preset names in MLLM_MODELS)."""
     first = text.split(",", 1)[0].strip()
     if first in MLLM_MODELS:
-        return _parse(text, MLLM_MODELS, MLLMSpec, "model")  # type: ignore[return-value]
-    return _parse(text, {**MODELS, **MLLM_MODELS}, ModelSpec, "model")  # type: ignore
+        return _parse(text, MLLM_MODELS, MLLMSpec, "model")
+    every: dict[str, ModelSpec | MLLMSpec] = {**MODELS, **MLLM_MODELS}
+    return _parse(text, every, ModelSpec, "model")
 
 
 def parse_hardware(text: str) -> HardwareSpec:
     """`a800-80g,efficiency=0.45` -> HardwareSpec (preset names in HARDWARE)."""
-    return _parse(text, HARDWARE, HardwareSpec, "hardware")  # type: ignore[return-value]
+    return _parse(text, HARDWARE, HardwareSpec, "hardware")

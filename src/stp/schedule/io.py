@@ -36,6 +36,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TypeVar
 
 from stp.schedule.csv_checks import check_cell, check_rows, csv_rows, where
 from stp.schedule.ir import Action, Block, Kind, Pass, Schedule, passes_of
@@ -52,6 +53,8 @@ from stp.schedule.limits import (
     shown,
 )
 from stp.schedule.validate import ScheduleError, validate
+
+_T = TypeVar("_T")
 
 __all__ = [
     "load_csv", "parse_csv", "dump_csv", "load_json", "parse_json", "dump_json", "JSON_FORMAT",
@@ -257,7 +260,7 @@ def dump_json(schedule: Schedule) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _need(obj: dict[str, object], key: str, kind: type, what: str) -> object:
+def _need(obj: dict[str, object], key: str, kind: type[_T], what: str) -> _T:
     if key not in obj:
         raise ValueError(f"JSON schedule lacks {key!r} ({what})")
     val = obj[key]
@@ -293,14 +296,14 @@ def parse_json(text: str, *, check: bool = True) -> Schedule:
     rows = _need(obj, "actions", list, "a list of per-rank action lists")
     for key, val, limit in (("num_ranks", p, MAX_RANKS),
                             ("num_microbatches", m, MAX_MICROBATCHES)):
-        if val > limit:  # type: ignore[operator]
+        if val > limit:
             raise ValueError(f"JSON schedule: {key}={val} is beyond {limit}, the most read")
-    if len(rows) > MAX_RANKS:  # type: ignore[arg-type]
-        raise ValueError(f"JSON schedule: actions holds {len(rows)} ranks' lists; at most "  # type: ignore[arg-type]
+    if len(rows) > MAX_RANKS:
+        raise ValueError(f"JSON schedule: actions holds {len(rows)} ranks' lists; at most "
                          f"{MAX_RANKS} are read")
-    check_count(sum(len(r) if isinstance(r, list) else 1 for r in rows))  # type: ignore[union-attr]
-    if len(placement) > MAX_STAGES:  # type: ignore[arg-type]
-        raise ValueError(f"JSON schedule: stage_to_rank lists {len(placement)} stages; "  # type: ignore[arg-type]
+    check_count(sum(len(r) if isinstance(r, list) else 1 for r in rows))
+    if len(placement) > MAX_STAGES:
+        raise ValueError(f"JSON schedule: stage_to_rank lists {len(placement)} stages; "
                          f"at most {MAX_STAGES} are read")
     # Files written before the `stp` offload policy fixed its chunk carry
     # offload_chunk, always 0; another value asks for what stp no longer does.
@@ -311,10 +314,10 @@ def parse_json(text: str, *, check: bool = True) -> Schedule:
     meta = obj.get("meta", {})
     if not isinstance(meta, dict):
         raise ValueError(f"JSON schedule: meta={brief(meta)} must be an object")
-    if not all(isinstance(s, int) and not isinstance(s, bool) for s in placement):  # type: ignore[union-attr]
+    if not all(isinstance(s, int) and not isinstance(s, bool) for s in placement):
         raise ValueError(f"JSON schedule: stage_to_rank={brief(placement)} must list integers")
     actions: list[tuple[Action, ...]] = []
-    for r, row in enumerate(rows):  # type: ignore[arg-type]
+    for r, row in enumerate(rows):
         if not isinstance(row, list) or not all(isinstance(a, str) for a in row):
             raise ValueError(f"JSON schedule: actions[{r}] must be a list of action strings")
         acts = []
@@ -330,10 +333,10 @@ def parse_json(text: str, *, check: bool = True) -> Schedule:
                 raise ValueError(f"{where}: {e}") from None
         actions.append(tuple(acts))
     sch = Schedule(
-        name=name,  # type: ignore[arg-type]
-        num_ranks=p,  # type: ignore[arg-type]
-        num_microbatches=m,  # type: ignore[arg-type]
-        stage_to_rank=tuple(placement),  # type: ignore[arg-type]
+        name=name,
+        num_ranks=p,
+        num_microbatches=m,
+        stage_to_rank=tuple(placement),
         actions=tuple(actions),
         meta={k: _tuples(v) for k, v in meta.items()},
     )

@@ -16,6 +16,8 @@ reported.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
 
 from stp.costmodel.decoder.costs import derive_decoder
 from stp.costmodel.decoder.spec import RECOMPUTE_MODES, ModelSpec
@@ -67,9 +69,14 @@ def mode_costs(model: ModelSpec, hardware: HardwareSpec, pp: int,
     return out
 
 
+def _even_table(lc: LayeredCosts, layers: int, num_stages: int) -> StageCosts:
+    """`lc`'s cost table with `layers` cut evenly into `num_stages` stages."""
+    return lc.table(even_partition(layers, num_stages))
+
+
 def search_recompute(model: ModelSpec, hardware: HardwareSpec, pp: int, m: int, *,
                      memory_limit: float, time_limit: float = 20.0, layers: int = 1,
-                     **options: object) -> RecomputeChoice:
+                     **options: Any) -> RecomputeChoice:
     """The fastest schedule within `memory_limit` (units of M_B without
     recomputation) over the recomputation modes, then per stage (module doc).
     ValueError when even full recomputation cannot meet the limit."""
@@ -89,8 +96,8 @@ def search_recompute(model: ModelSpec, hardware: HardwareSpec, pp: int, m: int, 
         try:
             res = search(pp, m, d.costs, mem, memory_limit=memory_limit,
                          time_limit=time_limit / len(feasible), layers=layers,
-                         stage_costs=lambda n, lc=lc: lc.table(even_partition(model.layers, n)),
-                         **options)  # type: ignore[arg-type]
+                         stage_costs=partial(_even_table, lc, model.layers),
+                         **options)
         except ValueError as e:  # the first or last stage's extras do not fit
             refusal = str(e)
             continue

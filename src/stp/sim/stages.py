@@ -137,7 +137,7 @@ class StageCost:
         vals = {k: _number(obj[k], f"{where} {k}") for k in _NUMBER_KEYS if k in obj}
         units = obj.get("units", 2)
         try:
-            return cls(**vals, units=units)  # type: ignore[arg-type]
+            return cls(**vals, units=units)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
 

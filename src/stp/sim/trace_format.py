@@ -25,6 +25,7 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from stp.files import write_text_atomic
 from stp.schedule.io import parse_action
@@ -105,7 +106,7 @@ def trace_events(
                            "args": {"name": lane}})
             events.append({"ph": "M", "name": "thread_sort_index", "pid": r, "tid": tid,
                            "args": {"sort_index": tid}})
-    timed: list[dict[str, object]] = []
+    timed: list[dict[str, Any]] = []  # JSON values of several types; pid..dur are numbers
     groups: dict[tuple[int, int], list[Span]] = defaultdict(list)
     for s in spans:
         if s.lane not in LANES:
@@ -123,7 +124,7 @@ def trace_events(
         timed.append({"ph": "X", "name": name, "cat": "action", "pid": r, "tid": 0, "ts": ts,
                       "dur": round(end - ts, 3), "args": _action_args(name, idx)})
     # parents first: earlier start, then longer duration
-    timed.sort(key=lambda e: (e["pid"], e["tid"], e["ts"], -e["dur"]))  # type: ignore[operator]
+    timed.sort(key=lambda e: (e["pid"], e["tid"], e["ts"], -e["dur"]))
     events += timed
     for r, points in enumerate(memory or []):
         for t, val in points:

@@ -165,11 +165,18 @@ class ModelStage(nn.Module):
         or the synchronous `allreduce` build_stage was given. A `ToScatter` partial (SP)
         is reduce-scattered instead: the tensor is this rank's rows."""
         if isinstance(partial, ToScatter):
-            return partial.launch(self.seq)  # type: ignore[arg-type]
+            return partial.launch(self._sp())
         if not self._async:
             return self.allreduce(partial), None
         tensor = partial.contiguous()
         return tensor, launch_sum(tensor, self.tp_group)
+
+    def _sp(self) -> SequenceParallel:
+        """The SP group a `ToScatter` partial reduce-scatters over (units make one
+        only under sequence parallelism)."""
+        if self.seq is None:
+            raise RuntimeError("a reduce-scatter partial without sequence parallelism")
+        return self.seq
 
     def take_gathers(self) -> list[tuple[float, float, float]]:
         """The SP all-gathers since the last call (SequenceParallel.take_gathers)."""
@@ -178,7 +185,7 @@ class ModelStage(nn.Module):
     def _reduce(self, partial: torch.Tensor | ToScatter | None) -> torch.Tensor | None:
         """The synchronous hand-off between units: all-reduce, or reduce-scatter."""
         if isinstance(partial, ToScatter):
-            out, work = partial.launch(self.seq)  # type: ignore[arg-type]
+            out, work = partial.launch(self._sp())
             if work is not None:
                 work.wait()
             return out

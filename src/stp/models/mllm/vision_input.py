@@ -125,7 +125,8 @@ class InputUnit(Unit):
         k, start = st.saved.pop("span")
         gvis, gtext = unpack(grad, self.cfg, k)
         (grad_v,) = torch.autograd.grad(st.saved.pop("h"), st.saved.pop("v_in"), gvis)
-        st.sink.append(AddGrad(self.pos, gvis, start))  # type: ignore[arg-type]
+        pos_w = AddGrad(self.pos, gvis, start)
+        st.sink.append(pos_w)  # type: ignore[arg-type]  # W calls only its accumulate()
         return pack(grad_v, gtext, self.cfg)
 
     def prepare_backward(self, mb: int, grad: torch.Tensor) -> None:

@@ -45,18 +45,20 @@ class Pending:
     __slots__ = ("_start", "_launched", "_work", "_error")
 
     def __init__(self, start: Callable[[], Any]) -> None:
-        self._start = start
+        self._start: Callable[[], Any] | None = start
         self._launched = threading.Event()
         self._work: Any = None
         self._error: BaseException | None = None
 
     def _run(self) -> None:
+        start, self._start = self._start, None  # what it closes over goes with the run
         try:
-            self._work = self._start()
+            if start is None:
+                raise RuntimeError("a Pending collective was run twice")
+            self._work = start()
         except BaseException as e:  # handed to the waiter, never lost in the thread
             self._error = e
         finally:
-            self._start = None  # type: ignore[assignment]
             self._launched.set()
 
     def _launched_work(self) -> Any:

@@ -126,6 +126,8 @@ class ChunkedScatter(ToScatter):
     with the works of the earlier chunks' reduce-scatters already in flight."""
 
     collective = "RS"
+    flying: list[tuple[torch.Tensor, Any]]
+    """The earlier chunks' (rows, work), set once in __init__ (the base is frozen)."""
 
     def __init__(self, partial: torch.Tensor, flying: list[tuple[torch.Tensor, Any]]) -> None:
         super().__init__(partial)
@@ -133,7 +135,7 @@ class ChunkedScatter(ToScatter):
 
     def launch(self, seq: SequenceParallel) -> tuple[torch.Tensor, Any]:
         last = seq.launch_scatter(self.partial)
-        pieces = [*self.flying, last]  # type: ignore[attr-defined]
+        pieces = [*self.flying, last]
         b, p, *rest = last[0].shape
         out = last[0].new_empty((b, p * len(pieces), *rest))
         return out, ChunkedWork(pieces, out)
@@ -177,7 +179,7 @@ class ChunkedRegather(RegatheredInput):
             return _RegatheredLinearFn.apply(x, weight, source, bias)
         return _LinearFn.apply(x, weight, self.sink, bias)
 
-    def gathered(self, k: int = 0) -> torch.Tensor:  # type: ignore[override]
+    def gathered(self, k: int = 0) -> torch.Tensor:
         """Chunk k again (W): every chunk's gather launched at the first call."""
         if k not in self._got:
             if self._again_chunks is None:
