@@ -63,6 +63,11 @@ class _Held:
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return self.named
 
+    @property
+    def parts(self) -> _Held:
+        """measure reads the precision as a Trainer holds it: trainer.parts.precision."""
+        return self
+
 
 def _stages(cfg: ModelConfig, tp: int, rank: int, dtype: torch.dtype,
             monkeypatch: pytest.MonkeyPatch) -> list[Any]:
