@@ -339,9 +339,6 @@ PROBED = {"stage", "st", "stages", "spec", "config", "cfg", "job", "run", "famil
 CONTRACTS = {"runtime/stage_api.py", "models/family.py"}
 FAMILY_PACKAGES = ("models/decoder/", "models/moe/", "models/mllm/", "train/families/")
 TORCH_SIDE = ("train", "runtime", "models", "bench", "cli")
-# The pricing side's files, whose probes go with its own change (the family's
-# answers registered beside its cost functions); remove a line once its file is clean.
-PRICING_PENDING = {"train/run/model_source.py"}
 
 
 def _receiver(node: ast.expr) -> str | None:
@@ -370,7 +367,7 @@ def test_no_capability_probe_outside_the_contracts():
     for layer in TORCH_SIDE:
         for path in sorted((SRC / layer).rglob("*.py")):
             rel = path.relative_to(SRC).as_posix()
-            if rel in CONTRACTS | PRICING_PENDING or rel.startswith(FAMILY_PACKAGES):
+            if rel in CONTRACTS or rel.startswith(FAMILY_PACKAGES):
                 continue
             bad += _probes(path)
     assert bad == []
@@ -386,12 +383,6 @@ def test_the_probe_check_sees_a_probe(tmp_path):
                    'chunks = getattr(args, "chunks", None)\n'
                    'value = getattr(job, field.name)\n')
     assert [line.split(":")[1] for line in _probes(src)] == ["1", "2", "4"]
-
-
-def test_the_pricing_exceptions_still_hold_a_probe():
-    """PRICING_PENDING names only files that still need it: a cleaned file leaves it."""
-    clean = [rel for rel in sorted(PRICING_PENDING) if not _probes(SRC / rel)]
-    assert clean == []
 
 
 def _format_imports(path: Path) -> list[str]:

@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from stp.costmodel.decoder.spec import ModelSpec
+    from stp.costmodel.moe.spec import MoESpec
+    from stp.shapes import ModelConfig, MoEConfig
     from stp.train.run.config import ModelShape
 
 __all__ = ["CORE_FIELDS", "MAX_CONFIG_BYTES", "check_shape_flags", "config_path",
@@ -111,25 +114,39 @@ def model_config(text: str, seq_len: int, seed: int) -> Any:
         raise ValueError(f"--model {text.split(',')[0]}: a GPT-style preset (GELU MLP); stp "
                          "train builds SwiGLU decoders: give a Llama / Qwen2-style preset "
                          "(qwen2-12.1b, llama3-405b, mixtral-8x7b, ...) or a config.json")
-    from stp.shapes import ModelConfig, MoEConfig
+    from stp.costmodel.families import pricing_of
 
     fields: dict[str, Any] = dict(
         vocab_size=spec.vocab, hidden=spec.hidden, num_layers=spec.layers,
         num_heads=spec.heads, num_kv_heads=spec.kv_heads, ffn_hidden=spec.ffn,
         max_seq_len=seq_len, seed=seed)
     try:
-        experts = getattr(spec, "experts", None)
-        if experts is None:
-            return ModelConfig(**fields)
-        # the presets are Mixtral (no shared expert, every layer routed) and Qwen2-MoE
-        hf_type = "mixtral" if not spec.shared_expert_ffn and spec.moe_every == 1 \
-            else "qwen2_moe"
-        return MoEConfig(**fields, num_experts=experts, top_k=spec.top_k,
-                         expert_ffn=spec.expert_ffn, shared_expert_ffn=spec.shared_expert_ffn,
-                         moe_every=spec.moe_every, norm_topk_prob=hf_type == "mixtral",
-                         hf_type=hf_type)
+        # the spec's family row names the family (no probing the spec for fields)
+        return _PRESET_CONFIGS[pricing_of(spec).name](spec, fields)
     except (TypeError, ValueError) as e:
         raise ValueError(f"--model {text}: {e}") from None
+
+
+def _decoder_config(spec: ModelSpec, fields: dict[str, Any]) -> ModelConfig:
+    from stp.shapes import ModelConfig as Config
+
+    return Config(**fields)
+
+
+def _moe_config(spec: MoESpec, fields: dict[str, Any]) -> MoEConfig:
+    """The presets are Mixtral (no shared expert, every layer routed) and Qwen2-MoE."""
+    from stp.shapes import MoEConfig as Config
+
+    hf_type = "mixtral" if not spec.shared_expert_ffn and spec.moe_every == 1 else "qwen2_moe"
+    return Config(**fields, num_experts=spec.experts, top_k=spec.top_k,
+                     expert_ffn=spec.expert_ffn, shared_expert_ffn=spec.shared_expert_ffn,
+                     moe_every=spec.moe_every, norm_topk_prob=hf_type == "mixtral",
+                     hf_type=hf_type)
+
+
+_PRESET_CONFIGS: dict[str, Any] = {"decoder": _decoder_config, "moe": _moe_config}
+"""A preset's family (stp.costmodel's row name) -> its training config; the
+multimodal presets are refused before (shape_of)."""
 
 
 def _from_json(text: str, seq_len: int, seed: int) -> Any:
